@@ -1,0 +1,148 @@
+"""The `streamrl` command: wires commands to the modules that do the work.
+
+Heavy imports (torch, vllm, deepspeed, hydra, submitit) stay inside command bodies so that
+`streamrl --help` and `streamrl status` answer at once.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from streamrl_cli.errors import StreamRLError
+
+app = typer.Typer(
+    name="streamrl",
+    help="Disaggregated stream-generation RL post-training of LLMs, on SLURM clusters or this machine.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err = Console(stderr=True)
+
+RecipeArg = Annotated[
+    str, typer.Argument(help="recipe name (`local`, `paper/qwen2.5-7b-ppo`) or path to a YAML file")
+]
+OverridesArg = Annotated[
+    list[str] | None,
+    typer.Argument(help="overrides: key=value, +key=value (add), ++key=value, ~key (delete), group=option"),
+]
+
+
+@app.command()
+def run(
+    recipe: RecipeArg,
+    overrides: OverridesArg = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="render and write everything, submit nothing")
+    ] = False,
+    root: Annotated[
+        Path | None, typer.Option(help="directory of run directories (default: run.root)")
+    ] = None,
+) -> None:
+    """Compose RECIPE, render one job per (cluster, role), start the rendezvous and launch the run."""
+    from streamrl_cli.launch import run as launcher
+    from streamrl_cli.recipe.load import load
+
+    composed = load(recipe, overrides or [])
+    prepared = launcher.prepare(composed, root=root, dry_run=dry_run)
+    if dry_run:
+        _print_plan(prepared)
+        console.print(str(prepared.run.path), markup=False, highlight=False, soft_wrap=True)
+        return
+    console.print(
+        f"run {prepared.run.name}: {prepared.run.path}", markup=False, highlight=False, soft_wrap=True
+    )
+    code = launcher.launch(prepared, console)
+    raise typer.Exit(code)
+
+
+def _print_plan(prepared) -> None:  # type: ignore[no-untyped-def]
+    from rich.table import Table
+
+    table = Table(title="would launch (dry run)", title_justify="left")
+    for col in ("role", "cluster", "launcher", "partition", "nodes×tasks", "GPUs/node", "array", "script"):
+        table.add_column(col)
+    for job in prepared.jobs:
+        table.add_row(
+            job.role,
+            job.slurm_cluster or job.cluster,
+            job.launcher,
+            job.partition or "-",
+            f"{job.nodes}×{job.tasks_per_node}",
+            str(job.gpus_per_node),
+            str(job.array or "-"),
+            str(prepared.scripts[job.key].relative_to(prepared.run.path)),
+        )
+    if all(j.role != "rendezvous" for j in prepared.jobs):
+        table.add_row("rendezvous", "this host", "local", "-", "1×1", "0", "-", "(started by streamrl run)")
+    console.print(table)
+
+
+@app.command()
+def cancel(
+    run_name: Annotated[str, typer.Argument(metavar="RUN", help="run id, prefix, name or directory")],
+) -> None:
+    """Cancel every job of RUN on every cluster (and stop its local processes)."""
+    from streamrl_cli import rundir
+    from streamrl_cli.launch import run as launcher
+
+    r = rundir.find(run_name)
+    done = launcher.cancel(r)
+    for line in done or ["nothing was running"]:
+        console.print(line, markup=False, highlight=False)
+    console.print(f"run {r.name} cancelled")
+
+
+@app.command()
+def show(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
+    """Print the fully composed and validated RECIPE (after overrides) as YAML."""
+    from omegaconf import OmegaConf
+
+    from streamrl_cli.recipe.load import load
+
+    composed = load(recipe, overrides or [])
+    console.print(OmegaConf.to_yaml(OmegaConf.structured(composed.recipe)), markup=False, highlight=False)
+
+
+@app.command()
+def recipes() -> None:
+    """List the shipped recipes."""
+    from streamrl_cli.recipe.load import list_recipes
+
+    for name in list_recipes():
+        console.print(name, markup=False, highlight=False)
+
+
+def main() -> None:
+    """Console-script entry: user errors are printed once, without a traceback."""
+    try:
+        app(standalone_mode=False)
+    except StreamRLError as e:
+        err.print(f"[bold red]error:[/bold red] {type(e).__name__}: ", end="")
+        err.print(str(e), markup=False, highlight=False)
+        sys.exit(e.exit_code)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        err.print("aborted")
+        sys.exit(130)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+    except Exception as e:  # click's usage errors
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Roles as local processes: the launcher of the embedded default (and of the local rendezvous).
+
+Each process gets its own session (process group), so that stopping a role stops everything it
+started (vLLM spawns engine processes) and a Ctrl-C in the terminal reaches only `streamrl`,
+which then stops the roles in order. Processes are recorded in `run_dir/local.json` with their
+creation time, so `streamrl cancel` from another terminal never signals a recycled pid.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from streamrl_cli.launch.plan import JobSpec
+from streamrl_cli.rundir import RunDir, read_json, write_json
+
+
+@dataclass
+class LocalProc:
+    role: str
+    rank: int
+    pid: int
+    created: float  # psutil create_time(): tells a live process from a recycled pid
+    log: str
+
+    def process(self) -> psutil.Process | None:
+        try:
+            p = psutil.Process(self.pid)
+            if abs(p.create_time() - self.created) < 0.05 and p.status() != psutil.STATUS_ZOMBIE:
+                return p
+        except psutil.Error:
+            pass
+        return None
+
+    def alive(self) -> bool:
+        return self.process() is not None
+
+
+# Popen objects of the processes this launcher started, so their exit codes can be collected.
+_PROCS: dict[int, subprocess.Popen] = {}
+
+
+def role_command(spec_path: Path, rank: int, python: str | None = None) -> list[str]:
+    return [python or sys.executable, "-u", "-m", "streamrl_cli.roles", str(spec_path), "--rank", str(rank)]
+
+
+def render(job: JobSpec, spec_path: Path, python: str | None = None) -> str:
+    """The local equivalent of a job script: the command line of each process."""
+    lines = [shlex.join(role_command(spec_path, rank, python)) for rank in range(job.processes)]
+    env = "".join(f"# env {k}={v}\n" for k, v in sorted(job.env.items()))
+    return f"# {job.role} on this machine: one local process per line\n{env}" + "\n".join(lines) + "\n"
+
+
+def spawn(run: RunDir, role: str, rank: int, argv: list[str], env: dict[str, str] | None = None) -> LocalProc:
+    log = run.path / "logs" / role / f"{role}-{rank}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {}), "STREAMRL_RANK": str(rank)},
+            start_new_session=True,
+            cwd=run.path,
+        )
+    rec = LocalProc(
+        role=role, rank=rank, pid=proc.pid, created=psutil.Process(proc.pid).create_time(), log=str(log)
+    )
+    _PROCS[proc.pid] = proc
+    write_json(run.path / "local.json", [*map(asdict, procs(run)), asdict(rec)])
+    return rec
+
+
+def start_job(run: RunDir, job: JobSpec, spec_path: Path) -> list[LocalProc]:
+    return [
+        spawn(run, job.role, rank, role_command(spec_path, rank), job.env) for rank in range(job.processes)
+    ]
+
+
+def procs(run: RunDir) -> list[LocalProc]:
+    return [LocalProc(**r) for r in read_json(run.path / "local.json", [])]
+
+
+def exit_code(rec: LocalProc) -> int | None:
+    """The exit code of a process this launcher started (None while running or if unknown)."""
+    p = _PROCS.get(rec.pid)
+    return p.poll() if p is not None else None
+
+
+def stop(recs: list[LocalProc], grace_s: float = 10.0) -> None:
+    """SIGTERM each process group, wait up to ``grace_s``, then SIGKILL what is left."""
+    live = [(r, p) for r in recs if (p := r.process()) is not None]
+    for _, p in live:
+        _signal_group(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(r.alive() for r, _ in live):
+        for r, _ in live:
+            exit_code(r)  # reap our own children so they stop being zombies
+        time.sleep(0.1)
+    for r, p in live:
+        if r.alive():
+            _signal_group(p.pid, signal.SIGKILL)
+    for r, _ in live:
+        if r.pid in _PROCS:
+            _PROCS[r.pid].wait(timeout=5)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # each process leads its own session: its group id is its pid
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        os.kill(pid, sig)
+
+
+def log_tail(path: str | Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

@@ -1,0 +1,226 @@
+"""From a typed recipe to what gets launched: one job per (cluster, role), and each role's slice.
+
+Shared knobs (rendezvous file, token path, weight transport between sites) are resolved here,
+once, and written as `run_dir/roles/<role>.yaml`; a role process reads only its own file.
+Pure functions: no files written, no clusters asked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from streamrl_cli.recipe.schema import Recipe, RoleJobConfig
+
+ROLES = ("rendezvous", "trainer", "generator")
+
+
+@dataclass(kw_only=True)
+class RoleSpec:
+    """Everything one role's processes need; written to run_dir/roles/<role>.yaml."""
+
+    run_name: str  # the run's name
+    run_dir: str  # absolute path of the run directory (shared filesystem on clusters)
+    role: str  # trainer | generator | rendezvous
+    cluster: str  # recipe key of the cluster it runs on
+    site: str  # the cluster's site
+    world: int  # processes of this role (trainer ranks, generator instances)
+    expected: dict[str, int]  # members per role the run expects (for waiting on peers)
+    program: str  # `module:function` each process runs
+    weight_transport: str  # how weights reach this role: broadcast (trainer's site) or relay (TCP)
+    rendezvous_file: str  # JSON file where the rendezvous server publishes its URL
+    secret_file: str  # the run's token (mode 0600)
+    settings: dict = field(default_factory=dict)  # the role's own recipe section
+    model: dict = field(default_factory=dict)
+    algorithm: dict = field(default_factory=dict)
+    task: dict = field(default_factory=dict)
+    train: dict = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class JobSpec:
+    """One job (or job array, or set of local processes) for one role on one cluster."""
+
+    role: str
+    cluster: str  # recipe key
+    launcher: str  # slurm | local
+    slurm_cluster: str | None  # -M value (null: the submitting host's cluster)
+    partition: str | None
+    nodes: int
+    tasks_per_node: int
+    gpus_per_node: int
+    cpus_per_task: int
+    mem_gb: int | None
+    time_min: int
+    array: int | None  # array tasks (generator instances); None for a plain job
+    max_running: int | None
+    account: str | None = None
+    qos: str | None = None
+    setup_template: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    site: str = "default"
+
+    @property
+    def processes(self) -> int:
+        return (self.array or 1) * self.nodes * self.tasks_per_node
+
+    @property
+    def key(self) -> str:
+        return f"{self.cluster}-{self.role}"
+
+
+def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
+    r = recipe
+    t, g, z = r.roles.trainer, r.roles.generator, r.roles.rendezvous
+    trainer_site = r.clusters[t.cluster].site
+    expected = {"trainer": trainer_world(recipe), "generator": g.instances}
+    common = dict(
+        run_name=r.run.name,
+        run_dir=str(run_dir),
+        expected=expected,
+        rendezvous_file=str(run_dir / "rendezvous.json"),
+        secret_file=str(run_dir / "secret"),
+        model=dataclasses.asdict(r.model),
+        algorithm=dataclasses.asdict(r.algorithm),
+        task=dataclasses.asdict(r.task),
+        train=dataclasses.asdict(r.train),
+    )
+    specs = {
+        "trainer": RoleSpec(
+            role="trainer",
+            cluster=t.cluster,
+            site=trainer_site,
+            world=expected["trainer"],
+            program=t.program,
+            weight_transport="source",
+            settings=dataclasses.asdict(t),
+            **common,
+        ),
+        "generator": RoleSpec(
+            role="generator",
+            cluster=g.cluster,
+            site=r.clusters[g.cluster].site,
+            world=g.instances,
+            program=g.program,
+            weight_transport="broadcast" if r.clusters[g.cluster].site == trainer_site else "relay",
+            settings=dataclasses.asdict(g),
+            **common,
+        ),
+    }
+    z_cluster = z.cluster if z.placement == "job" and z.cluster else t.cluster
+    specs["rendezvous"] = RoleSpec(
+        role="rendezvous",
+        cluster=z_cluster,
+        site=r.clusters[z_cluster].site,
+        world=1,
+        program="streamrl_cli.rendezvous.server:main",
+        weight_transport="none",
+        settings=dataclasses.asdict(z),
+        **common,
+    )
+    return specs
+
+
+def trainer_world(recipe: Recipe) -> int:
+    t = recipe.roles.trainer
+    return t.nodes * max(t.gpus_per_node, 1)
+
+
+def jobs(recipe: Recipe) -> list[JobSpec]:
+    """The jobs to launch, rendezvous first (others need its address)."""
+    r = recipe
+    t, g, z = r.roles.trainer, r.roles.generator, r.roles.rendezvous
+    out = []
+    if z.placement == "job" and z.cluster:
+        out.append(
+            _job(
+                r,
+                "rendezvous",
+                z.cluster,
+                z.partition,
+                nodes=1,
+                tasks=1,
+                gpus=0,
+                cpus=1,
+                mem=None,
+                time_min=z.time_min,
+                array=None,
+                max_running=None,
+            )
+        )
+    out.append(
+        _job(
+            r,
+            "trainer",
+            t.cluster,
+            t.partition,
+            nodes=t.nodes,
+            tasks=max(t.gpus_per_node, 1),
+            gpus=t.gpus_per_node,
+            cpus=t.cpus_per_task,
+            mem=t.mem_gb,
+            time_min=t.time_min,
+            array=None,
+            max_running=None,
+        )
+    )
+    out.append(
+        _job(
+            r,
+            "generator",
+            g.cluster,
+            g.partition,
+            nodes=1,
+            tasks=1,
+            gpus=g.gpus_per_instance,
+            cpus=g.cpus_per_task,
+            mem=g.mem_gb,
+            time_min=g.time_min,
+            array=g.instances,
+            max_running=g.max_running,
+        )
+    )
+    return out
+
+
+def _job(
+    r: Recipe,
+    role: str,
+    cluster: str,
+    partition: str | None,
+    *,
+    nodes: int,
+    tasks: int,
+    gpus: int,
+    cpus: int,
+    mem: int | None,
+    time_min: int,
+    array: int | None,
+    max_running: int | None,
+) -> JobSpec:
+    c = r.clusters[cluster]
+    return JobSpec(
+        role=role,
+        cluster=cluster,
+        launcher=c.launcher,
+        slurm_cluster=c.slurm_cluster,
+        partition=partition if c.launcher == "slurm" else None,
+        nodes=nodes,
+        tasks_per_node=tasks,
+        gpus_per_node=gpus,
+        cpus_per_task=cpus,
+        mem_gb=mem,
+        time_min=time_min,
+        array=array,
+        max_running=max_running,
+        account=c.account,
+        qos=c.qos,
+        setup_template=c.setup_template,
+        env=dict(c.env),
+        site=c.site,
+    )
+
+
+def role_job(job: RoleJobConfig) -> str:  # pragma: no cover - tiny helper for messages
+    return f"{job.cluster}/{job.partition or '-'}"

@@ -1,0 +1,258 @@
+"""SLURM jobs through submitit, made cluster-aware.
+
+submitit renders the sbatch script and pickles the role's entry function; what it lacks is
+`--clusters`: it submits with `sbatch FILE` (the `#SBATCH --clusters=` line routes the job) but
+polls state with `sacct -j ID` on the local cluster only. So here jobs are keyed by
+(cluster, job id), and state and cancel go through `squeue -M` / `scancel -M` ourselves.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from streamrl_cli.errors import ClusterError
+from streamrl_cli.launch.plan import JobSpec
+from streamrl_cli.recipe.checks import templates_dir
+
+SUBMITIT_COMMAND = "{python} -u -m submitit.core._submit {folder}"
+
+
+def setup_lines(job: JobSpec, run_dir: Path) -> list[str]:
+    """The job's setup: the cluster's template (Jinja, shell `${...}` left alone) then its env."""
+    lines: list[str] = []
+    if job.setup_template:
+        import jinja2
+
+        text = (templates_dir() / job.setup_template).read_text()
+        tmpl = jinja2.Template(text, undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+        rendered = tmpl.render(site=job.site, cluster=job.cluster, role=job.role, run_dir=str(run_dir))
+        lines += rendered.rstrip("\n").splitlines()
+    lines += [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(job.env.items())]
+    return lines
+
+
+def sbatch_parameters(job: JobSpec, run_name: str, run_dir: Path) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters for ``job`` (names as `_make_sbatch_string` takes them)."""
+    extra: dict[str, Any] = {}
+    if job.slurm_cluster:
+        extra["clusters"] = job.slurm_cluster
+    params: dict[str, Any] = {
+        "job_name": f"streamrl-{run_name}-{job.role}",
+        "partition": job.partition,
+        "time": job.time_min,
+        "nodes": job.nodes,
+        "ntasks_per_node": job.tasks_per_node,
+        "cpus_per_task": job.cpus_per_task,
+        "setup": setup_lines(job, run_dir),
+        "stderr_to_stdout": True,
+        "signal_delay_s": 30,
+        "wckey": "streamrl",
+    }
+    if job.gpus_per_node:
+        params["gpus_per_node"] = job.gpus_per_node
+    if job.mem_gb:
+        params["mem"] = f"{job.mem_gb}GB"
+    if job.account:
+        params["account"] = job.account
+    if job.qos:
+        params["qos"] = job.qos
+    if job.array:
+        params["array_parallelism"] = job.max_running or job.array
+    if extra:
+        params["additional_parameters"] = extra
+    return params
+
+
+def log_folder(run_dir: Path, job: JobSpec) -> Path:
+    return run_dir / "logs" / job.role
+
+
+def render(job: JobSpec, run_name: str, run_dir: Path, python: str | None = None) -> str:
+    """The sbatch script submitit will submit for ``job`` (same function, same parameters)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    folder = log_folder(run_dir, job)
+    command = SUBMITIT_COMMAND.format(
+        python=python or shlex.quote(sys.executable), folder=shlex.quote(str(folder))
+    )
+    return _make_sbatch_string(
+        command=command, folder=folder, map_count=job.array, **sbatch_parameters(job, run_name, run_dir)
+    )
+
+
+def submit(job: JobSpec, run_name: str, run_dir: Path, entry: Any, spec_path: Path) -> str:
+    """Submit ``entry(spec_path)`` as ``job``; returns the SLURM job id (the array id for arrays)."""
+    import submitit
+
+    executor = (
+        _array_executor()(folder=log_folder(run_dir, job))
+        if job.array == 1
+        else submitit.SlurmExecutor(folder=log_folder(run_dir, job))
+    )
+    executor.update_parameters(**sbatch_parameters(job, run_name, run_dir))
+    try:
+        if job.array:
+            jobs = executor.map_array(entry, [str(spec_path)] * job.array)
+            return jobs[0].job_id.split("_")[0]
+        return executor.submit(entry, str(spec_path)).job_id
+    except (submitit.core.utils.FailedJobError, subprocess.CalledProcessError, OSError) as e:
+        raise ClusterError(
+            f"sbatch refused the {job.role} job on cluster {job.cluster!r}: {_stderr(e)}"
+        ) from None
+
+
+def _array_executor() -> type:
+    import uuid
+
+    import submitit
+    from submitit.core.utils import JobPaths
+    from submitit.slurm.slurm import SlurmJob
+
+    class OneTaskArrayExecutor(submitit.SlurmExecutor):
+        """submitit submits a one-element map as a plain job; a generator stays an array even with one
+        instance, so that elastic scaling is always adding or cancelling array tasks. The steps are
+        submitit's own array branch, for an array of one."""
+
+        def _internal_process_submissions(self, delayed):  # type: ignore[no-untyped-def]
+            (d,) = delayed
+            folder = JobPaths.get_first_id_independent_folder(self.folder)
+            folder.mkdir(parents=True, exist_ok=True)
+            pickle_path = folder / f"{uuid.uuid4().hex}.pkl"
+            d.set_timeout(self.parameters.get("time", 5), self.max_num_timeout)
+            d.dump(pickle_path)
+            self.parameters["map_count"] = 1
+            try:
+                first = self._submit_command(self._submitit_command_str)
+            finally:
+                del self.parameters["map_count"]
+            job = SlurmJob(folder=self.folder, job_id=f"{first.job_id}_0", tasks=list(range(first.num_tasks)))
+            job.paths.move_temporary_file(pickle_path, "submitted_pickle")
+            return [job]
+
+    return OneTaskArrayExecutor
+
+
+def _stderr(e: BaseException) -> str:
+    out = getattr(e, "stderr", None) or getattr(e, "output", None) or str(e)
+    return out.decode(errors="replace").strip() if isinstance(out, bytes) else str(out).strip()
+
+
+def _m(slurm_cluster: str | None) -> list[str]:
+    return ["-M", slurm_cluster] if slurm_cluster else []
+
+
+def cancel(slurm_cluster: str | None, job_id: str) -> None:
+    """scancel on the right cluster (without -M, scancel goes to the local cluster and says nothing)."""
+    proc = subprocess.run(["scancel", *_m(slurm_cluster), str(job_id)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ClusterError(
+            f"scancel {job_id} on {slurm_cluster or 'the local cluster'}: {proc.stderr.strip()}"
+        )
+
+
+def query(slurm_cluster: str | None, job_ids: list[str]) -> dict[str, list[dict]]:
+    """Current state of jobs (one entry per array task) from `squeue --json`, then sacct for the rest.
+
+    Works without accounting: squeue keeps finished jobs for MinJobAge; jobs neither squeue nor
+    sacct know come back as state UNKNOWN.
+    """
+    out: dict[str, list[dict]] = {j: [] for j in job_ids}
+    if not job_ids:
+        return out
+    cmd = ["squeue", *_m(slurm_cluster), "--json", "--states=all", "--jobs=" + ",".join(job_ids)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if proc.returncode == 0:
+        for rec in _squeue_records(proc.stdout):
+            if rec["job_id"] in out:
+                out[rec["job_id"]].append(rec)
+    missing = [j for j, recs in out.items() if not recs]
+    if missing:
+        for rec in _sacct(slurm_cluster, missing):
+            out.setdefault(rec["job_id"], []).append(rec)
+    for j in out:
+        if not out[j]:
+            out[j] = [
+                {
+                    "job_id": j,
+                    "task": None,
+                    "state": "UNKNOWN",
+                    "reason": "not known to squeue or sacct",
+                    "nodes": "",
+                }
+            ]
+        out[j].sort(key=lambda r: (r["task"] is None, str(r["task"])))
+    return out
+
+
+def _squeue_records(text: str) -> list[dict]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return []
+    recs = []
+    for j in data.get("jobs", []):
+        array_id = j.get("array_job_id") or 0
+        task = j.get("array_task_id")
+        if isinstance(array_id, dict):  # newer openapi versions wrap numbers
+            array_id = array_id.get("number", 0)
+        if isinstance(task, dict):
+            task = task.get("number") if task.get("set") else None
+        is_array = bool(array_id)
+        state = j.get("job_state")
+        if isinstance(state, list):
+            state = state[0] if state else "UNKNOWN"
+        recs.append(
+            {
+                "job_id": str(array_id if is_array else j.get("job_id")),
+                "task": (task if task is not None else j.get("array_task_string") or None)
+                if is_array
+                else None,
+                "state": state or "UNKNOWN",
+                "reason": j.get("state_reason") or "",
+                "nodes": j.get("nodes") or "",
+                "partition": j.get("partition") or "",
+            }
+        )
+    return recs
+
+
+def _sacct(slurm_cluster: str | None, job_ids: list[str]) -> list[dict]:
+    cmd = [
+        "sacct",
+        *_m(slurm_cluster),
+        "-X",
+        "-n",
+        "-P",
+        "-o",
+        "JobID,State,NodeList,Partition,Reason",
+        "-j",
+        ",".join(job_ids),
+    ]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if proc.returncode != 0:
+        return []  # accounting disabled: squeue is all there is
+    recs = []
+    for line in proc.stdout.splitlines():
+        parts = line.split("|")
+        if len(parts) < 5:
+            continue
+        jid, _, task = parts[0].partition("_")
+        recs.append(
+            {
+                "job_id": jid,
+                "task": task or None,
+                "state": parts[1].split()[0],
+                "nodes": parts[2],
+                "partition": parts[3],
+                "reason": parts[4] if parts[4] != "None" else "",
+            }
+        )
+    return recs

@@ -1,0 +1,260 @@
+"""Cross-field rules of a typed recipe: combinations that cannot run.
+
+Each rule yields ``(key path, message)``; all of them are collected so that a user sees every
+problem of a recipe at once. Pure functions over the dataclasses: no files, no clusters.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator
+from pathlib import Path
+
+from streamrl_cli.recipe.schema import ClusterConfig, Recipe, RoleJobConfig
+
+Problem = tuple[str, str]
+
+
+def templates_dir() -> Path:
+    return Path(__file__).resolve().parents[2] / "slurm_templates"
+
+
+def check(r: Recipe) -> list[Problem]:
+    return [
+        *_clusters(r),
+        *_trainer(r),
+        *_generator(r),
+        *_rendezvous(r),
+        *_workload(r),
+    ]
+
+
+def _clusters(r: Recipe) -> Iterator[Problem]:
+    if not r.clusters:
+        yield "clusters", "no cluster defined; add one, e.g. `- cluster@clusters.local: local` to defaults"
+    for name, c in r.clusters.items():
+        if c.launcher == "slurm" and not c.partitions:
+            yield f"clusters.{name}.partitions", "a SLURM cluster needs at least one partition"
+        if c.launcher == "local" and c.slurm_cluster:
+            yield f"clusters.{name}.slurm_cluster", "only meaningful with launcher=slurm"
+        if c.setup_template and not (templates_dir() / c.setup_template).is_file():
+            have = sorted(p.name for p in templates_dir().glob("*"))
+            yield (
+                f"clusters.{name}.setup_template",
+                f"no file {c.setup_template!r} in slurm_templates/; have: {have}",
+            )
+        for pname, p in c.partitions.items():
+            for key in ("gpus_per_node", "cpus_per_node", "mem_gb_per_node", "max_nodes"):
+                if getattr(p, key) < (0 if key == "gpus_per_node" else 1):
+                    yield (
+                        f"clusters.{name}.partitions.{pname}.{key}",
+                        f"must be positive, got {getattr(p, key)}",
+                    )
+
+
+def _placement(
+    r: Recipe, role: str, job: RoleJobConfig, out: list[Problem]
+) -> tuple[ClusterConfig | None, int | None]:
+    """Checks the role's cluster/partition into ``out``; returns the cluster and its GPUs per node."""
+    c = r.clusters.get(job.cluster)
+    if c is None:
+        close = difflib.get_close_matches(job.cluster, list(r.clusters), n=1, cutoff=0.4)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        out.append(
+            (f"roles.{role}.cluster", f"no cluster {job.cluster!r}{hint}; defined: {', '.join(r.clusters)}")
+        )
+        return None, None
+    if c.launcher == "local":
+        return c, c.local_gpus
+    if job.partition is None:
+        out.append(
+            (
+                f"roles.{role}.partition",
+                f"required on SLURM cluster {job.cluster!r}; partitions: {', '.join(c.partitions)}",
+            )
+        )
+        return c, None
+    p = c.partitions.get(job.partition)
+    if p is None:
+        close = difflib.get_close_matches(job.partition, list(c.partitions), n=1, cutoff=0.4)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        out.append(
+            (
+                f"roles.{role}.partition",
+                f"cluster {job.cluster!r} has no partition {job.partition!r}{hint}; "
+                f"partitions: {', '.join(c.partitions)}",
+            )
+        )
+        return c, None
+    if job.cpus_per_task > p.cpus_per_node:
+        out.append(
+            (
+                f"roles.{role}.cpus_per_task",
+                f"{job.cpus_per_task} CPUs per task but partition {job.partition!r} has "
+                f"{p.cpus_per_node} per node",
+            )
+        )
+    if job.mem_gb is not None and job.mem_gb > p.mem_gb_per_node:
+        out.append(
+            (
+                f"roles.{role}.mem_gb",
+                f"{job.mem_gb} GiB but partition {job.partition!r} nodes have {p.mem_gb_per_node} GiB",
+            )
+        )
+    return c, p.gpus_per_node
+
+
+def _trainer(r: Recipe) -> Iterator[Problem]:
+    t = r.roles.trainer
+    placement: list[Problem] = []
+    c, gpus_avail = _placement(r, "trainer", t, placement)
+    yield from placement
+    yield from _common(t, "trainer")
+    if t.nodes < 1:
+        yield "roles.trainer.nodes", f"must be at least 1, got {t.nodes}"
+    if t.gpus_per_node < 0:
+        yield "roles.trainer.gpus_per_node", f"must be 0 (CPU) or more, got {t.gpus_per_node}"
+    if gpus_avail is not None and t.gpus_per_node > gpus_avail:
+        where = (
+            f"partition {t.partition!r}" if c and c.launcher == "slurm" else f"local cluster {t.cluster!r}"
+        )
+        yield "roles.trainer.gpus_per_node", f"{t.gpus_per_node} GPUs per node but {where} has {gpus_avail}"
+    if c and c.launcher == "slurm" and t.partition in c.partitions:
+        max_nodes = c.partitions[t.partition].max_nodes
+        if t.nodes > max_nodes:
+            yield "roles.trainer.nodes", f"{t.nodes} nodes but partition {t.partition!r} allows {max_nodes}"
+    if t.zero_stage not in (0, 1, 2, 3):
+        yield "roles.trainer.zero_stage", f"must be 0, 1, 2 or 3, got {t.zero_stage}"
+    for key in ("tensor_parallel", "pipeline_parallel"):
+        if getattr(t, key) < 1:
+            yield f"roles.trainer.{key}", f"must be at least 1, got {getattr(t, key)}"
+    gpus = t.nodes * t.gpus_per_node
+    mp = t.tensor_parallel * t.pipeline_parallel
+    if gpus > 0 and mp >= 1 and gpus % mp:
+        yield (
+            "roles.trainer.tensor_parallel",
+            (
+                f"tensor_parallel × pipeline_parallel = {mp} does not divide the trainer's {gpus} GPUs "
+                f"({t.nodes} nodes × {t.gpus_per_node}); valid TP×PP: {_divisors(gpus)}"
+            ),
+        )
+    if t.gpus_per_node > 0 and t.tensor_parallel > t.gpus_per_node:
+        yield (
+            "roles.trainer.tensor_parallel",
+            (
+                f"tensor parallelism stays inside a node: {t.tensor_parallel} > "
+                f"{t.gpus_per_node} GPUs per node"
+            ),
+        )
+    yield from _heads(r, "trainer", t.tensor_parallel)
+
+
+def _generator(r: Recipe) -> Iterator[Problem]:
+    g = r.roles.generator
+    placement: list[Problem] = []
+    c, gpus_avail = _placement(r, "generator", g, placement)
+    yield from placement
+    yield from _common(g, "generator")
+    if g.instances < 1:
+        yield "roles.generator.instances", f"must be at least 1, got {g.instances}"
+    if g.gpus_per_instance < 0:
+        yield "roles.generator.gpus_per_instance", f"must be 0 (CPU) or more, got {g.gpus_per_instance}"
+    if gpus_avail is not None and g.gpus_per_instance > gpus_avail:
+        where = (
+            f"partition {g.partition!r}" if c and c.launcher == "slurm" else f"local cluster {g.cluster!r}"
+        )
+        yield (
+            "roles.generator.gpus_per_instance",
+            (
+                f"{g.gpus_per_instance} GPUs per instance but {where} has {gpus_avail} per node "
+                "(an instance lives on one node)"
+            ),
+        )
+    if g.tensor_parallel < 1:
+        yield "roles.generator.tensor_parallel", f"must be at least 1, got {g.tensor_parallel}"
+    elif g.gpus_per_instance > 0 and g.gpus_per_instance % g.tensor_parallel:
+        yield (
+            "roles.generator.tensor_parallel",
+            (
+                f"{g.tensor_parallel} does not divide gpus_per_instance={g.gpus_per_instance}; "
+                f"valid: {_divisors(g.gpus_per_instance)}"
+            ),
+        )
+    if g.max_running is not None and g.max_running < 1:
+        yield "roles.generator.max_running", f"must be at least 1 (or null), got {g.max_running}"
+    yield from _heads(r, "generator", g.tensor_parallel)
+
+
+def _common(job: RoleJobConfig, role: str) -> Iterator[Problem]:
+    if job.time_min < 1:
+        yield f"roles.{role}.time_min", f"must be at least 1 minute, got {job.time_min}"
+    if job.cpus_per_task < 1:
+        yield f"roles.{role}.cpus_per_task", f"must be at least 1, got {job.cpus_per_task}"
+    if ":" not in job.program:
+        yield f"roles.{role}.program", f"expected `module:function`, got {job.program!r}"
+
+
+def _heads(r: Recipe, role: str, tp: int) -> Iterator[Problem]:
+    heads = r.model.num_attention_heads
+    if tp >= 1 and heads % tp:
+        yield (
+            f"roles.{role}.tensor_parallel",
+            (f"{tp} does not divide the model's {heads} attention heads; valid: {_divisors(heads)}"),
+        )
+
+
+def _rendezvous(r: Recipe) -> Iterator[Problem]:
+    z = r.roles.rendezvous
+    if z.placement == "job":
+        if z.cluster is None:
+            yield "roles.rendezvous.cluster", "placement=job needs the cluster of the server's job"
+        elif z.cluster not in r.clusters:
+            yield "roles.rendezvous.cluster", f"no cluster {z.cluster!r}; defined: {', '.join(r.clusters)}"
+        elif (
+            r.clusters[z.cluster].launcher == "slurm" and z.partition not in r.clusters[z.cluster].partitions
+        ):
+            yield (
+                "roles.rendezvous.partition",
+                (
+                    f"{z.partition!r} is not a partition of {z.cluster!r}: "
+                    f"{', '.join(r.clusters[z.cluster].partitions)}"
+                ),
+            )
+    if (z.tls_cert is None) != (z.tls_key is None):
+        yield "roles.rendezvous.tls_key", "tls_cert and tls_key go together: set both or neither"
+    for key in ("tls_cert", "tls_key"):
+        f = getattr(z, key)
+        if f is not None and not Path(f).expanduser().is_file():
+            yield f"roles.rendezvous.{key}", f"no such file: {f}"
+    if z.lease_s <= 0:
+        yield "roles.rendezvous.lease_s", f"must be positive, got {z.lease_s}"
+    if not 0 <= z.port <= 65535:
+        yield "roles.rendezvous.port", f"must be 0-65535, got {z.port}"
+
+
+def _workload(r: Recipe) -> Iterator[Problem]:
+    a, t, task = r.algorithm, r.train, r.task
+    if a.group_size < 1:
+        yield "algorithm.group_size", f"must be at least 1, got {a.group_size}"
+    elif a.name == "grpo" and a.group_size < 2:
+        yield "algorithm.group_size", "GRPO normalises rewards within a group: needs group_size ≥ 2"
+    if a.max_staleness < 0:
+        yield "algorithm.max_staleness", f"must be 0 or more, got {a.max_staleness}"
+    elif a.mode == "async" and a.max_staleness < 1:
+        yield "algorithm.max_staleness", "async mode overlaps one iteration: needs max_staleness ≥ 1"
+    for key in ("global_batch", "micro_batch", "iterations"):
+        if getattr(t, key) < 1:
+            yield f"train.{key}", f"must be at least 1, got {getattr(t, key)}"
+    if task.max_output_len < 1 or task.max_prompt_len < 1:
+        yield "task.max_output_len", "prompt and output lengths must be at least 1 token"
+    if r.model.num_attention_heads < 1 or r.model.num_kv_heads < 1:
+        yield "model.num_attention_heads", "head counts must be at least 1"
+    elif r.model.num_attention_heads % r.model.num_kv_heads:
+        yield (
+            "model.num_kv_heads",
+            (f"{r.model.num_kv_heads} KV heads do not divide {r.model.num_attention_heads} attention heads"),
+        )
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

@@ -1,0 +1,325 @@
+"""Compose a recipe Hydra-style and convert it, once, into the typed :class:`Recipe`.
+
+    recipe file ──► Hydra compose (defaults: groups under recipes/, group overrides `model=...`)
+                ──► value overrides (`a.b=1`, `+a.b=1`, `++a.b=1`, `~a.b`) applied here
+                ──► schema walk (unknown keys, types, choices, missing values)
+                ──► OmegaConf.structured merge + to_object ──► cross-field checks
+
+Hydra stops at the first problem and suggests nothing; users fixing a recipe want every problem
+at once, each with the file it comes from and the closest valid name. So Hydra only does what it
+is good at (the defaults list and the override grammar) and the rest is checked here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from streamrl_cli.errors import RecipeError
+from streamrl_cli.recipe import checks
+from streamrl_cli.recipe.schema import Recipe
+from streamrl_cli.recipe.walk import walk
+
+
+def shipped_recipes_dir() -> Path:
+    """recipes/ of this checkout (or $STREAMRL_RECIPES)."""
+    env = os.environ.get("STREAMRL_RECIPES")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "recipes"
+
+
+def list_recipes(root: Path | None = None) -> list[str]:
+    """Names of the runnable recipes (config groups excluded)."""
+    root = root or shipped_recipes_dir()
+    groups = _group_names(root)
+    names = []
+    for p in sorted(root.rglob("*.yaml")):
+        rel = p.relative_to(root)
+        if rel.parts[0] in groups:
+            continue
+        names.append(str(rel.with_suffix("")))
+    return names
+
+
+def resolve_recipe_path(recipe: str) -> Path:
+    """A path to a YAML file, or the name of a shipped recipe (`local`, `paper/qwen2.5-7b-ppo`)."""
+    p = Path(recipe)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        return p.resolve()
+    shipped = shipped_recipes_dir() / (recipe if recipe.endswith(".yaml") else recipe + ".yaml")
+    if shipped.is_file():
+        return shipped.resolve()
+    names = list_recipes()
+    close = difflib.get_close_matches(recipe, names, n=3, cutoff=0.4)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    raise RecipeError(
+        [f"no recipe file or shipped recipe named {recipe!r}.{hint} Shipped: {', '.join(names)}"]
+    )
+
+
+@dataclass
+class Composed:
+    """A loaded recipe with where it came from (written to the run directory)."""
+
+    recipe: Recipe
+    path: Path
+    overrides: list[str]
+    choices: dict[str, str]  # config group (with @package) -> option chosen
+
+
+def load(recipe: str, overrides: list[str] | None = None) -> Composed:
+    """Compose, validate and convert. Raises RecipeError listing every problem found."""
+    overrides = list(overrides or [])
+    path = resolve_recipe_path(recipe)
+    shipped = shipped_recipes_dir()
+    groups = _group_names(shipped) | _group_names(path.parent)
+    problems: list[str] = []
+
+    parsed = _parse_overrides(overrides, problems)
+    group_ovr = [o for o in parsed if o.key_or_group.split("@")[0] in groups]
+    value_ovr = [o for o in parsed if o not in group_ovr]
+    for o in group_ovr:
+        _check_group_option(o, [shipped, path.parent], problems)
+    ok_groups = [o.input_line for o in group_ovr if not o.__dict__.get("_bad")]
+
+    try:
+        cfg, choices = _compose(path, shipped, ok_groups)
+    except RecipeError as e:
+        raise RecipeError(problems + e.problems, source=str(path)) from None
+
+    value_lines = [o.input_line for o in value_ovr]
+    prov = Provenance(path, shipped, choices, value_lines)
+    tree = _merge(_schema_defaults(), cfg)
+    for o in value_ovr:
+        _apply_override(tree, o, problems)
+    bad: dict[str, str] = {}
+    walk(tree, Recipe, "", bad.__setitem__)
+    problems += [prov.describe(p, msg) for p, msg in bad.items()]
+    # Convert what is left (bad values fall back to defaults) so that cross-field rules run too:
+    # the user sees every problem at once, not one round of fixes after another.
+    typed = _convert(_without(tree, bad), problems)
+    if typed is not None:
+        for p, msg in checks.check(typed):
+            if not any(p == b or p.startswith(b + ".") for b in bad):
+                problems.append(prov.describe(p, msg))
+    if problems or typed is None:
+        raise RecipeError(problems, source=str(path))
+    return Composed(recipe=typed, path=path, overrides=overrides, choices=choices)
+
+
+def _schema_defaults() -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(Recipe))  # MISSING fields come out as "???"
+
+
+def _merge(base: Any, top: Any) -> Any:
+    if isinstance(base, dict) and isinstance(top, dict):
+        return {**base, **{k: _merge(base.get(k), v) for k, v in top.items()}}
+    return top
+
+
+def _without(tree: dict, bad: dict[str, str]) -> dict:
+    """A copy of ``tree`` with the bad keys removed; required values left missing become ''."""
+    import copy
+
+    out = copy.deepcopy(tree)
+    for path in bad:
+        keys = path.split(".")
+        node = out
+        for k in keys[:-1]:
+            node = node.get(k) if isinstance(node, dict) else None
+        if isinstance(node, dict) and keys[-1] in node:
+            if node[keys[-1]] == "???":
+                node[keys[-1]] = ""
+            else:
+                del node[keys[-1]]
+    return out
+
+
+def _convert(tree: dict, problems: list[str]) -> Recipe | None:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Recipe), tree))  # type: ignore[return-value]
+    except OmegaConfBaseException as e:
+        problems.append(f"{e.full_key or '<root>'}: {str(e).splitlines()[0]}")
+        return None
+
+
+def _group_names(root: Path) -> set[str]:
+    return (
+        {p.name for p in root.iterdir() if p.is_dir() and p.name not in ("paper",)}
+        if root.is_dir()
+        else set()
+    )
+
+
+def _parse_overrides(overrides: list[str], problems: list[str]) -> list[Any]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    out = []
+    for text in overrides:
+        try:
+            o = parser.parse_override(text)
+        except HydraException as e:
+            problems.append(
+                f"command line: cannot parse override {text!r}: {str(e).splitlines()[0]} "
+                "(valid forms: key=value, +key=value, ++key=value, ~key, group=option)"
+            )
+            continue
+        if o.is_sweep_override():
+            problems.append(f"command line: {text!r} is a sweep; give one value per key")
+            continue
+        out.append(o)
+    return out
+
+
+def _check_group_option(o: Any, roots: list[Path], problems: list[str]) -> None:
+    group = o.key_or_group
+    if o.is_delete():
+        return
+    value = o.value()
+    options = sorted({p.stem for r in roots if (r / group).is_dir() for p in (r / group).glob("*.yaml")})
+    if not isinstance(value, str) or value not in options:
+        close = difflib.get_close_matches(str(value), options, n=1, cutoff=0.4)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        problems.append(
+            f"command line: {o.input_line}: no option {value!r} in config group {group!r}{hint}; "
+            f"valid: {', '.join(options)}"
+        )
+        o.__dict__["_bad"] = True
+
+
+def _compose(path: Path, shipped: Path, group_overrides: list[str]) -> tuple[dict, dict[str, str]]:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    GlobalHydra.instance().clear()
+    search = f"hydra.searchpath=[file://{shipped}]"
+    try:
+        with initialize_config_dir(config_dir=str(path.parent), version_base=None):
+            cfg = compose(path.stem, overrides=[search, *group_overrides], return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError) as e:
+        raise RecipeError([f"{path}: {str(e).strip()}"]) from None
+    finally:
+        GlobalHydra.instance().clear()
+    choices = {
+        k: v
+        for k, v in OmegaConf.to_container(cfg.hydra.runtime.choices).items()
+        if not k.startswith("hydra/") and v is not None
+    }
+    with_hydra = OmegaConf.to_container(cfg, resolve=False)
+    with_hydra.pop("hydra", None)
+    return with_hydra, choices
+
+
+def _apply_override(cfg: dict, o: Any, problems: list[str]) -> None:
+    keys = o.key_or_group.split(".")
+    parent = cfg
+    for i, k in enumerate(keys[:-1]):
+        nxt = parent.get(k) if isinstance(parent, dict) else None
+        if not isinstance(nxt, dict):
+            if o.is_add() or o.is_force_add():
+                nxt = parent.setdefault(k, {}) if isinstance(parent, dict) else None
+            if not isinstance(nxt, dict):
+                problems.append(_unknown(f"command line: {o.input_line}", keys[: i + 1], parent))
+                return
+        parent = nxt
+    last = keys[-1]
+    exists = last in parent
+    if o.is_delete():
+        if not exists:
+            problems.append(_unknown(f"command line: {o.input_line}: cannot delete", keys, parent))
+        else:
+            del parent[last]
+    elif o.is_force_add():
+        parent[last] = o.value()
+    elif o.is_add():
+        if exists:
+            problems.append(
+                f"command line: {o.input_line}: {o.key_or_group} already exists; "
+                f"use {o.key_or_group}=... to change it (or ++ to add or change)"
+            )
+        else:
+            parent[last] = o.value()
+    elif not exists:
+        problems.append(
+            _unknown(f"command line: {o.input_line}", keys, parent)
+            + f" (to add a new key use +{o.input_line})"
+        )
+    else:
+        parent[last] = o.value()
+
+
+def _unknown(where: str, keys: list[str], parent: Any) -> str:
+    names = list(parent) if isinstance(parent, dict) else []
+    close = difflib.get_close_matches(keys[-1], names, n=1, cutoff=0.5)
+    hint = f"; did you mean {'.'.join([*keys[:-1], close[0]])!r}?" if close else ""
+    return f"{where}: unknown key {'.'.join(keys)!r}{hint}"
+
+
+class Provenance:
+    """Says which file (or override) a key path came from, for error messages."""
+
+    def __init__(self, path: Path, shipped: Path, choices: dict[str, str], overrides: list[str]):
+        self.overrides = overrides
+        self.sources: list[tuple[str, Path, dict]] = [("", path, _read_yaml(path))]
+        for group_pkg, option in choices.items():
+            group, _, package = group_pkg.partition("@")
+            for root in (path.parent, shipped):
+                f = root / group / f"{option}.yaml"
+                if f.is_file():
+                    self.sources.append((package or group.replace("/", "."), f, _read_yaml(f)))
+                    break
+
+    def describe(self, keypath: str, msg: str) -> str:
+        for text in self.overrides:
+            key = text.lstrip("+~").split("=", 1)[0]
+            if keypath == key or keypath.startswith(key + "."):
+                return f"command line `{text}`: {keypath}: {msg}"
+        for prefix, f, raw in self.sources:
+            rel = (
+                keypath
+                if not prefix
+                else keypath[len(prefix) + 1 :]
+                if keypath.startswith(prefix + ".")
+                else None
+            )
+            if rel is not None and _has_path(raw, rel.split(".") if rel else []):
+                return f"{_short(f)}: {keypath}: {msg}"
+        return f"{_short(self.sources[0][1])} (with defaults): {keypath or '<root>'}: {msg}"
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _has_path(raw: Any, keys: list[str]) -> bool:
+    node = raw
+    for k in keys:
+        if not isinstance(node, dict) or k not in node:
+            return False
+        node = node[k]
+    return True
+
+
+def _short(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)

@@ -1,0 +1,165 @@
+"""The typed recipe: one dataclass tree, converted from OmegaConf once (in ``recipe.load``).
+
+Every field says in a comment what it means. Fields with a fixed set of values carry it in
+``metadata["choices"]``; the validator reports anything else with the valid choices. Cross-field
+rules (GPUs per node vs. the partition, tensor-parallel sizes, ...) live in ``recipe.checks`` so
+that every problem of a recipe is reported at once rather than the first ``__post_init__`` to fail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LAUNCHERS = ("slurm", "local")
+RENDEZVOUS_PLACEMENTS = ("submit-host", "job")
+ALGORITHMS = ("ppo", "grpo")
+MODES = ("sync-stream", "async", "baseline")
+DTYPES = ("float32", "bfloat16", "float16")
+ENGINES = ("vllm",)
+
+
+def choices(*values: str, default: str) -> str:
+    """A string field restricted to ``values`` (checked by the validator)."""
+    return field(default=default, metadata={"choices": values})
+
+
+@dataclass(kw_only=True)
+class PartitionConfig:
+    """One SLURM partition: what a node in it offers."""
+
+    gpus_per_node: int = 0  # GPUs on each node (0: CPU-only partition)
+    gpu_type: str = "none"  # hardware kind of those GPUs (h800, h20, h100, ...), used by tune-split
+    cpus_per_node: int = 1  # CPU cores on each node
+    mem_gb_per_node: int = 1  # memory of each node, GiB
+    max_nodes: int = 1  # nodes a single job may take in this partition
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """Where jobs run: a SLURM cluster (possibly at another site) or this machine's processes."""
+
+    launcher: str = choices(*LAUNCHERS, default="slurm")  # how roles on this cluster are started
+    slurm_cluster: str | None = None  # name for sbatch/squeue/scancel -M; null: the host's own cluster
+    site: str = "default"  # datacenter: roles at different sites exchange weights over TCP, not NCCL
+    partitions: dict[str, PartitionConfig] = field(default_factory=dict)  # partitions roles may use
+    local_gpus: int = 0  # GPUs of this machine (launcher=local only)
+    account: str | None = None  # sbatch --account
+    qos: str | None = None  # sbatch --qos
+    setup_template: str | None = None  # file in slurm_templates/ whose lines run before each role
+    env: dict[str, str] = field(default_factory=dict)  # variables exported in every job (NCCL, proxies)
+
+
+@dataclass(kw_only=True)
+class RoleJobConfig:
+    """Placement and resources shared by every role that runs as a job."""
+
+    cluster: str = "???"  # key of `clusters` this role runs on
+    partition: str | None = None  # partition of that cluster (required for SLURM clusters)
+    time_min: int = 60  # wall-clock limit of the job, minutes
+    cpus_per_task: int = 1  # CPU cores per task
+    mem_gb: int | None = None  # memory per node, GiB (null: the partition's default)
+    program: str = "streamrl_cli.roles.preflight:main"  # `module:function` the role's processes run
+
+
+@dataclass(kw_only=True)
+class TrainerConfig(RoleJobConfig):
+    """The trainer job: one task per GPU (one per node on CPU), all nodes of one job."""
+
+    nodes: int = 1  # nodes of the trainer job
+    gpus_per_node: int = 1  # GPUs on each trainer node
+    tensor_parallel: int = 1  # TP degree (within a node)
+    pipeline_parallel: int = 1  # PP degree
+    zero_stage: int = 1  # DeepSpeed ZeRO stage, 0-3
+
+
+@dataclass(kw_only=True)
+class GeneratorConfig(RoleJobConfig):
+    """Generator instances: one SLURM array task per instance, so scaling is adding/cancelling tasks."""
+
+    instances: int = 1  # generator instances (array tasks)
+    gpus_per_instance: int = 1  # GPUs per instance (on one node)
+    tensor_parallel: int = 1  # TP degree inside an instance; must divide gpus_per_instance
+    max_running: int | None = None  # array throttle (`%N`); null: all at once
+    engine: str = choices(*ENGINES, default="vllm")  # inference engine
+
+
+@dataclass(kw_only=True)
+class RendezvousConfig:
+    """The run's control-plane server (see streamrl_cli.rendezvous)."""
+
+    placement: str = choices(*RENDEZVOUS_PLACEMENTS, default="submit-host")  # where the server runs
+    cluster: str | None = None  # with placement=job: the cluster of its job
+    partition: str | None = None  # with placement=job: the partition of its job
+    bind_host: str = "127.0.0.1"  # address the server listens on (0.0.0.0 for other hosts)
+    port: int = 0  # port (0: any free port)
+    lease_s: float = 10.0  # a member silent for this long is marked lost
+    tls_cert: str | None = None  # PEM certificate: serve HTTPS (cross-site links)
+    tls_key: str | None = None  # PEM private key of tls_cert
+    time_min: int = 60  # with placement=job: its wall-clock limit, minutes
+
+
+@dataclass(kw_only=True)
+class RolesConfig:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the trainer job
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # the generator job array
+    rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)  # the control plane
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The policy model: architecture numbers are used for checks and cost models."""
+
+    name: str = "???"  # display name
+    path: str = "???"  # local directory (or hub id on clusters with a cache) for from_pretrained
+    params_b: float = 0.0  # parameters, billions
+    num_layers: int = 1  # transformer layers
+    hidden_size: int = 64  # model width
+    num_attention_heads: int = 2  # query heads (tensor-parallel sizes must divide it)
+    num_kv_heads: int = 2  # key/value heads
+    dtype: str = choices(*DTYPES, default="bfloat16")  # weights and compute dtype
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    name: str = choices(*ALGORITHMS, default="grpo")  # RL algorithm
+    mode: str = choices(*MODES, default="sync-stream")  # pipelining between generation and training
+    group_size: int = 8  # samples per prompt
+    max_staleness: int = 1  # async mode: max policy versions a sample may lag
+    kl_coef: float = 0.001  # KL penalty against the reference model
+    clip_ratio: float = 0.2  # PPO-style ratio clipping
+    lr: float = 1e-6  # actor learning rate
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    name: str = "???"  # task name
+    dataset: str | None = None  # JSONL/Parquet of prompts (null: the task's built-in prompts)
+    max_prompt_len: int = 512  # prompt tokens
+    max_output_len: int = 1024  # output tokens
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    global_batch: int = 16  # prompts per iteration
+    micro_batch: int = 4  # samples per forward/backward
+    iterations: int = 10  # RL iterations
+    seed: int = 0  # seed of data order and sampling
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    name: str = "run"  # run name: the run directory is <root>/<name>-<timestamp>
+    root: str = "runs"  # directory of run directories (relative to where streamrl runs)
+
+
+@dataclass(kw_only=True)
+class Recipe:
+    """The whole run, as composed from a recipe file, its defaults and command-line overrides."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    clusters: dict[str, ClusterConfig] = field(default_factory=dict)  # name -> cluster
+    roles: RolesConfig = field(default_factory=RolesConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)

@@ -1,0 +1,105 @@
+"""Check a plain (composed) config tree against the dataclass schema, reporting every problem.
+
+OmegaConf would raise on the first bad key; this walk goes through the whole tree and reports
+unknown keys with the closest valid name, wrong types, values outside a field's choices and
+required values left as ``???``. It accepts what OmegaConf would convert (``"3"`` for an int).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Callable
+from typing import Any
+
+Report = Callable[[str, str], None]
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def walk(value: Any, typ: Any, path: str, report: Report) -> None:
+    """Report every mismatch between ``value`` and the annotation ``typ`` below ``path``."""
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value is None:
+            return
+        walk(value, args[0], path, report)
+        return
+    if value == "???":
+        report(path, "missing required value (set it in the recipe or as `key=value` on the command line)")
+        return
+    if dataclasses.is_dataclass(typ):
+        _walk_dataclass(value, typ, path, report)
+    elif origin is dict:
+        if not isinstance(value, dict):
+            report(path, f"expected a mapping of names to values, got {_show(value)}")
+            return
+        _, item_type = typing.get_args(typ)
+        for k, v in value.items():
+            walk(v, item_type, _join(path, str(k)), report)
+    elif origin is list:
+        if not isinstance(value, list):
+            report(path, f"expected a list, got {_show(value)}")
+            return
+        (item_type,) = typing.get_args(typ)
+        for i, v in enumerate(value):
+            walk(v, item_type, f"{path}[{i}]", report)
+    elif typ in _TYPE_NAMES and not _scalar_ok(value, typ):
+        report(path, f"expected {_TYPE_NAMES[typ]}, got {_show(value)}")
+
+
+def _walk_dataclass(value: Any, typ: type, path: str, report: Report) -> None:
+    if not isinstance(value, dict):
+        report(
+            path or "<root>",
+            f"expected a mapping with keys {', '.join(_field_names(typ))}, got {_show(value)}",
+        )
+        return
+    hints = typing.get_type_hints(typ)
+    fields = {f.name: f for f in dataclasses.fields(typ)}
+    for key, v in value.items():
+        sub = _join(path, str(key))
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = f"did you mean {_join(path, close[0])!r}? " if close else ""
+            report(sub, f"unknown key; {hint}valid keys here: {', '.join(fields)}")
+            continue
+        walk(v, hints[key], sub, report)
+        allowed = fields[key].metadata.get("choices")
+        if allowed and isinstance(v, str) and v != "???" and v not in allowed:
+            close = difflib.get_close_matches(v, allowed, n=1, cutoff=0.5)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            report(sub, f"{v!r} is not one of {', '.join(allowed)}{hint}")
+    for name, f in fields.items():
+        if name not in value and f.default == "???":
+            report(_join(path, name), "missing required value")
+
+
+def _scalar_ok(value: Any, typ: type) -> bool:
+    if typ is bool:
+        return isinstance(value, bool) or (isinstance(value, str) and value.lower() in ("true", "false"))
+    if isinstance(value, bool) or isinstance(value, (dict, list)) or value is None:
+        return False
+    if typ is str:
+        return True
+    try:
+        typ(value)
+    except (TypeError, ValueError):
+        return False
+    return not (typ is int and isinstance(value, float) and not value.is_integer())
+
+
+def _field_names(typ: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(typ)]
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,1 @@
+"""Role processes: the entry every launcher runs, and the programs roles run."""

@@ -1,0 +1,79 @@
+"""The one entry point of every role process, on SLURM (through submitit) and locally.
+
+It loads the role's slice of the config (`run_dir/roles/<role>.yaml`), works out its rank from
+the launcher's environment, writes a start record in `run_dir/members/`, then runs the role's
+program (`module:function`, called with the RoleSpec and the rank).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import yaml
+
+from streamrl_cli.launch.plan import RoleSpec
+from streamrl_cli.rundir import write_atomic
+
+
+def load_spec(path: str | Path) -> RoleSpec:
+    return RoleSpec(**yaml.safe_load(Path(path).read_text()))
+
+
+def rank_from_env(role: str) -> int:
+    """Generator instances are array tasks; trainer ranks are the tasks of one job."""
+    if role == "generator" and "SLURM_ARRAY_TASK_ID" in os.environ:
+        return int(os.environ["SLURM_ARRAY_TASK_ID"])
+    return int(os.environ.get("SLURM_PROCID", os.environ.get("STREAMRL_RANK", "0")))
+
+
+def start_record(spec: RoleSpec, rank: int) -> dict:
+    env = os.environ
+    return {
+        "role": spec.role,
+        "rank": rank,
+        "cluster": spec.cluster,
+        "site": spec.site,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.time(),
+        "program": spec.program,
+        "slurm_job_id": env.get("SLURM_JOB_ID"),
+        "slurm_array_job_id": env.get("SLURM_ARRAY_JOB_ID"),
+        "slurm_array_task_id": env.get("SLURM_ARRAY_TASK_ID"),
+        "slurm_cluster": env.get("SLURM_CLUSTER_NAME"),
+        "partition": env.get("SLURM_JOB_PARTITION"),
+    }
+
+
+def record_path(spec: RoleSpec, rank: int) -> Path:
+    return Path(spec.run_dir) / "members" / f"{spec.role}-{rank}.json"
+
+
+def update_record(spec: RoleSpec, rank: int, **fields: object) -> None:
+    path = record_path(spec, rank)
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        rec = start_record(spec, rank)
+    write_atomic(path, json.dumps({**rec, **fields}, indent=2, sort_keys=True) + "\n")
+
+
+def run_role(spec_path: str, rank: int | None = None) -> int:
+    spec = load_spec(spec_path)
+    rank = rank_from_env(spec.role) if rank is None else rank
+    write_atomic(
+        record_path(spec, rank), json.dumps(start_record(spec, rank), indent=2, sort_keys=True) + "\n"
+    )
+    module, _, func = spec.program.partition(":")
+    program = getattr(importlib.import_module(module), func)
+    result = program(spec, rank)
+    code = int(result or 0)
+    update_record(spec, rank, finished=time.time(), exit_code=code)
+    if code:
+        raise SystemExit(code)
+    return code

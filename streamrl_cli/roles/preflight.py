@@ -1,0 +1,62 @@
+"""The preflight program: proves that every process of a run can find the others, then exits.
+
+Each process registers with the run's rendezvous server, heartbeats, waits until every role
+has the number of members the run expects, reports what it saw, and leaves. It is what the
+trainer and generator roles run until their real programs are chosen in the recipe (and a quick
+check of a cluster set-up at any time: `roles.trainer.program=streamrl_cli.roles.preflight:main`).
+
+`STREAMRL_PREFLIGHT_HOLD_S` (set through a cluster's `env`) keeps the process alive and
+heartbeating for that many seconds after the check, e.g. to watch `streamrl status`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+from streamrl_cli.errors import RendezvousError
+from streamrl_cli.launch.plan import RoleSpec
+from streamrl_cli.roles.entry import update_record
+
+WAIT_S = 300.0
+
+
+def wait_for_file(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise RendezvousError(f"the rendezvous server did not publish {path} within {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+def main(spec: RoleSpec, rank: int) -> int:
+    from streamrl_cli.rendezvous.client import RendezvousClient
+
+    wait_for_file(Path(spec.rendezvous_file), WAIT_S)
+    client = RendezvousClient.from_run_dir(Path(spec.run_dir))
+    try:
+        client.register(
+            role=spec.role,
+            rank=rank,
+            cluster=spec.cluster,
+            site=spec.site,
+            host=socket.gethostname(),
+            info={"program": "preflight", "pid": os.getpid()},
+        )
+        client.start_heartbeat()
+        seen = {}
+        for role, count in spec.expected.items():
+            members = client.wait_for(role, count, timeout=WAIT_S)
+            seen[role] = len(members)
+        client.post_metrics({"preflight": 1, **{f"peers_{r}": n for r, n in seen.items()}})
+        update_record(spec, rank, preflight_ok=True, peers=seen)
+        print(f"preflight: {spec.role} rank {rank} sees {seen} (expected {spec.expected})", flush=True)
+        hold = float(os.environ.get("STREAMRL_PREFLIGHT_HOLD_S", "0") or 0)
+        if hold > 0:
+            time.sleep(hold)
+        client.leave()
+    finally:
+        client.close()
+    return 0

@@ -1,0 +1,68 @@
+"""Shared fixtures: every test gets its own catalog ($STREAMRL_HOME) and runs root."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STREAMRL = [sys.executable, "-m", "streamrl_cli.cli"]
+
+
+@pytest.fixture(autouse=True)
+def streamrl_home(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("STREAMRL_HOME", str(home))
+    return home
+
+
+@pytest.fixture
+def runs_root(tmp_path):
+    return tmp_path / "runs"
+
+
+def streamrl(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess, as a user would."""
+    env = {**os.environ, "COLUMNS": "200", **kw.pop("env", {})}
+    return subprocess.run(
+        [*STREAMRL, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=kw.pop("cwd", REPO),
+        **kw,
+    )
+
+
+def slurm_up(cluster: str | None = None) -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    cmd = ["sinfo", "-h", "-o", "%t"] + (["-M", cluster] if cluster else [])
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and any(s in out.stdout for s in ("idle", "mix", "alloc"))
+
+
+@pytest.fixture
+def slurm():
+    """The local test cluster. CI starts it (scripts/slurm-test-cluster.sh start): there it must be up."""
+    if not slurm_up():
+        if os.environ.get("CI"):
+            pytest.fail("SLURM test cluster is not running: scripts/slurm-test-cluster.sh start")
+        pytest.skip("SLURM test cluster is not running: scripts/slurm-test-cluster.sh start")
+
+
+@pytest.fixture
+def slurm_remote(slurm):
+    if not slurm_up("remote"):
+        if os.environ.get("CI"):
+            pytest.fail("second SLURM test cluster `remote` is not running")
+        pytest.skip("second SLURM test cluster `remote` is not running")

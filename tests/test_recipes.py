@@ -1,0 +1,84 @@
+"""Every shipped recipe composes, validates and plans; overrides behave as Hydra's do."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamrl_cli.errors import RecipeError
+from streamrl_cli.launch import plan
+from streamrl_cli.recipe.load import list_recipes, load
+
+RECIPES = list_recipes()
+
+
+def test_the_required_recipes_are_shipped():
+    required = {"local", "slurm-local", "two-site-h800-h20"} | {
+        f"paper/qwen2.5-{size}-{algo}" for size in ("7b", "32b", "72b") for algo in ("ppo", "grpo")
+    }
+    assert required <= set(RECIPES)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_loads_and_plans(name):
+    composed = load(name)
+    r = composed.recipe
+    jobs = plan.jobs(r)
+    assert {j.role for j in jobs} >= {"trainer", "generator"}
+    gen = next(j for j in jobs if j.role == "generator")
+    assert gen.array == r.roles.generator.instances  # generators are always an array
+    for job in jobs:
+        assert job.cluster in r.clusters
+
+
+def test_paper_recipes_describe_the_papers_even_split():
+    # 7B on 32 GPUs, 32B on 64, 72B on 128: half generation, half training, all H800.
+    for size, total in (("7b", 32), ("32b", 64), ("72b", 128)):
+        r = load(f"paper/qwen2.5-{size}-ppo").recipe
+        train = r.roles.trainer.nodes * r.roles.trainer.gpus_per_node
+        gen = r.roles.generator.instances * r.roles.generator.gpus_per_instance
+        assert (train, gen) == (total // 2, total // 2)
+        assert r.task.max_output_len == 20480
+
+
+def test_two_site_recipe_puts_roles_on_different_sites_and_relays_weights(tmp_path):
+    r = load("two-site-h800-h20").recipe
+    specs = plan.role_specs(r, tmp_path)
+    assert r.clusters[r.roles.trainer.cluster].site != r.clusters[r.roles.generator.cluster].site
+    assert specs["generator"].weight_transport == "relay"
+    assert r.clusters["a"].partitions["h800"].gpu_type == "h800"
+    assert r.clusters["b"].partitions["h20"].gpu_type == "h20"
+
+
+def test_value_group_add_and_delete_overrides():
+    c = load(
+        "local",
+        [
+            "roles.generator.instances=3",
+            "algorithm=ppo",
+            "+clusters.local.env.FOO=bar",
+            "~clusters.local.env.FOO",
+            "++run.name=x",
+        ],
+    )
+    assert c.recipe.roles.generator.instances == 3
+    assert c.recipe.algorithm.name == "ppo"
+    assert c.recipe.clusters["local"].env == {}
+    assert c.recipe.run.name == "x"
+    assert c.choices["algorithm"] == "ppo"
+
+
+def test_recipe_from_a_user_directory_uses_shipped_groups(tmp_path):
+    f = tmp_path / "mine.yaml"
+    f.write_text("defaults:\n  - local\n  - _self_\nrun: {name: mine}\ntrain: {iterations: 3}\n")
+    r = load(str(f)).recipe
+    assert (r.run.name, r.train.iterations, r.roles.generator.instances) == ("mine", 3, 2)
+
+
+def test_an_integer_given_as_text_is_converted_as_omegaconf_would():
+    assert load("local", ["train.iterations='7'"]).recipe.train.iterations == 7
+
+
+def test_unknown_recipe_suggests_close_names():
+    with pytest.raises(RecipeError) as e:
+        load("locl")
+    assert "did you mean local" in str(e.value).lower()
