@@ -122,7 +122,8 @@ def recipes() -> None:
 def main() -> None:
     """Console-script entry: user errors are printed once, without a traceback."""
     try:
-        app(standalone_mode=False)
+        # Without standalone mode click returns the code of typer.Exit instead of exiting.
+        code = app(standalone_mode=False)
     except StreamRLError as e:
         err.print(f"[bold red]error:[/bold red] {type(e).__name__}: ", end="")
         err.print(str(e), markup=False, highlight=False)
@@ -142,6 +143,7 @@ def main() -> None:
             e.show()
             sys.exit(e.exit_code)
         raise
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

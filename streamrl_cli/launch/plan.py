@@ -114,7 +114,7 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
         cluster=z_cluster,
         site=r.clusters[z_cluster].site,
         world=1,
-        program="streamrl_cli.rendezvous.server:main",
+        program="streamrl_cli.roles.rendezvous:main",
         weight_transport="none",
         settings=dataclasses.asdict(z),
         **common,

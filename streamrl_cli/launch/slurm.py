@@ -256,3 +256,27 @@ def _sacct(slurm_cluster: str | None, job_ids: list[str]) -> list[dict]:
             }
         )
     return recs
+
+
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
+            "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
+
+
+def run_job_states(jobs: list[dict]) -> list[dict]:
+    """The submitted jobs of a run (jobs.json records) with one `tasks` list each, queried per cluster."""
+    by_cluster: dict[str | None, list[str]] = {}
+    for j in jobs:
+        by_cluster.setdefault(j.get("slurm_cluster"), []).append(str(j["job_id"]))
+    states: dict[tuple[str | None, str], list[dict]] = {}
+    for cluster, ids in by_cluster.items():
+        try:
+            found = query(cluster, ids)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            found = {i: [{"job_id": i, "task": None, "state": "UNKNOWN", "reason": str(e), "nodes": ""}] for i in ids}
+        for i, recs in found.items():
+            states[(cluster, i)] = recs
+    return [{**j, "tasks": states.get((j.get("slurm_cluster"), str(j["job_id"])), [])} for j in jobs]
+
+
+def all_ended(jobs_with_tasks: list[dict]) -> bool:
+    return all(t["state"] in TERMINAL for j in jobs_with_tasks for t in j["tasks"]) and bool(jobs_with_tasks)

@@ -1,0 +1,55 @@
+"""The rendezvous role: the run's control-plane server (streamrl_cli.rendezvous), plus, when it
+runs on the submitting host for a SLURM run, a watcher that stops it once every job has ended,
+so that no server outlives its run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from streamrl_cli.launch import slurm
+from streamrl_cli.launch.plan import RoleSpec
+from streamrl_cli.rundir import RunDir
+
+POLL_S = float(os.environ.get("STREAMRL_JOB_POLL_S", "15"))
+
+
+def main(spec: RoleSpec, rank: int) -> int:
+    from streamrl_cli.rendezvous.server import serve
+
+    s = spec.settings
+    if s.get("placement") == "submit-host":
+        threading.Thread(target=_stop_when_jobs_end, args=(RunDir(Path(spec.run_dir)),), daemon=True).start()
+    serve(
+        Path(spec.run_dir),
+        host=s.get("bind_host", "127.0.0.1"),
+        port=int(s.get("port", 0)),
+        lease_s=float(s.get("lease_s", 10.0)),
+        tls_cert=Path(s["tls_cert"]).expanduser() if s.get("tls_cert") else None,
+        tls_key=Path(s["tls_key"]).expanduser() if s.get("tls_key") else None,
+    )
+    return 0
+
+
+def _stop_when_jobs_end(run: RunDir) -> None:
+    ended_polls = 0
+    while True:
+        time.sleep(POLL_S)
+        jobs = [j for j in run.jobs() if j["role"] != "rendezvous"]
+        if not jobs:
+            continue  # a local run (streamrl run watches it) or not submitted yet
+        states = slurm.run_job_states(jobs)
+        # Two polls in a row: a job array can look ended for a moment between its tasks' records.
+        ended_polls = ended_polls + 1 if slurm.all_ended(states) else 0
+        if ended_polls >= 2:
+            final = {t["state"] for j in states for t in j["tasks"]}
+            info = run.info()
+            if info.get("state") not in ("cancelled",):
+                state = "finished" if final == {"COMPLETED"} else "cancelled" if "CANCELLED" in final else "failed"
+                run.update_info(state=state, ended=time.time())
+                run.event(state, job_states=sorted(final))
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
