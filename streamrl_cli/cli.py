@@ -100,6 +100,51 @@ def cancel(
 
 
 @app.command()
+def status(
+    run_name: Annotated[
+        str | None, typer.Argument(metavar="[RUN]", help="run id, prefix, name or directory")
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print one JSON document (docs/status-json.md)")
+    ] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="refresh in place until Ctrl-C")] = False,
+    interval: Annotated[float, typer.Option(help="seconds between refreshes with --watch")] = 2.0,
+) -> None:
+    """What every role of RUN is doing; without RUN, a table of runs."""
+    import json
+
+    from streamrl_cli import rundir
+    from streamrl_cli import status as st
+    from streamrl_cli import status_view as view
+
+    run = rundir.find(run_name) if run_name else None
+
+    def document() -> dict:
+        return st.collect(run) if run else {"schema": st.SCHEMA_VERSION, "runs": st.runs_summary()}
+
+    def render(doc: dict):  # type: ignore[no-untyped-def]
+        return view.run_view(doc) if run else view.runs_table(doc["runs"])
+
+    if as_json:
+        print(json.dumps(document(), indent=2, sort_keys=True, default=str))
+        return
+    if not watch:
+        console.print(render(document()))
+        return
+    import time
+
+    from rich.live import Live
+
+    with Live(render(document()), console=console, auto_refresh=False) as live:
+        try:
+            while True:
+                time.sleep(interval)
+                live.update(render(document()), refresh=True)
+        except KeyboardInterrupt:
+            pass
+
+
+@app.command()
 def show(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
     """Print the fully composed and validated RECIPE (after overrides) as YAML."""
     from omegaconf import OmegaConf

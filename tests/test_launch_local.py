@@ -80,19 +80,33 @@ def test_dry_run_writes_everything_and_prints_the_run_dir_last(runs_root):
     assert out.returncode == 0, out.stderr
     run_dir = Path(out.stdout.strip().splitlines()[-1])
     assert run_dir.parent == runs_root.resolve()
-    assert {p.name for p in (run_dir / "jobs").iterdir()} == {"local-trainer.sbatch", "local-generator.sbatch"}
-    assert {p.name for p in (run_dir / "roles").iterdir()} == {"trainer.yaml", "generator.yaml", "rendezvous.yaml"}
+    assert {p.name for p in (run_dir / "jobs").iterdir()} == {
+        "local-trainer.sbatch",
+        "local-generator.sbatch",
+    }
+    assert {p.name for p in (run_dir / "roles").iterdir()} == {
+        "trainer.yaml",
+        "generator.yaml",
+        "rendezvous.yaml",
+    }
     assert json.loads((run_dir / "run.json").read_text())["state"] == "dry-run"
     assert not (run_dir / "jobs.json").exists() and not (run_dir / "rendezvous.json").exists()
 
 
 def test_ctrl_c_stops_every_role_and_leaves_no_orphans(runs_root):
-    proc = subprocess.Popen([*STREAMRL, "run", "local", HOLD, "--root", str(runs_root)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "COLUMNS": "200"})
+    proc = subprocess.Popen(
+        [*STREAMRL, "run", "local", HOLD, "--root", str(runs_root)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     try:
-        run_dir = wait_until(lambda: runs_root.exists() and any(runs_root.iterdir()) and run_dir_of(runs_root),
-                             what="run directory")
+        run_dir = wait_until(
+            lambda: runs_root.exists() and any(runs_root.iterdir()) and run_dir_of(runs_root),
+            what="run directory",
+        )
         wait_until(lambda: members_ok(run_dir) == 3, what="all roles through preflight")
         recs = pids(run_dir)
         assert len(recs) == 4 and not none_alive(recs)
@@ -106,11 +120,18 @@ def test_ctrl_c_stops_every_role_and_leaves_no_orphans(runs_root):
 
 
 def test_cancel_from_another_terminal_stops_a_local_run(runs_root):
-    proc = subprocess.Popen([*STREAMRL, "run", "local", HOLD, "--root", str(runs_root)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [*STREAMRL, "run", "local", HOLD, "--root", str(runs_root)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
-        run_dir = wait_until(lambda: runs_root.exists() and any(runs_root.iterdir()) and run_dir_of(runs_root),
-                             what="run directory")
+        run_dir = wait_until(
+            lambda: runs_root.exists() and any(runs_root.iterdir()) and run_dir_of(runs_root),
+            what="run directory",
+        )
         wait_until(lambda: members_ok(run_dir) == 3, what="all roles through preflight")
         recs = pids(run_dir)
         out = streamrl("cancel", run_dir.name[:12])  # a unique prefix of the run id
@@ -127,10 +148,14 @@ def test_cancel_from_another_terminal_stops_a_local_run(runs_root):
 
 
 def test_a_failing_role_fails_the_run_and_shows_its_log(runs_root):
-    out = streamrl("run", "local", "roles.generator.program=streamrl_cli.no_such_module:main",
-                   "--root", str(runs_root))
+    out = streamrl(
+        "run", "local", "roles.generator.program=streamrl_cli.no_such_module:main", "--root", str(runs_root)
+    )
     assert out.returncode == 1
-    assert "generator rank 0 exited with 1" in out.stdout and "No module named 'streamrl_cli.no_such_module'" in out.stdout
+    assert (
+        "generator rank 0 exited with 1" in out.stdout
+        and "No module named 'streamrl_cli.no_such_module'" in out.stdout
+    )
     run_dir = run_dir_of(runs_root)
     assert json.loads((run_dir / "run.json").read_text())["state"] == "failed"
     assert none_alive(pids(run_dir))

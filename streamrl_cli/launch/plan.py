@@ -31,6 +31,7 @@ class RoleSpec:
     weight_transport: str  # how weights reach this role: broadcast (trainer's site) or relay (TCP)
     rendezvous_file: str  # JSON file where the rendezvous server publishes its URL
     secret_file: str  # the run's token (mode 0600)
+    rendezvous_ca: str | None = None  # CA file to verify the server's TLS certificate (null: plain HTTP)
     settings: dict = field(default_factory=dict)  # the role's own recipe section
     model: dict = field(default_factory=dict)
     algorithm: dict = field(default_factory=dict)
@@ -81,6 +82,7 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
         expected=expected,
         rendezvous_file=str(run_dir / "rendezvous.json"),
         secret_file=str(run_dir / "secret"),
+        rendezvous_ca=z.tls_ca,
         model=dataclasses.asdict(r.model),
         algorithm=dataclasses.asdict(r.algorithm),
         task=dataclasses.asdict(r.task),

@@ -258,8 +258,19 @@ def _sacct(slurm_cluster: str | None, job_ids: list[str]) -> list[dict]:
     return recs
 
 
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
-            "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "REVOKED",
+    "SPECIAL_EXIT",
+}
 
 
 def run_job_states(jobs: list[dict]) -> list[dict]:
@@ -272,7 +283,8 @@ def run_job_states(jobs: list[dict]) -> list[dict]:
         try:
             found = query(cluster, ids)
         except (OSError, subprocess.TimeoutExpired) as e:
-            found = {i: [{"job_id": i, "task": None, "state": "UNKNOWN", "reason": str(e), "nodes": ""}] for i in ids}
+            unknown = {"task": None, "state": "UNKNOWN", "reason": str(e), "nodes": ""}
+            found = {i: [{"job_id": i, **unknown}] for i in ids}
         for i, recs in found.items():
             states[(cluster, i)] = recs
     return [{**j, "tasks": states.get((j.get("slurm_cluster"), str(j["job_id"])), [])} for j in jobs]

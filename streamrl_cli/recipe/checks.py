@@ -222,7 +222,7 @@ def _rendezvous(r: Recipe) -> Iterator[Problem]:
             )
     if (z.tls_cert is None) != (z.tls_key is None):
         yield "roles.rendezvous.tls_key", "tls_cert and tls_key go together: set both or neither"
-    for key in ("tls_cert", "tls_key"):
+    for key in ("tls_cert", "tls_key", "tls_ca"):
         f = getattr(z, key)
         if f is not None and not Path(f).expanduser().is_file():
             yield f"roles.rendezvous.{key}", f"no such file: {f}"

@@ -95,6 +95,7 @@ class RendezvousConfig:
     lease_s: float = 10.0  # a member silent for this long is marked lost
     tls_cert: str | None = None  # PEM certificate: serve HTTPS (cross-site links)
     tls_key: str | None = None  # PEM private key of tls_cert
+    tls_ca: str | None = None  # CA bundle to verify the server (self-signed: tls_cert); null: system CAs
     time_min: int = 60  # with placement=job: its wall-clock limit, minutes
 
 

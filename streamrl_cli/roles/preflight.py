@@ -35,7 +35,7 @@ def main(spec: RoleSpec, rank: int) -> int:
     from streamrl_cli.rendezvous.client import RendezvousClient
 
     wait_for_file(Path(spec.rendezvous_file), WAIT_S)
-    client = RendezvousClient.from_run_dir(Path(spec.run_dir))
+    client = RendezvousClient.from_run_dir(Path(spec.run_dir), tls_ca=spec.rendezvous_ca)
     try:
         client.register(
             role=spec.role,

@@ -48,7 +48,13 @@ def _stop_when_jobs_end(run: RunDir) -> None:
             final = {t["state"] for j in states for t in j["tasks"]}
             info = run.info()
             if info.get("state") not in ("cancelled",):
-                state = "finished" if final == {"COMPLETED"} else "cancelled" if "CANCELLED" in final else "failed"
+                state = (
+                    "finished"
+                    if final == {"COMPLETED"}
+                    else "cancelled"
+                    if "CANCELLED" in final
+                    else "failed"
+                )
                 run.update_info(state=state, ended=time.time())
                 run.event(state, job_states=sorted(final))
             os.kill(os.getpid(), signal.SIGTERM)
