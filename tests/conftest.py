@@ -48,7 +48,10 @@ def slurm_up(cluster: str | None = None) -> bool:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return False
-    return out.returncode == 0 and any(s in out.stdout for s in ("idle", "mix", "alloc"))
+    states = out.stdout.split()
+    return out.returncode == 0 and bool(states) and not any(
+        bad in s for s in states for bad in ("down", "drain", "fail", "inval", "unk")
+    )
 
 
 @pytest.fixture

@@ -213,7 +213,7 @@ def _squeue_records(text: str) -> list[dict]:
                 if is_array
                 else None,
                 "state": state or "UNKNOWN",
-                "reason": j.get("state_reason") or "",
+                "reason": "" if j.get("state_reason") in (None, "None") else j["state_reason"],
                 "nodes": j.get("nodes") or "",
                 "partition": j.get("partition") or "",
             }
