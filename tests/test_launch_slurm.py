@@ -173,3 +173,14 @@ def test_status_works_without_accounting(slurm, runs_root, tmp_path):
     assert all_tasks(doc, "COMPLETED")
     table = streamrl("status", env=env)
     assert table.returncode == 0 and run.name in table.stdout
+
+
+def test_rendezvous_as_its_own_job(slurm, runs_root):
+    run = launch(runs_root, "slurm-local", "roles.rendezvous.placement=job", "roles.rendezvous.cluster=local",
+                 "roles.rendezvous.partition=h800", "roles.rendezvous.bind_host=0.0.0.0")
+    jobs = json.loads((run / "jobs.json").read_text())
+    assert [j["role"] for j in jobs] == ["rendezvous", "trainer", "generator"]
+    doc = wait_for(run, lambda d: d["state"] == "finished", what="run finished")
+    rdv = next(r for r in doc["roles"] if r["role"] == "rendezvous")
+    assert [t["state"] for j in rdv["jobs"] for t in j["tasks"]] == ["COMPLETED"]  # stopped itself at the end
+    assert json.loads((run / "members" / "generator-0.json").read_text())["preflight_ok"]

@@ -28,7 +28,8 @@ from streamrl_cli.launch.plan import JobSpec, RoleSpec
 from streamrl_cli.recipe.load import Composed
 from streamrl_cli.rundir import RunDir, write_atomic
 
-RENDEZVOUS_START_S = 60.0
+RENDEZVOUS_START_S = 60.0  # a local server starts in about a second
+RENDEZVOUS_JOB_START_S = 900.0  # a server job may wait in the queue first
 
 
 @dataclass
@@ -91,7 +92,9 @@ def launch(p: Prepared, console: Console) -> int:
             local.spawn(run, "rendezvous", 0, local.role_command(p.spec_paths["rendezvous"], 0))
         else:
             _submit(p, rdv_job, console)
-        url = wait_rendezvous(run, RENDEZVOUS_START_S)
+        if rdv_job is not None:
+            console.print("waiting for the rendezvous job to start ...")
+        url = wait_rendezvous(run, RENDEZVOUS_START_S if rdv_job is None else RENDEZVOUS_JOB_START_S)
         console.print(f"rendezvous: {url}")
         for job in role_jobs:
             if job.launcher == "slurm":

@@ -1,6 +1,6 @@
 """The rendezvous role: the run's control-plane server (streamrl_cli.rendezvous), plus, when it
-runs on the submitting host for a SLURM run, a watcher that stops it once every job has ended,
-so that no server outlives its run."""
+serves a SLURM run, a watcher that stops it once every other job of the run has ended, so
+that no server outlives its run (on the submitting host or as its own job)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ def main(spec: RoleSpec, rank: int) -> int:
     from streamrl_cli.rendezvous.server import serve
 
     s = spec.settings
-    if s.get("placement") == "submit-host":
-        threading.Thread(target=_stop_when_jobs_end, args=(RunDir(Path(spec.run_dir)),), daemon=True).start()
+    threading.Thread(target=_stop_when_jobs_end, args=(RunDir(Path(spec.run_dir)),), daemon=True).start()
     serve(
         Path(spec.run_dir),
         host=s.get("bind_host", "127.0.0.1"),
@@ -40,7 +39,7 @@ def _stop_when_jobs_end(run: RunDir) -> None:
         time.sleep(POLL_S)
         jobs = [j for j in run.jobs() if j["role"] != "rendezvous"]
         if not jobs:
-            continue  # a local run (streamrl run watches it) or not submitted yet
+            continue  # a local run (streamrl run watches it), or jobs not submitted yet
         states = slurm.run_job_states(jobs)
         # Two polls in a row: a job array can look ended for a moment between its tasks' records.
         ended_polls = ended_polls + 1 if slurm.all_ended(states) else 0
