@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import tempfile
 import time
 from dataclasses import dataclass
@@ -96,14 +95,13 @@ class RunDir:
     def add_job(self, record: dict) -> None:
         write_json(self.path / "jobs.json", [*self.jobs(), record])
 
-    def secret_file(self) -> Path:
-        return self.path / "secret"
-
     def ensure_secret(self) -> str:
-        f = self.secret_file()
-        if not f.exists():
-            write_atomic(f, secrets.token_urlsafe(32) + "\n", mode=0o600)
-        return f.read_text().strip()
+        """The run's token, created (mode 0600, never overwritten) on first use."""
+        from streamrl_cli.rendezvous import SECRET_FILE, create_secret, read_secret
+
+        if (self.path / SECRET_FILE).exists():
+            return read_secret(self.path)
+        return create_secret(self.path)
 
 
 def create(root: Path, name: str, now: float | None = None) -> RunDir:

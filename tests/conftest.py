@@ -23,7 +23,20 @@ def streamrl_home(tmp_path, monkeypatch):
 
 @pytest.fixture
 def runs_root(tmp_path):
-    return tmp_path / "runs"
+    """Where a test's runs go; whatever a test leaves running (a failed assertion) is cancelled."""
+    root = tmp_path / "runs"
+    yield root
+    from streamrl_cli.errors import StreamRLError
+    from streamrl_cli.launch.run import cancel
+    from streamrl_cli.rundir import RunDir
+
+    for run_dir in root.glob("*/run.json"):
+        run = RunDir(run_dir.parent)
+        if run.info().get("state") in ("running", "created"):
+            try:
+                cancel(run, reason="test teardown")
+            except StreamRLError:
+                pass
 
 
 def streamrl(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
@@ -49,8 +62,10 @@ def slurm_up(cluster: str | None = None) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     states = out.stdout.split()
-    return out.returncode == 0 and bool(states) and not any(
-        bad in s for s in states for bad in ("down", "drain", "fail", "inval", "unk")
+    return (
+        out.returncode == 0
+        and bool(states)
+        and not any(bad in s for s in states for bad in ("down", "drain", "fail", "inval", "unk"))
     )
 
 

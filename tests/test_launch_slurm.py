@@ -170,18 +170,28 @@ def test_status_works_without_accounting(slurm, runs_root, tmp_path):
         if doc["state"] == "finished":
             break
         time.sleep(1)
-    assert all_tasks(doc, "COMPLETED")
+    assert all_tasks(doc, "COMPLETED"), json.dumps(doc, indent=1)[:4000]
     table = streamrl("status", env=env)
     assert table.returncode == 0 and run.name in table.stdout
 
 
 def test_rendezvous_as_its_own_job(slurm, runs_root):
-    run = launch(runs_root, "slurm-local", "roles.rendezvous.placement=job", "roles.rendezvous.cluster=local",
-                 "roles.rendezvous.partition=h800", "roles.rendezvous.bind_host=0.0.0.0")
+    run = launch(
+        runs_root,
+        "slurm-local",
+        "roles.rendezvous.placement=job",
+        "roles.rendezvous.cluster=local",
+        "roles.rendezvous.partition=h800",
+        "roles.rendezvous.bind_host=0.0.0.0",
+    )
     jobs = json.loads((run / "jobs.json").read_text())
     assert [j["role"] for j in jobs] == ["rendezvous", "trainer", "generator"]
     wait_for(run, lambda d: d["state"] == "finished", what="run finished")
     # ... and then the server job ends by itself instead of holding its node until the time limit
-    wait_for(run, lambda d: [t["state"] for t in tasks(d, "rendezvous")] == ["COMPLETED"], timeout=60,
-             what="rendezvous job completed")
+    wait_for(
+        run,
+        lambda d: [t["state"] for t in tasks(d, "rendezvous")] == ["COMPLETED"],
+        timeout=60,
+        what="rendezvous job completed",
+    )
     assert json.loads((run / "members" / "generator-0.json").read_text())["preflight_ok"]

@@ -1,0 +1,100 @@
+"""The run's control plane: one small HTTP rendezvous server per run, and its client.
+
+Every role of a run (trainer, generators, relays) registers here, heartbeats, reports
+metrics and learns about the others; the trainer announces weight versions through it and
+``streamrl status`` reads it. It is HTTP so that it crosses sites and firewalls and can be
+inspected with curl, every call carries the run's secret token, and its state survives a
+restart of the server (see ``state.py``).
+
+Files it owns inside a run directory::
+
+    run_dir/secret                      token, mode 0600, written by the launcher (create_secret)
+    run_dir/rendezvous.json             where the server listens (written atomically when ready)
+    run_dir/metrics.jsonl               one line per metrics record posted by any member
+    run_dir/rendezvous/journal.jsonl    append-only event journal (fsynced state changes)
+    run_dir/rendezvous/snapshot.json    compacted state, written when the journal grows long
+
+The modules import lazily so that ``import streamrl_cli.rendezvous`` stays cheap: the
+server does not need httpx, and the client does not need aiohttp.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from streamrl_cli.errors import RendezvousError
+
+if TYPE_CHECKING:
+    from streamrl_cli.rendezvous.client import RendezvousClient, RendezvousRequestError
+    from streamrl_cli.rendezvous.server import serve
+
+SECRET_FILE = "secret"
+ENDPOINT_FILE = "rendezvous.json"
+METRICS_FILE = "metrics.jsonl"
+STATE_DIR = "rendezvous"
+# Shorter tokens are refused: the token is the only thing between the internet and the run.
+MIN_TOKEN_CHARS = 16
+
+__all__ = [
+    "ENDPOINT_FILE",
+    "METRICS_FILE",
+    "SECRET_FILE",
+    "STATE_DIR",
+    "RendezvousClient",
+    "RendezvousRequestError",
+    "create_secret",
+    "read_secret",
+    "serve",
+]
+
+
+def create_secret(run_dir: Path) -> str:
+    """Create ``run_dir/secret`` with a fresh random token (mode 0600) and return the token.
+
+    The file is created with O_EXCL so that an existing run's token is never overwritten.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    fd = os.open(run_dir / SECRET_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def read_secret(run_dir: Path) -> str:
+    """Read the run's token from ``run_dir/secret``, refusing a file others can read."""
+    path = Path(run_dir) / SECRET_FILE
+    try:
+        mode = path.stat().st_mode
+        token = path.read_text().strip()
+    except FileNotFoundError:
+        raise RendezvousError(
+            f"{path} does not exist; the launcher creates it (streamrl_cli.rendezvous.create_secret)"
+        ) from None
+    except OSError as e:
+        raise RendezvousError(f"cannot read the run token {path}: {e}") from None
+    if stat.S_IMODE(mode) & 0o077:
+        raise RendezvousError(
+            f"{path} has mode {stat.S_IMODE(mode):04o}, readable by other users; run `chmod 600 {path}`"
+        )
+    if len(token) < MIN_TOKEN_CHARS:
+        raise RendezvousError(f"{path} holds a token of {len(token)} characters; need >= {MIN_TOKEN_CHARS}")
+    return token
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy re-exports: importing the package must not pull in aiohttp or httpx.
+    if name in ("RendezvousClient", "RendezvousRequestError"):
+        from streamrl_cli.rendezvous import client
+
+        return getattr(client, name)
+    if name == "serve":
+        from streamrl_cli.rendezvous import server
+
+        return server.serve
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

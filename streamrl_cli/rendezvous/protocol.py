@@ -1,0 +1,200 @@
+"""The rendezvous wire protocol: request schemas and their validation, error documents.
+
+Kept apart from the handlers so that what a valid request is can be read in one place
+(``docs/rendezvous-api.md`` follows it). Every way a request can be wrong ends in an
+:class:`ApiError`, which the server turns into a 4xx JSON document naming what is wrong
+and, for bodies, showing a valid example. Bodies are decoded with msgspec Structs that
+forbid unknown fields, so a misspelt field is an error rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any
+
+import msgspec
+from aiohttp import web
+
+MAX_BODY = 256 * 1024  # a register body with engine info fits in a few KiB
+MAX_RECORD = 16 * 1024  # metrics and progress documents are meant to be small
+MAX_KEYS = 64
+MAX_DEPTH = 8  # free-form documents are journaled with the json module: keep them shallow
+MAX_POLL_S = 60.0
+# HTTP status of each state-machine refusal (state.Rejected.code); anything else is 409.
+REJECT_STATUS = {"unknown_member": 404, "unknown_version": 404, "member_left": 410}
+
+Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")]
+Label = Annotated[str, msgspec.Meta(max_length=255)]
+MemberId = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
+Version = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class RegisterBody(msgspec.Struct, forbid_unknown_fields=True):
+    role: Name
+    rank: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]  # or the SLURM array index
+    cluster: Label = ""
+    host: Label = ""
+    site: Label = ""
+    addresses: dict[Name, Label] = msgspec.field(default_factory=dict)  # name -> "host:port"
+    info: dict[str, Any] = msgspec.field(default_factory=dict)  # engine, device, ...
+
+
+class HeartbeatBody(msgspec.Struct, forbid_unknown_fields=True):
+    member_id: MemberId
+    incarnation: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    weight_version: Version | None = None
+    state: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
+
+
+class LeaveBody(msgspec.Struct, forbid_unknown_fields=True):
+    member_id: MemberId
+    reason: Label = ""
+
+
+class ProposeBody(msgspec.Struct, forbid_unknown_fields=True):
+    version: Version
+    required_roles: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=MAX_KEYS)]
+
+
+class ConfirmBody(msgspec.Struct, forbid_unknown_fields=True):
+    member_id: MemberId
+    version: Version
+
+
+class MetricsBody(msgspec.Struct, forbid_unknown_fields=True):
+    member_id: MemberId
+    record: Annotated[dict[str, Any], msgspec.Meta(max_length=MAX_KEYS)]
+
+
+# What a valid body looks like, sent back with every validation error.
+EXAMPLES: dict[str, dict[str, Any]] = {
+    "/v1/register": {
+        "role": "generator",
+        "rank": 0,
+        "cluster": "h20",
+        "host": "node12",
+        "site": "siteB",
+        "addresses": {"samples": "node12:29500"},
+        "info": {"engine": "vllm", "device": "H20"},
+    },
+    "/v1/heartbeat": {
+        "member_id": "generator-0",
+        "incarnation": 1,
+        "weight_version": 3,
+        "state": "generating",
+    },
+    "/v1/leave": {"member_id": "generator-0", "reason": "done"},
+    "/v1/versions/propose": {"version": 4, "required_roles": ["generator"]},
+    "/v1/versions/confirm": {"member_id": "generator-0", "version": 4},
+    "/v1/metrics": {"member_id": "generator-0", "record": {"step": 12, "tokens_per_s": 5300.0}},
+    "/v1/progress": {"step": 12, "samples": 12288},
+}
+RESERVED_METRIC_KEYS = {"time", "member_id", "role", "rank"}  # metrics.jsonl adds these itself
+
+
+class ApiError(Exception):
+    """A request the server cannot accept: HTTP status, stable code, message, extra fields."""
+
+    def __init__(self, status: int, code: str, message: str, **extra: Any):
+        super().__init__(message)
+        self.status, self.code, self.extra = status, code, extra
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(data), status=status, content_type="application/json")
+
+
+def error_response(status: int, code: str, message: str, **extra: Any) -> web.Response:
+    return json_response({"error": code, "message": message, **extra}, status)
+
+
+def invalid(path: str, message: str) -> ApiError:
+    return ApiError(422, "invalid_body", f"invalid body: {message}", expected=EXAMPLES[path])
+
+
+async def decode_body(request: web.Request, typ: Any) -> Any:
+    """The request's JSON body as `typ`, or an ApiError saying what is wrong with it."""
+    example = {"expected": EXAMPLES[request.path]}
+    if request.content_type != "application/json":
+        got = request.headers.get("Content-Type", "none")
+        raise ApiError(
+            415, "unsupported_media_type", f"Content-Type must be application/json, got {got!r}", **example
+        )
+    raw = await request.read()  # raises 413 past the application's client_max_size
+    try:
+        return msgspec.json.decode(raw, type=typ)
+    except msgspec.ValidationError as e:
+        raise invalid(request.path, str(e)) from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec lets bad UTF-8 in strings through
+        raise ApiError(400, "invalid_json", f"the body is not a JSON document: {e}", **example) from None
+    except RecursionError:
+        raise ApiError(400, "invalid_json", "the body is nested too deeply", **example) from None
+
+
+def check_addresses(path: str, addresses: dict[str, str]) -> None:
+    for name, addr in addresses.items():
+        host, _, port = addr.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise invalid(path, f"addresses.{name} = {addr!r} is not 'host:port' with a port in 1..65535")
+
+
+def check_document(doc: dict[str, Any], what: str, path: str, reserved: set[str]) -> None:
+    """A free-form document (info, metrics, progress): small, flat-ish, no keys the server sets."""
+    bad = sorted(reserved & set(doc))
+    size = len(msgspec.json.encode(doc))
+    if bad:
+        why = f"uses reserved key(s) {bad}"
+    elif size > MAX_RECORD or len(doc) > MAX_KEYS:
+        why = f"is too large ({size} bytes, {len(doc)} keys)"
+    elif _depth(doc) > MAX_DEPTH:
+        why = f"nests deeper than {MAX_DEPTH} levels"
+    else:
+        return
+    limits = f"{MAX_RECORD} bytes, {MAX_KEYS} keys and {MAX_DEPTH} levels"
+    raise invalid(path, f"{what} {why}; keep it under {limits}, without {sorted(reserved)}")
+
+
+def _depth(obj: Any) -> int:
+    """Nesting depth of a decoded JSON value, without recursion (the value may be hostile)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        value, d = stack.pop()
+        deepest = max(deepest, d)
+        if d <= MAX_DEPTH and isinstance(value, dict | list):
+            stack.extend((v, d + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return deepest
+
+
+def check_progress(path: str, doc: dict[str, Any]) -> None:
+    step = doc.get("step")
+    if type(step) is not int or not 0 <= step < 2**63:  # type(): a JSON true must not pass as 1
+        raise invalid(path, f"'step' must be an integer in 0..2**63-1, got {step!r}")
+    check_document(doc, "body", path, reserved={"updated"})
+
+
+def parse_query(request: web.Request, allowed: set[str]) -> dict[str, str]:
+    unknown = sorted(set(request.query) - allowed)
+    if unknown:
+        raise ApiError(
+            400,
+            "invalid_query",
+            f"unknown query parameter(s) {unknown} for {request.path}; valid: {sorted(allowed)}",
+        )
+    return dict(request.query)
+
+
+def query_number(q: dict[str, str], key: str, typ: type, default: Any, lo: float, hi: float | None) -> Any:
+    """Query parameter `key` as `typ` within [lo, hi], or an ApiError naming the valid range."""
+    if key not in q:
+        return default
+    try:
+        value = typ(q[key])
+        ok = math.isfinite(value) and value >= lo and (hi is None or value <= hi)
+    except ValueError:
+        ok = False
+    if not ok:
+        bound = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise ApiError(
+            400, "invalid_query", f"query parameter {key}={q[key]!r} must be {typ.__name__} {bound}"
+        )
+    return value

@@ -1,0 +1,231 @@
+"""The rendezvous HTTP API at its edges: authentication and malformed requests.
+
+The server runs in a thread of the test process (``server.run`` with a stop event), on a
+real loopback socket, so that its log lines can be checked with caplog. Every request
+here is raw httpx, the way curl or a buggy member would send it, not through the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+
+import httpx
+import pytest
+
+from streamrl_cli.rendezvous import create_secret
+from streamrl_cli.rendezvous.server import run
+
+ENDPOINTS = [
+    ("POST", "/v1/register"),
+    ("POST", "/v1/heartbeat"),
+    ("POST", "/v1/leave"),
+    ("GET", "/v1/members"),
+    ("GET", "/v1/events"),
+    ("GET", "/v1/versions"),
+    ("POST", "/v1/versions/propose"),
+    ("POST", "/v1/versions/confirm"),
+    ("POST", "/v1/metrics"),
+    ("POST", "/v1/progress"),
+    ("GET", "/v1/status"),
+]
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    """(http client with the token, run dir): a server in a thread, shared by this module."""
+    run_dir = tmp_path_factory.mktemp("rendezvous-api")
+    token = create_secret(run_dir)
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    coro = run(run_dir, host="127.0.0.1", port=0, lease_s=30.0, ssl_context=None, token=token, stop=stop)
+    thread = threading.Thread(target=loop.run_until_complete, args=(coro,), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not (run_dir / "rendezvous.json").exists():
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    url = json.loads((run_dir / "rendezvous.json").read_text())["url"]
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=5) as http:
+        r = http.post("/v1/register", json={"role": "generator", "rank": 0})
+        assert r.status_code == 200, r.text
+        yield http
+    loop.call_soon_threadsafe(stop.set)
+    thread.join(timeout=10)
+    loop.close()
+
+
+def test_healthz_needs_no_token(api):
+    r = httpx.get(api.base_url.join("/healthz"))
+    assert r.status_code == 200 and r.json() == {"ok": True}
+
+
+@pytest.mark.parametrize("method,path", ENDPOINTS, ids=[p for _, p in ENDPOINTS])
+@pytest.mark.parametrize(
+    "auth", [None, "Bearer not-the-token", "Basic dXNlcjpwdw=="], ids=["missing", "wrong", "basic"]
+)
+def test_every_endpoint_rejects_a_missing_or_wrong_token(api, caplog, method, path, auth):
+    headers = {"Authorization": auth} if auth else {}
+    caplog.set_level(logging.WARNING, logger="streamrl.rendezvous")
+    with httpx.Client(base_url=api.base_url, timeout=5) as anonymous:
+        r = anonymous.request(method, path, headers=headers, json={"role": "trainer", "rank": 0})
+    assert r.status_code == 401
+    assert r.json()["error"] == "unauthorized" and "Authorization: Bearer" in r.json()["message"]
+    lines = [rec.getMessage() for rec in caplog.records if "unauthorized" in rec.getMessage()]
+    assert len(lines) == 1 and path in lines[0] and "127.0.0.1" in lines[0]
+    assert "trainer-0" not in {m["member_id"] for m in api.get("/v1/members").json()["members"]}
+
+
+BIG = {"role": "generator", "rank": 1, "info": {"blob": "x" * (300 * 1024)}}
+JSON = {"Content-Type": "application/json"}
+# id: (method, path, body: dict (sent as JSON) | bytes (sent as-is), headers, status, error code, in message)
+MALFORMED = {
+    "not-json": ("POST", "/v1/register", b"{role: generator", JSON, 400, "invalid_json", "not a JSON"),
+    "empty-body": ("POST", "/v1/heartbeat", b"", JSON, 400, "invalid_json", "not a JSON"),
+    "not-utf8": ("POST", "/v1/heartbeat", b'{"member_id": "\xff"}', JSON, 400, "invalid_json", ""),
+    "array-body": ("POST", "/v1/register", b"[1, 2]", JSON, 422, "invalid_body", "Expected `object`"),
+    "wrong-type": ("POST", "/v1/register", {"role": "generator", "rank": "0"}, {}, 422, "", "$.rank"),
+    "missing-field": ("POST", "/v1/register", {"role": "generator"}, {}, 422, "", "`rank`"),
+    "unknown-field": (
+        "POST",
+        "/v1/heartbeat",
+        {"member_id": "generator-0", "weight_verison": 1},
+        {},
+        422,
+        "",
+        "weight_verison",
+    ),
+    "negative-rank": ("POST", "/v1/register", {"role": "generator", "rank": -1}, {}, 422, "", ">= 0"),
+    "negative-version": (
+        "POST",
+        "/v1/versions/propose",
+        {"version": -3, "required_roles": ["generator"]},
+        {},
+        422,
+        "",
+        ">= 0 - at `$.version`",
+    ),
+    "no-required-roles": (
+        "POST",
+        "/v1/versions/propose",
+        {"version": 3, "required_roles": []},
+        {},
+        422,
+        "",
+        "length >= 1",
+    ),
+    "bad-role-name": ("POST", "/v1/register", {"role": "gen erator!", "rank": 0}, {}, 422, "", "$.role"),
+    "bad-address": (
+        "POST",
+        "/v1/register",
+        {"role": "generator", "rank": 2, "addresses": {"s": "node:99999"}},
+        {},
+        422,
+        "invalid_body",
+        "'host:port'",
+    ),
+    "unknown-member": (
+        "POST",
+        "/v1/heartbeat",
+        {"member_id": "generator-99"},
+        {},
+        404,
+        "unknown_member",
+        "register first",
+    ),
+    "unknown-version": (
+        "POST",
+        "/v1/versions/confirm",
+        {"member_id": "generator-0", "version": 77},
+        {},
+        404,
+        "unknown_version",
+        "never proposed",
+    ),
+    "reserved-metric": (
+        "POST",
+        "/v1/metrics",
+        {"member_id": "generator-0", "record": {"rank": 5}},
+        {},
+        422,
+        "",
+        "reserved",
+    ),
+    "metrics-too-big": (
+        "POST",
+        "/v1/metrics",
+        {"member_id": "generator-0", "record": {"x": "y" * 20000}},
+        {},
+        422,
+        "",
+        "too large",
+    ),
+    "step-is-bool": (
+        "POST",
+        "/v1/progress",
+        {"step": True},
+        {},
+        422,
+        "",
+        "'step' must be an integer in 0..2**63-1",
+    ),
+    "negative-step": ("POST", "/v1/progress", {"step": -1}, {}, 422, "", "'step'"),
+    "nested-too-deep": (
+        "POST",
+        "/v1/metrics",
+        {"member_id": "generator-0", "record": {"a": [[[[[[[[[1]]]]]]]]]}},
+        {},
+        422,
+        "",
+        "nests deeper than 8",
+    ),
+    "recursion-bomb": (
+        "POST",
+        "/v1/progress",
+        b'{"step": 1, "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        JSON,
+        400,
+        "invalid_json",
+        "nested too deeply",
+    ),
+    "huge-body": ("POST", "/v1/register", BIG, {}, 413, "body_too_large", "larger than"),
+    "wrong-content-type": (
+        "POST",
+        "/v1/register",
+        b"role=generator&rank=0",
+        {"Content-Type": "application/x-www-form-urlencoded"},
+        415,
+        "",
+        "application/json",
+    ),
+    "unknown-path": ("GET", "/v1/nothing-here", None, {}, 404, "not_found", "no endpoint"),
+    "wrong-method": ("GET", "/v1/register", None, {}, 405, "method_not_allowed", "allowed: ['POST']"),
+    "negative-since": ("GET", "/v1/events?since=-1", None, {}, 400, "invalid_query", "since"),
+    "nan-timeout": ("GET", "/v1/events?timeout=nan", None, {}, 400, "invalid_query", "timeout"),
+    "unknown-query": ("GET", "/v1/members?rol=generator", None, {}, 400, "invalid_query", "['role']"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED), ids=list(MALFORMED))
+def test_malformed_request_gets_a_4xx_naming_the_problem_and_the_server_keeps_serving(api, case):
+    method, path, body, headers, status, code, needle = MALFORMED[case]
+    if isinstance(body, dict):
+        r = api.request(method, path, json=body, headers=headers)
+    else:
+        r = api.request(method, path, content=body, headers=headers)
+    assert r.status_code == status, r.text
+    doc = r.json()
+    assert doc["error"] == (code or doc["error"]) and needle in doc["message"], doc
+    if method == "POST" and path != "/v1/nothing-here" and status in (400, 415, 422):
+        assert "expected" in doc  # the answer shows a valid body
+    assert api.get("/healthz").json() == {"ok": True}
+    assert api.get("/v1/status").status_code == 200
+
+
+def test_rejected_requests_leave_no_trace(api, tmp_path):
+    status = api.get("/v1/status").json()
+    assert sorted(m["member_id"] for m in status["members"]) == ["generator-0"]
+    assert status["versions"]["pending"] == [] and status["progress"] == {}
