@@ -92,7 +92,8 @@ def _rendezvous(run: RunDir) -> dict[str, Any]:
         versions=st.get("versions", {}),
         progress=st.get("progress") or {},
         _members=[
-            {**m, "metrics": st.get("metrics", {}).get(m["member_id"], {})} for m in st.get("members", [])
+            {**m, "metrics": (st.get("metrics", {}).get(m["member_id"]) or {}).get("record", {})}
+            for m in st.get("members", [])
         ],
     )
     return out
