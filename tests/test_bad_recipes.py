@@ -72,6 +72,12 @@ MISTAKES = [
         ["roles.trainer.nodes=3"],
         ["roles.trainer.nodes", "allows 1"],
     ),
+    (
+        "more CPUs per node than the partition has",
+        "",
+        ["roles.trainer.gpus_per_node=2", "roles.trainer.cpus_per_task=2"],
+        ["roles.trainer.cpus_per_task", "× 2 task(s) per node", "has 2 CPUs per node"],
+    ),
     ("unparsable override", "", ["train.iterations=[1,"], ["cannot parse override"]),
     (
         "a mapping where a number goes",
@@ -121,7 +127,7 @@ def test_every_problem_is_reported_at_once(tmp_path, runs_root):
     )
     assert out.returncode == 2
     text = " ".join(out.stderr.split())
-    assert "5 problem(s)" in text
+    assert "6 problem(s)" in text  # 8 GPUs per node is also 8 tasks of 1 CPU on 2-CPU nodes
     for key in (
         "run.nmae",
         "algorithm.name",

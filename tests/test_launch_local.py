@@ -55,6 +55,24 @@ def none_alive(recs: list[dict]) -> bool:
     return True
 
 
+def start_held_run(runs_root: Path) -> tuple[subprocess.Popen, Path]:
+    """`streamrl run local` whose roles hold (heartbeating) after preflight; returns once all passed it."""
+    proc = subprocess.Popen(
+        [*STREAMRL, "run", "local", HOLD, "--root", str(runs_root)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    run_dir = wait_until(
+        lambda: runs_root.exists() and any(runs_root.iterdir()) and run_dir_of(runs_root),
+        what="run directory",
+    )
+    wait_until(lambda: members_ok(run_dir) == 3, what="all roles through preflight")
+    return proc, run_dir
+
+
 def test_local_run_meets_at_the_rendezvous_and_finishes(runs_root):
     out = streamrl("run", "local", "--root", str(runs_root))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -94,20 +112,8 @@ def test_dry_run_writes_everything_and_prints_the_run_dir_last(runs_root):
 
 
 def test_ctrl_c_stops_every_role_and_leaves_no_orphans(runs_root):
-    proc = subprocess.Popen(
-        [*STREAMRL, "run", "local", HOLD, "--root", str(runs_root)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "COLUMNS": "200"},
-    )
+    proc, run_dir = start_held_run(runs_root)
     try:
-        run_dir = wait_until(
-            lambda: runs_root.exists() and any(runs_root.iterdir()) and run_dir_of(runs_root),
-            what="run directory",
-        )
-        wait_until(lambda: members_ok(run_dir) == 3, what="all roles through preflight")
         recs = pids(run_dir)
         assert len(recs) == 4 and not none_alive(recs)
         proc.send_signal(signal.SIGINT)
@@ -120,19 +126,8 @@ def test_ctrl_c_stops_every_role_and_leaves_no_orphans(runs_root):
 
 
 def test_cancel_from_another_terminal_stops_a_local_run(runs_root):
-    proc = subprocess.Popen(
-        [*STREAMRL, "run", "local", HOLD, "--root", str(runs_root)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc, run_dir = start_held_run(runs_root)
     try:
-        run_dir = wait_until(
-            lambda: runs_root.exists() and any(runs_root.iterdir()) and run_dir_of(runs_root),
-            what="run directory",
-        )
-        wait_until(lambda: members_ok(run_dir) == 3, what="all roles through preflight")
         recs = pids(run_dir)
         out = streamrl("cancel", run_dir.name[:12])  # a unique prefix of the run id
         assert out.returncode == 0, out.stderr

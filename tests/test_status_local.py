@@ -8,28 +8,17 @@ import os
 import pty
 import select
 import signal
-import subprocess
 import time
 
 import pytest
 from conftest import REPO, STREAMRL, streamrl
-from test_launch_local import HOLD, members_ok, run_dir_of, wait_until
+from test_launch_local import members_ok, run_dir_of, start_held_run
 
 
 @pytest.fixture
 def held_run(runs_root):
     """A local run whose roles hold after preflight (heartbeating) until cancelled."""
-    proc = subprocess.Popen(
-        [*STREAMRL, "run", "local", HOLD, "--root", str(runs_root)],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    run_dir = wait_until(
-        lambda: runs_root.exists() and any(runs_root.iterdir()) and run_dir_of(runs_root),
-        what="run directory",
-    )
-    wait_until(lambda: members_ok(run_dir) == 3, what="preflight")
+    proc, run_dir = start_held_run(runs_root)
     yield run_dir
     streamrl("cancel", str(run_dir))
     proc.wait(timeout=60)

@@ -86,12 +86,14 @@ def _placement(
             )
         )
         return c, None
-    if job.cpus_per_task > p.cpus_per_node:
+    # Trainer ranks are one task per GPU, all on the same node: their CPUs add up.
+    tasks = max(getattr(job, "gpus_per_node", 1), 1)
+    if job.cpus_per_task * tasks > p.cpus_per_node:
         out.append(
             (
                 f"roles.{role}.cpus_per_task",
-                f"{job.cpus_per_task} CPUs per task but partition {job.partition!r} has "
-                f"{p.cpus_per_node} per node",
+                f"{job.cpus_per_task} CPUs per task × {tasks} task(s) per node but partition "
+                f"{job.partition!r} has {p.cpus_per_node} CPUs per node",
             )
         )
     if job.mem_gb is not None and job.mem_gb > p.mem_gb_per_node:
@@ -112,13 +114,7 @@ def _trainer(r: Recipe) -> Iterator[Problem]:
     yield from _common(t, "trainer")
     if t.nodes < 1:
         yield "roles.trainer.nodes", f"must be at least 1, got {t.nodes}"
-    if t.gpus_per_node < 0:
-        yield "roles.trainer.gpus_per_node", f"must be 0 (CPU) or more, got {t.gpus_per_node}"
-    if gpus_avail is not None and t.gpus_per_node > gpus_avail:
-        where = (
-            f"partition {t.partition!r}" if c and c.launcher == "slurm" else f"local cluster {t.cluster!r}"
-        )
-        yield "roles.trainer.gpus_per_node", f"{t.gpus_per_node} GPUs per node but {where} has {gpus_avail}"
+    yield from _gpus_fit(t, "trainer", "gpus_per_node", c, gpus_avail, "per node")
     if c and c.launcher == "slurm" and t.partition in c.partitions:
         max_nodes = c.partitions[t.partition].max_nodes
         if t.nodes > max_nodes:
@@ -157,19 +153,7 @@ def _generator(r: Recipe) -> Iterator[Problem]:
     yield from _common(g, "generator")
     if g.instances < 1:
         yield "roles.generator.instances", f"must be at least 1, got {g.instances}"
-    if g.gpus_per_instance < 0:
-        yield "roles.generator.gpus_per_instance", f"must be 0 (CPU) or more, got {g.gpus_per_instance}"
-    if gpus_avail is not None and g.gpus_per_instance > gpus_avail:
-        where = (
-            f"partition {g.partition!r}" if c and c.launcher == "slurm" else f"local cluster {g.cluster!r}"
-        )
-        yield (
-            "roles.generator.gpus_per_instance",
-            (
-                f"{g.gpus_per_instance} GPUs per instance but {where} has {gpus_avail} per node "
-                "(an instance lives on one node)"
-            ),
-        )
+    yield from _gpus_fit(g, "generator", "gpus_per_instance", c, gpus_avail, "per instance (on one node)")
     if g.tensor_parallel < 1:
         yield "roles.generator.tensor_parallel", f"must be at least 1, got {g.tensor_parallel}"
     elif g.gpus_per_instance > 0 and g.gpus_per_instance % g.tensor_parallel:
@@ -183,6 +167,22 @@ def _generator(r: Recipe) -> Iterator[Problem]:
     if g.max_running is not None and g.max_running < 1:
         yield "roles.generator.max_running", f"must be at least 1 (or null), got {g.max_running}"
     yield from _heads(r, "generator", g.tensor_parallel)
+
+
+def _gpus_fit(
+    job: RoleJobConfig, role: str, key: str, c: ClusterConfig | None, avail: int | None, unit: str
+) -> Iterator[Problem]:
+    """The role's GPUs (``key``: per node, or per instance) are ≥ 0 and fit on one node of its placement."""
+    want = getattr(job, key)
+    if want < 0:
+        yield f"roles.{role}.{key}", f"must be 0 (CPU) or more, got {want}"
+    elif avail is not None and want > avail:
+        where = (
+            f"partition {job.partition!r}"
+            if c and c.launcher == "slurm"
+            else f"local cluster {job.cluster!r}"
+        )
+        yield f"roles.{role}.{key}", f"{want} GPUs {unit} but {where} has {avail} per node"
 
 
 def _common(job: RoleJobConfig, role: str) -> Iterator[Problem]:
