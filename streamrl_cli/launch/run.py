@@ -184,7 +184,7 @@ def watch_local(run: RunDir, console: Console) -> int:
         console.print("stopping: signal received, stopping every role ...")
         cancel(run, reason="interrupted")
         return 130
-    if run.info().get("state") == "cancelled":  # `streamrl cancel` from another terminal
+    if run.info().get("state") in ("cancelling", "cancelled"):  # `streamrl cancel` from elsewhere
         return 130
     state = "failed" if failed else "finished"
     local.stop(local.procs(run))  # the rendezvous server (and anything a failed role left)
@@ -201,6 +201,9 @@ def watch_local(run: RunDir, console: Console) -> int:
 def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:
     """Cancel every job of the run on every cluster and stop its local processes. Returns what was done."""
     done, errors = [], []
+    # Said before any signal is sent, so that a `streamrl run` watching the roles reads their
+    # exits as a cancel, not as a failure.
+    run.update_info(state="cancelling")
     for job in run.jobs():
         try:
             slurm.cancel(job.get("slurm_cluster"), job["job_id"])

@@ -21,6 +21,7 @@ from streamrl_cli.launch.plan import RoleSpec
 from streamrl_cli.roles.entry import update_record
 
 WAIT_S = 300.0
+OK = "preflight-ok"
 
 
 def wait_for_file(path: Path, timeout: float) -> None:
@@ -29,6 +30,25 @@ def wait_for_file(path: Path, timeout: float) -> None:
         if time.monotonic() > deadline:
             raise RendezvousError(f"the rendezvous server did not publish {path} within {timeout:.0f} s")
         time.sleep(0.2)
+
+
+def wait_all_ok(client, expected: dict[str, int], timeout: float) -> None:  # type: ignore[no-untyped-def]
+    """Until every expected member has reported OK (or has already left, after doing so)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        doc = client.status()
+        done = {role: 0 for role in expected}
+        for m in doc["members"]:
+            if m["role"] in done and (m["state"] == "left" or m.get("reported_state") == OK):
+                done[m["role"]] += 1
+        if all(done[r] >= n for r, n in expected.items()):
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RendezvousError(
+                f"preflight: timed out waiting for every member to finish its check: {done}"
+            )
+        client.events(doc["event_seq"], timeout=min(left, 30.0), limit=1)
 
 
 def main(spec: RoleSpec, rank: int) -> int:
@@ -50,6 +70,11 @@ def main(spec: RoleSpec, rank: int) -> int:
         for role, count in spec.expected.items():
             members = client.wait_for(role, count, timeout=WAIT_S)
             seen[role] = len(members)
+        # A barrier before anyone leaves: a member that saw everyone and left at once would be
+        # missing for a slower peer still waiting to see it alive.
+        client.set_status(state=OK)
+        client.heartbeat()
+        wait_all_ok(client, spec.expected, WAIT_S)
         client.post_metrics({"preflight": 1, **{f"peers_{r}": n for r, n in seen.items()}})
         update_record(spec, rank, preflight_ok=True, peers=seen)
         print(f"preflight: {spec.role} rank {rank} sees {seen} (expected {spec.expected})", flush=True)

@@ -49,7 +49,7 @@ def _stop_when_jobs_end(run: RunDir) -> None:
         if ended_polls >= 2:
             final = {t["state"] for j in states for t in j["tasks"]}
             info = run.info()
-            if info.get("state") not in ("cancelled",):
+            if info.get("state") not in ("cancelling", "cancelled"):
                 state = (
                     "finished"
                     if final == {"COMPLETED"}
