@@ -11,11 +11,13 @@ import importlib
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
 import yaml
 
+from streamrl_cli.errors import StreamRLError
 from streamrl_cli.launch.plan import RoleSpec
 from streamrl_cli.rundir import write_atomic
 
@@ -71,8 +73,12 @@ def run_role(spec_path: str, rank: int | None = None) -> int:
     )
     module, _, func = spec.program.partition(":")
     program = getattr(importlib.import_module(module), func)
-    result = program(spec, rank)
-    code = int(result or 0)
+    try:
+        code = int(program(spec, rank) or 0)
+    except StreamRLError as e:
+        # A user-facing error (a peer missing, a server unreachable): its message is the whole story.
+        print(f"error: {spec.role} rank {rank}: {e}", file=sys.stderr, flush=True)
+        code = e.exit_code or 1
     update_record(spec, rank, finished=time.time(), exit_code=code)
     if code:
         raise SystemExit(code)
