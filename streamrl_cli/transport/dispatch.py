@@ -1,0 +1,220 @@
+"""Which generator gets which prompt, and what happens to a lost generator's work.
+
+Pure logic first: a :class:`DispatchPolicy` picks a generator for a request from the current
+loads (outstanding samples per generator); :class:`Dispatcher` keeps the :class:`Ledger` under
+a lock and turns every event (prompts submitted, generator joined, lost or restarted, sample
+arrived) into assignments ``{generator: [Request, ...]}``. It is also the receiver's hooks:
+``admit`` is where duplicates are dropped.
+
+The wire path is :class:`DispatchService`, the trainer's one object for the stream: it owns
+the receiver, sends the dispatcher's assignments through it, and follows the rendezvous
+events so that a generator whose lease expired (``member_lost``) or that left has its
+unacknowledged work re-dispatched to the others. The skewness-aware dispatcher of
+DESIGN.md §1 (the paper's Algorithm 2) plugs in as another policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from streamrl_cli.transport import TransportError
+from streamrl_cli.transport.ledger import Ledger, Outcome
+from streamrl_cli.transport.samples import Assignments, StreamConfig, make_receiver
+from streamrl_cli.transport.wire import Request, Sample
+
+if TYPE_CHECKING:
+    from streamrl_cli.rendezvous.client import RendezvousClient
+
+log = logging.getLogger("streamrl.transport.dispatch")
+
+
+class DispatchPolicy(ABC):
+    """Chooses the generator for one request; sees only the alive generators' loads."""
+
+    @abstractmethod
+    def choose(self, request: Request, loads: Mapping[str, int]) -> str:
+        """`loads`: alive generator -> outstanding samples, in the order the generators joined."""
+
+
+class LeastLoaded(DispatchPolicy):
+    """Round-robin by load: the generator owing the fewest samples; among equals, the next in turn."""
+
+    def __init__(self) -> None:
+        self._last = -1  # index (in join order) of the previous choice
+
+    def choose(self, request: Request, loads: Mapping[str, int]) -> str:
+        names = list(loads)
+        low = min(loads.values())
+        n = len(names)
+        for step in range(1, n + 1):  # scan from the one after the previous choice: ties rotate
+            i = (self._last + step) % n
+            if loads[names[i]] == low:
+                self._last = i
+                return names[i]
+        raise AssertionError("unreachable: some generator has the minimum load")
+
+
+POLICIES: dict[str, type[DispatchPolicy]] = {"least_loaded": LeastLoaded}
+
+
+def make_policy(name: str) -> DispatchPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise TransportError(
+            f"unknown dispatch policy {name!r}; valid: {', '.join(sorted(POLICIES))}"
+        ) from None
+
+
+class Dispatcher:
+    """The ledger and the policy behind one lock; every method returns the assignments to send."""
+
+    def __init__(self, policy: DispatchPolicy | None = None):
+        self.policy = policy or LeastLoaded()
+        self.ledger = Ledger()
+        self._alive: dict[str, None] = {}  # generators that may take work, in join order
+        self._lock = threading.Lock()
+
+    def submit(self, requests: Iterable[Request]) -> Assignments:
+        """New prompts; assigned at once if any generator is alive, else when one joins."""
+        with self._lock:
+            for r in requests:
+                self.ledger.add(r)
+            return self._assign_open()
+
+    def generator_joined(self, generator: str) -> Assignments:
+        with self._lock:
+            self._alive.setdefault(generator)
+            return self._assign_open()
+
+    def lose(self, generator: str) -> Assignments:
+        """`generator` is gone (lease expired, left): re-dispatch everything it had not delivered."""
+        with self._lock:
+            self._alive.pop(generator, None)
+            lost = self.ledger.lose(generator)
+            if lost:
+                log.warning(
+                    "%s lost with %d sample(s) undelivered; re-dispatching",
+                    generator,
+                    sum(len(r.sample_indices) for r in lost),
+                )
+            return self._assign_open()
+
+    def generator_reset(self, generator: str) -> Assignments:
+        """Same id, new process: its predecessor's work is lost, the newcomer can take work."""
+        with self._lock:
+            self.ledger.lose(generator)
+            self._alive.setdefault(generator)
+            return self._assign_open()
+
+    def admit(self, sample: Sample) -> bool:
+        with self._lock:
+            return self.ledger.complete(sample.prompt_id, sample.sample_index) is Outcome.NEW
+
+    def outstanding(self) -> int:
+        with self._lock:
+            return len(self.ledger)
+
+    def generators(self) -> list[str]:
+        with self._lock:
+            return list(self._alive)
+
+    def _assign_open(self) -> dict[str, list[Request]]:
+        out: dict[str, list[Request]] = {}
+        if not self._alive:
+            return out
+        for r in self.ledger.open_requests():  # a whole prompt goes to one generator (prefix cache)
+            g = self.policy.choose(r, {a: self.ledger.load(a) for a in self._alive})
+            out.setdefault(g, []).append(self.ledger.assign(r.prompt_id, r.sample_indices, g))
+        return out
+
+
+class DispatchService:
+    """The trainer's end of the stream: dispatcher + receiver + rendezvous watcher.
+
+    Typical use (trainer rank 0)::
+
+        svc = DispatchService(StreamConfig(bind="tcp://0.0.0.0:0"), token)
+        rdv.register("trainer", 0, addresses={"samples": svc.address})
+        svc.watch(rdv)                         # lost generators -> re-dispatch
+        svc.submit(requests)                   # one Request per prompt, sample_indices 0..n-1
+        while svc.outstanding():
+            sample = svc.get(timeout=1.0)      # each (prompt_id, sample_index) exactly once
+    """
+
+    def __init__(self, config: StreamConfig, token: str, *, policy: DispatchPolicy | None = None):
+        self.dispatcher = Dispatcher(policy)
+        self.receiver = make_receiver(config, token=token, hooks=self.dispatcher)
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        return self.receiver.address  # type: ignore[attr-defined]
+
+    def submit(self, requests: Iterable[Request]) -> None:
+        self._send(self.dispatcher.submit(requests))
+
+    def lost(self, generator: str) -> None:
+        """Call when the rendezvous reports `generator` lost or gone (watch() does it for you)."""
+        self._send(self.dispatcher.lose(generator))
+
+    def revived(self, generator: str) -> None:
+        self._send(self.dispatcher.generator_joined(generator))
+
+    def get(self, timeout: float | None = None) -> Sample | None:
+        return self.receiver.get(timeout)
+
+    def outstanding(self) -> int:
+        """Samples submitted and not yet received."""
+        return self.dispatcher.outstanding()
+
+    def watch(self, rdv: RendezvousClient, role: str = "generator", since: int | None = None) -> None:
+        """Follow the rendezvous events in a daemon thread: lost/left members of `role` are re-dispatched."""
+        start = rdv.versions()["event_seq"] if since is None else since
+        self._watcher = threading.Thread(
+            target=self._watch, args=(rdv, f"{role}-", start), name="dispatch-watch", daemon=True
+        )
+        self._watcher.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.receiver.close()
+        if self._watcher is not None:
+            self._watcher.join(timeout=2)
+
+    def _send(self, assignments: Assignments) -> None:
+        for g, reqs in assignments.items():
+            self.receiver.dispatch(g, reqs)
+
+    def _watch(self, rdv: RendezvousClient, prefix: str, since: int) -> None:
+        while not self._stop.is_set():
+            try:
+                doc = rdv.events(since, timeout=1.0)
+            except Exception as e:  # the server restarting: the client already retried for retry_s
+                log.warning("dispatch watcher: rendezvous events failed: %s", e)
+                self._stop.wait(1.0)
+                continue
+            since = doc["next_since"]
+            if doc.get("resync"):
+                self._resync(rdv, prefix)
+            for ev in doc["events"]:
+                self.on_event(ev, prefix)
+
+    def on_event(self, event: Mapping[str, Any], prefix: str = "generator-") -> None:
+        member = event.get("data", {}).get("member_id", "")
+        if not member.startswith(prefix):
+            return
+        if event["type"] in ("member_lost", "member_left"):
+            self.lost(member)
+        elif event["type"] == "member_revived":
+            self.revived(member)
+
+    def _resync(self, rdv: RendezvousClient, prefix: str) -> None:
+        for m in rdv.members():
+            if m["member_id"].startswith(prefix) and m["state"] in ("lost", "left"):
+                self.lost(m["member_id"])

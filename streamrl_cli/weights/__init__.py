@@ -1,0 +1,24 @@
+"""Weight transfer from the trainer to the generators: the other half of the data plane.
+
+Why a package of its own: in asynchronous RL the transfer overlaps training, but in synchronous
+RL it sits on the critical path of every iteration, and across sites it crosses the slowest link
+of the run (DESIGN.md §4). Two paths, one per distance:
+
+    trainer rank 0 ──broadcast (gloo/NCCL)──► every generator worker of its site
+          │
+          └──relay (TCP, chunked, checksummed)──► relay member at the far site
+                                                    └──broadcast──► that site's workers
+
+- ``plan``: pure planning (per-dtype buckets, stream layout, the chunk state machine).
+- ``broadcast``: a torch.distributed group (compatible with vLLM's stateless groups) and the
+  bucketed broadcast over it.
+- ``relay_wire`` / ``relay``: the cross-site protocol, its server (trainer) and fetcher (relay).
+
+Nothing here imports torch at package import time; the modules do.
+"""
+
+from streamrl_cli.errors import StreamRLError
+
+
+class WeightTransferError(StreamRLError):
+    """A weight transfer failed: group set-up, broken protocol, authentication, corrupted data."""

@@ -1,0 +1,263 @@
+"""Weights inside one site: a bucketed broadcast over a torch.distributed group.
+
+Why buckets: a model is hundreds to thousands of tensors, and one collective call per tensor
+pays a round of latency each; a few calls on large flat buffers run at link speed. Tensors
+are packed per dtype into buckets (``plan.plan_buckets``), one broadcast per bucket, while
+the next bucket is packed (two buffers in turn). The metadata (names, dtypes, shapes, offsets)
+goes once per transfer, right after a fixed-size header, so receivers need to know nothing in
+advance. Buffers are broadcast as bytes: any dtype (bf16, bool) travels even where the backend
+has no arithmetic for it.
+
+Why our own group and not ``init_process_group``: the trainer already has its default group
+(its data-parallel ranks) and vLLM workers have theirs. :func:`init_weight_group` builds a
+separate group exactly as ``vllm.distributed.utils.stateless_init_torch_distributed_process_group``
+does (rank 0 hosts a TCPStore, keys under the ``tcp://host:port`` prefix), so the trainer (rank
+0, this module) and vLLM workers (their extension, with vLLM's helper) meet in one group.
+Backend by device: gloo for CPU tensors, NCCL for CUDA tensors; the same code path.
+
+Wire, per transfer (all from rank `src`): header int64[4] = [MAGIC, version, metadata bytes,
+buckets], then the msgpack :class:`~streamrl_cli.weights.plan.Plan`, then each bucket.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from streamrl_cli.weights import WeightTransferError
+from streamrl_cli.weights.plan import Bucket, Plan, plan_buckets
+
+MAGIC = 0x5354524C57  # "STRLW"
+DEFAULT_BUCKET_BYTES = 256 << 20
+# Tensors this large are broadcast in place (no packing copy); a gloo call costs ~0.1 ms, i.e.
+# ~0.3 MB of loopback time, so above a few MB the extra calls are cheaper than the copy.
+DEFAULT_SOLO_BYTES = 8 << 20
+# CPU receive buffers are kept per group and reused by the next transfer: fresh ones would be
+# page-faulted and zeroed by the kernel every time (that alone halved throughput on loopback).
+# GPU buffers are not kept: the CUDA caching allocator recycles them, and a model-sized idle
+# buffer would take memory from the KV cache.
+_POOLS: weakref.WeakKeyDictionary[Any, dict[int, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class WeightGroup:
+    """A broadcast group; rank 0 (the trainer, or the relay at a far site) hosts its store."""
+
+    pg: Any  # torch ProcessGroup(-backend) with group-local ranks
+    store: Any  # kept alive: on rank 0 it is the store server
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    backend: str
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def close(self) -> None:
+        for op in ("shutdown", "abort"):
+            fn = getattr(self.pg, op, None)
+            if fn is not None:
+                try:
+                    fn()
+                    return
+                except RuntimeError:
+                    continue
+
+
+def init_weight_group(
+    address: str, rank: int, world_size: int, *, backend: str = "gloo", timeout_s: float = 300.0
+) -> WeightGroup:
+    """Join (rank > 0) or host (rank 0; port 0 picks a free one) the group at ``host:port``.
+
+    `host` must be the name the others use (the store prefix includes it). Blocks until every
+    rank joined or `timeout_s` passed. Publish ``group.address`` through the rendezvous.
+    """
+    host, _, port_s = address.rpartition(":")
+    if not host or not port_s.isdigit():
+        raise WeightTransferError(f"weight group address must be host:port, got {address!r}")
+    if backend not in ("gloo", "nccl"):
+        raise WeightTransferError(f"weight group backend must be gloo or nccl, got {backend!r}")
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(host, int(port_s), world_size, rank == 0, timeout=timeout, multi_tenant=True)
+        port = store.port
+        prefix = dist.PrefixStore(f"tcp://{host}:{port}", store)
+        if backend == "gloo":
+            pg = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+        else:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+    except (RuntimeError, ValueError) as e:  # DistStoreError is a RuntimeError
+        raise WeightTransferError(
+            f"cannot form the weight group at {address} as rank {rank}/{world_size} ({backend}): {e}"
+        ) from None
+    return WeightGroup(pg, store, host, port, rank, world_size, backend)
+
+
+def _broadcast(pg: Any, tensor: torch.Tensor, src: int) -> Any:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    return pg.broadcast([tensor], opts)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise WeightTransferError(f"unknown dtype {name!r} in weight metadata")
+    return dt
+
+
+def _views(buf: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
+    dt = _dtype(bucket.dtype)
+    return [(t.name, buf[t.offset : t.offset + t.nbytes].view(dt).view(t.shape)) for t in bucket.tensors]
+
+
+class BroadcastSender:
+    """The source of a group (rank `src`): sends whole state dicts, bucketed."""
+
+    def __init__(
+        self,
+        group: WeightGroup | Any,
+        *,
+        src: int = 0,
+        device: str | torch.device | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        solo_bytes: int = DEFAULT_SOLO_BYTES,
+    ):
+        self.pg = group.pg if isinstance(group, WeightGroup) else group
+        backend = group.backend if isinstance(group, WeightGroup) else "gloo"
+        self.device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
+        self.src, self.bucket_bytes, self.solo_bytes = src, bucket_bytes, solo_bytes
+        self._slots: list[torch.Tensor | None] = [None, None]
+
+    def send(self, tensors: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Broadcast every tensor; returns when the last bucket left (stats: bytes, buckets, seconds)."""
+        start = time.perf_counter()
+        entries = [
+            (n, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
+            for n, t in tensors.items()
+        ]
+        plan = plan_buckets(entries, self.bucket_bytes, version, self.solo_bytes)
+        meta = msgspec.msgpack.encode(plan)
+        header = torch.tensor([MAGIC, version, len(meta), len(plan.buckets)], dtype=torch.int64)
+        _broadcast(self.pg, header.to(self.device), self.src).wait()
+        meta_t = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device)
+        _broadcast(self.pg, meta_t, self.src).wait()
+        pending: list[Any] = [None, None]
+        for k, bucket in enumerate(plan.buckets):
+            slot = k % 2
+            if pending[slot] is not None:
+                pending[slot].wait()  # that buffer is free again
+            pending[slot] = _broadcast(self.pg, self._pack(slot, bucket, tensors), self.src)
+        for work in pending:
+            if work is not None:
+                work.wait()
+        return {"bytes": plan.nbytes, "buckets": len(plan.buckets), "seconds": time.perf_counter() - start}
+
+    def _pack(self, slot: int, bucket: Bucket, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if len(bucket.tensors) == 1:  # a big tensor alone: broadcast it in place, no copy
+            t = tensors[bucket.tensors[0].name].detach()
+            if t.is_contiguous() and t.device == self.device and t.dim() > 0:
+                return t.view(-1).view(torch.uint8)
+        buf = self._slots[slot]
+        if buf is None or buf.numel() < bucket.nbytes:
+            buf = self._slots[slot] = torch.empty(
+                max(bucket.nbytes, 1), dtype=torch.uint8, device=self.device
+            )
+        out = buf[: bucket.nbytes]
+        for (_, view), spec in zip(_views(out, bucket), bucket.tensors, strict=True):
+            view.copy_(tensors[spec.name].detach())
+        return out
+
+
+def iter_buckets(
+    group: WeightGroup | Any, src: int = 0, device: str | torch.device = "cpu", *, info: dict | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Receive one transfer; yield each bucket's [(name, tensor), ...] as soon as it arrived.
+
+    Each bucket has its own buffer, and the next bucket is already being received while the
+    current one is consumed. On CPU the buffers are reused by the next transfer on the same
+    group: the tensors stay valid until then (copy what must outlive it; an engine loading
+    them into its parameters does). `info`, if given, receives the version and the plan.
+    Abandoning the iterator receives and drops the rest, so the group stays in step.
+    """
+    pg = group.pg if isinstance(group, WeightGroup) else group
+    device = torch.device(device)
+    header = torch.zeros(4, dtype=torch.int64, device=device)
+    _broadcast(pg, header, src).wait()
+    magic, version, meta_len, n_buckets = (int(x) for x in header.cpu())
+    if magic != MAGIC:
+        raise WeightTransferError(
+            f"weight broadcast out of step: header {header.tolist()} lacks the magic number"
+        )
+    meta = torch.empty(meta_len, dtype=torch.uint8, device=device)
+    _broadcast(pg, meta, src).wait()
+    plan = msgspec.msgpack.decode(meta.cpu().numpy().tobytes(), type=Plan)
+    if len(plan.buckets) != n_buckets:
+        raise WeightTransferError(
+            f"weight metadata lists {len(plan.buckets)} buckets, header says {n_buckets}"
+        )
+    if info is not None:
+        info.update(version=version, plan=plan)
+
+    pool = _POOLS.setdefault(pg, {}) if device.type == "cpu" else {}
+
+    def post(k: int) -> tuple[torch.Tensor, Any]:
+        n = plan.buckets[k].nbytes
+        buf = pool.get(k)
+        if buf is None or buf.numel() < n or buf.device != device:
+            buf = torch.empty(max(n, 1), dtype=torch.uint8, device=device)
+            if device.type == "cpu":
+                pool[k] = buf
+        return buf[:n], _broadcast(pg, buf[:n], src)
+
+    nxt = post(0) if plan.buckets else None
+    k = 0
+    try:
+        while nxt is not None:
+            buf, work = nxt
+            work.wait()
+            nxt = post(k + 1) if k + 1 < len(plan.buckets) else None
+            yield _views(buf, plan.buckets[k])
+            k += 1
+    finally:
+        if nxt is not None:  # abandoned midway: stay in step with the sender
+            nxt[1].wait()
+            for j in range(k + 2, len(plan.buckets)):
+                post(j)[1].wait()
+
+
+def iter_received(
+    group: WeightGroup | Any, src: int = 0, device: str | torch.device = "cpu", *, info: dict | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of one transfer, bucket after bucket (what an engine's loader eats)."""
+    for bucket in iter_buckets(group, src, device, info=info):
+        yield from bucket
+
+
+def receive_weights(
+    group: WeightGroup | Any,
+    src: int = 0,
+    device: str | torch.device = "cpu",
+    on_bucket: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
+) -> tuple[int, dict[str, torch.Tensor]]:
+    """Receive one transfer: (version, name -> tensor); or hand each bucket to `on_bucket`, keep nothing."""
+    info: dict = {}
+    out: dict[str, torch.Tensor] = {}
+    for bucket in iter_buckets(group, src, device, info=info):
+        if on_bucket is not None:
+            on_bucket(bucket)
+        else:
+            out.update(bucket)
+    return info["version"], out
