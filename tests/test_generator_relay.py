@@ -1,0 +1,61 @@
+"""Generators at another site than the trainer: one copy crosses to the relay, which rebroadcasts.
+
+Two real generator processes (vLLM on CPU) with ``weight_transport: relay``: generator 0 fetches
+each version from the trainer's weight server (the data plane's relay) and hosts its site's
+broadcast group; generator 1 receives from it. The trainer is the harness of
+test_generator_role.py with a WeightServer instead of a broadcast group.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_generator_engine import LONG_PROMPT, hf_greedy, randomize
+from test_generator_role import Harness, serving, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    yield from serving(Harness(tmp_path_factory.mktemp("relay"), transport="relay"))
+
+
+PROMPTS = [LONG_PROMPT[k:] + LONG_PROMPT[:k] for k in range(0, 40, 10)]
+
+
+def greedy_everywhere(harness, version: int) -> None:
+    """Both generators' greedy outputs are transformers' on the harness model's current weights."""
+    ids = harness.submit(PROMPTS, temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = {s.prompt_id: s for s in harness.receive(len(PROMPTS))}
+    assert [got[i].token_ids for i in ids] == [hf_greedy(harness.hf, p, 12) for p in PROMPTS]
+    assert {got[i].weight_version for i in ids} == {version}
+    assert {got[i].generator for i in ids} == {"generator-0", "generator-1"}
+
+
+def test_one_copy_crosses_to_the_relay_which_serves_its_site(harness):
+    relay = {m["member_id"]: m for m in harness.rdv.members("generator")}["generator-0"]
+    host, _, port = relay["addresses"]["weights"].rpartition(":")  # the site's group, hosted by the relay
+    assert host and port.isdigit()
+    for version in (1, 2):
+        state = randomize(harness.hf, seed=20 + version)
+        sent_before = harness.relay.stats["bytes"]
+        manifest = harness.relay.publish(version, state)  # published first, then proposed
+        harness.rdv.propose_version(version, ["generator"])
+        harness.rdv.wait_for_version(version, timeout=120)
+        # Exactly one copy of the weights left the trainer's site for this version.
+        assert harness.relay.stats["bytes"] - sent_before == manifest.total
+        greedy_everywhere(harness, version)
+
+
+def test_a_version_superseded_during_the_fetch_is_relayed_as_the_newer_one(harness):
+    # The trainer published 3 and then 4 before the relay fetched 3: the relay sends 4, both
+    # generators serve 4 and confirm it once the trainer proposes it.
+    harness.relay.publish(3, randomize(harness.hf, seed=23))
+    harness.relay.publish(4, randomize(harness.hf, seed=24))
+    harness.rdv.propose_version(3, ["generator"])
+    wait_until(
+        lambda: {m["weight_version"] for m in harness.rdv.members("generator")} == {4}, 120, "both serving 4"
+    )
+    harness.rdv.propose_version(4, ["generator"])
+    assert harness.rdv.wait_for_version(4, timeout=60)["current"] == 4
+    greedy_everywhere(harness, 4)

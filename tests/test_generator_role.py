@@ -1,0 +1,238 @@
+"""Two real generator processes (the role program, real vLLM on CPU) and a test harness as trainer.
+
+The harness is what the trainer's rank 0 will be: registered with a real rendezvous server, the
+data plane's DispatchService receiving samples, the data plane's broadcast sending weights. The
+generators are started exactly as `streamrl run` starts them (``python -m streamrl_cli.roles
+SPEC --rank N``). One set of processes serves the whole module (each vLLM start costs ~30 s and
+~3 GiB); the tests run in file order: stream, update weights, kill one, trainer leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+from test_generator_engine import LONG_PROMPT, Trainer, hf_greedy, load_hf, randomize
+
+from streamrl_cli.launch.plan import RoleSpec
+from streamrl_cli.models.tiny import build_tiny_model
+from streamrl_cli.rendezvous import RendezvousClient, create_secret
+from streamrl_cli.transport.dispatch import DispatchService
+from streamrl_cli.transport.samples import StreamConfig
+from streamrl_cli.transport.wire import Request
+
+pytestmark = pytest.mark.slow
+
+LEASE_S = 2.0
+START_S = 240.0  # guard against a hang (two vLLM starts share 2 cores), not a timing assertion
+
+
+def wait_until(predicate, timeout: float, what: str, poll: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(poll)
+
+
+class Harness:
+    """Rendezvous server + trainer rank 0 (sample receiver, dispatcher, weight group) + generators."""
+
+    def __init__(self, root: Path, instances: int = 2, transport: str = "broadcast"):
+        self.run_dir = root / "run"
+        self.token = create_secret(self.run_dir)
+        self.logs = self.run_dir / "logs"
+        self.logs.mkdir(parents=True)
+        self.server = subprocess.Popen(
+            [sys.executable, "-m", "streamrl_cli.rendezvous", "--run-dir", str(self.run_dir),
+             "--lease-s", str(LEASE_S)],
+            stderr=(self.logs / "rendezvous.log").open("w"), cwd=REPO,
+        )  # fmt: skip
+        wait_until(lambda: (self.run_dir / "rendezvous.json").exists(), 30, "the rendezvous server")
+        self.model = build_tiny_model(root / "tiny")  # untied (tied is covered by the engine tests)
+        self.hf = load_hf(self.model)
+        self.svc = DispatchService(StreamConfig(bind="tcp://127.0.0.1:0", max_delay_s=0.001), self.token)
+        addresses, info = {"samples": self.svc.address}, {}
+        self.weights = self.relay = None
+        if transport == "broadcast":  # the trainer hosts its site's weight group
+            self.weights = Trainer(world_size=1 + instances)
+            addresses["weights"] = f"127.0.0.1:{self.weights.port}"
+            info["weight_group"] = {"world_size": 1 + instances, "backend": "gloo"}
+        else:  # the generators are at another site: one copy goes to their relay
+            from streamrl_cli.weights.relay import WeightServer
+
+            self.relay = WeightServer(self.token, host="127.0.0.1", chunk_bytes=64 << 10)
+            addresses["relay"] = self.relay.address
+        self.rdv = RendezvousClient.from_run_dir(self.run_dir)
+        self.rdv.register("trainer", 0, cluster="local", site="local", addresses=addresses, info=info)
+        self.rdv.start_heartbeat()
+        self.svc.watch(self.rdv)
+        spec_path = self.write_spec(instances, transport)
+        self.generators = [
+            subprocess.Popen(
+                [sys.executable, "-u", "-m", "streamrl_cli.roles", str(spec_path), "--rank", str(r)],
+                stdout=(self.logs / f"generator-{r}.log").open("w"),
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                start_new_session=True,  # its own group: a kill takes vLLM's processes along
+            )  # fmt: skip
+            for r in range(instances)
+        ]
+        self.serial = 0
+
+    def write_spec(self, instances: int, transport: str) -> Path:
+        spec = RoleSpec(
+            run_name="gen-test", run_dir=str(self.run_dir), role="generator", cluster="local", site="local",
+            world=instances, expected={"trainer": 1, "generator": instances},
+            program="streamrl_cli.generator.main:main", weight_transport=transport,
+            rendezvous_file=str(self.run_dir / "rendezvous.json"), secret_file=str(self.run_dir / "secret"),
+            settings={"engine": "vllm", "tensor_parallel": 1, "gpus_per_instance": 0},
+            model={"name": "tiny-test", "path": str(self.model), "dtype": "float32"},
+            task={"max_prompt_len": 256, "max_output_len": 256}, train={"seed": 0},
+        )  # fmt: skip
+        path = self.run_dir / "roles" / "generator.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(dataclasses.asdict(spec), sort_keys=False))
+        return path
+
+    def generating(self) -> list[str]:
+        return [m["member_id"] for m in self.rdv.members("generator")
+                if m["state"] == "alive" and m["reported_state"] == "generating"]  # fmt: skip
+
+    def submit(self, prompts: list[list[int]], n: int = 1, **sampling) -> list[str]:
+        ids = []
+        for p in prompts:
+            self.serial += 1
+            ids.append(f"p{self.serial}")
+            self.svc.submit([Request(prompt_id=ids[-1], prompt_token_ids=p, sample_indices=list(range(n)),
+                                     group_id=ids[-1], sampling=sampling)])  # fmt: skip
+        return ids
+
+    def receive(self, count: int, timeout: float = 180.0, on_sample=None) -> list:
+        out = []
+        deadline = time.monotonic() + timeout
+        while len(out) < count:
+            assert time.monotonic() < deadline, f"received {len(out)} of {count} samples\n{self.log_tails()}"
+            s = self.svc.get(timeout=0.5)
+            if s is not None:
+                out.append(s)
+                if on_sample:
+                    on_sample(s)
+        return out
+
+    def log_tails(self) -> str:
+        return "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text().splitlines()[-15:])
+                         for p in sorted(self.logs.glob("generator-*.log")))  # fmt: skip
+
+    def close(self) -> None:
+        for g in self.generators:
+            if g.poll() is None:
+                os.killpg(g.pid, signal.SIGKILL)
+            g.wait()
+        self.svc.close()
+        for weights in (self.weights, self.relay):
+            if weights is not None:
+                weights.close()
+        self.rdv.close()
+        self.server.terminate()
+        self.server.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    yield from serving(Harness(tmp_path_factory.mktemp("generators")))
+
+
+def serving(h: Harness):
+    """Wait until every generator serves, hand the harness over, stop everything after."""
+    try:
+        wait_until(lambda: len(h.generating()) == 2 or any(g.poll() is not None for g in h.generators),
+                   START_S, "two generators serving")  # fmt: skip
+        assert len(h.generating()) == 2, h.log_tails()
+        yield h
+    finally:
+        h.close()
+
+
+def test_two_generators_stream_every_group_exactly_once(harness):
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(10 + i)] for i in range(8)]
+    ids = harness.submit(prompts, n=4, temperature=1.0, max_tokens=16, seed=3)
+    samples = harness.receive(8 * 4)
+    assert sorted((s.prompt_id, s.sample_index) for s in samples) == sorted(
+        (p, i) for p in ids for i in range(4)
+    )
+    assert {s.generator for s in samples} == {"generator-0", "generator-1"}
+    for s in samples:
+        assert len(s.token_ids) == len(s.logprobs) > 0 and all(lp <= 0 for lp in s.logprobs)
+        assert s.weight_version == 0 and s.group_id == s.prompt_id
+        assert s.queued_at <= s.first_token_at <= s.finished_at
+    # A GRPO group comes from one generator (one engine request with n = 4).
+    by_prompt = {}
+    for s in samples:
+        by_prompt.setdefault(s.prompt_id, set()).add(s.generator)
+    assert all(len(g) == 1 for g in by_prompt.values())
+
+
+def test_new_weights_change_both_generators_greedy_output(harness):
+    hf = harness.hf
+    prompts = [LONG_PROMPT[k:] + LONG_PROMPT[:k] for k in range(0, 40, 10)]
+    before = [hf_greedy(hf, p, 12) for p in prompts]
+    state = randomize(hf, seed=11)
+    harness.rdv.propose_version(1, ["generator"])
+    harness.weights.send(state, 1).result(timeout=120)
+    harness.rdv.wait_for_version(1, timeout=120)
+    ids = harness.submit(prompts, temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = {s.prompt_id: s for s in harness.receive(len(prompts))}
+    expected = [hf_greedy(hf, p, 12) for p in prompts]
+    assert expected != before
+    assert [got[i].token_ids for i in ids] == expected
+    assert {got[i].weight_version for i in ids} == {1}
+    assert {got[i].generator for i in ids} == {"generator-0", "generator-1"}
+    served = {m["member_id"]: m["weight_version"] for m in harness.rdv.members("generator")}
+    assert served == {"generator-0": 1, "generator-1": 1}
+    metrics = wait_until(lambda: harness.rdv.status()["metrics"].get("generator-0"), 30, "metrics")
+    assert {"tokens_per_s", "queue_depth", "idle_ratio", "weight_version"} <= set(metrics["record"])
+
+
+def test_killed_generator_work_is_redispatched_and_received_once(harness):
+    # Outputs of very different lengths, so the victim still owes most of its work when it dies.
+    prompts = [[(3 * i + j) % 500 + 1 for j in range(8)] for i in range(24)]
+    ids = []
+    for i, p in enumerate(prompts):
+        ids += harness.submit([p], n=2, temperature=1.0, max_tokens=8 + 10 * i, ignore_eos=True)
+    victim = harness.generators[1]
+    killed = []
+
+    def kill_on_first(sample) -> None:
+        if sample.generator == "generator-1" and not killed:
+            os.killpg(victim.pid, signal.SIGKILL)
+            killed.append(sample.prompt_id)
+
+    samples = harness.receive(len(ids) * 2, timeout=240, on_sample=kill_on_first)
+    assert killed and victim.wait(timeout=30) == -signal.SIGKILL
+    keys = [(s.prompt_id, s.sample_index) for s in samples]
+    assert len(keys) == len(set(keys)) and set(keys) == {(p, i) for p in ids for i in range(2)}
+    assert harness.svc.dispatcher.ledger.stats["redispatched"] > 0
+    assert harness.svc.outstanding() == 0
+    assert harness.svc.get(timeout=1.0) is None  # nothing more arrives: no duplicate got through
+    lost = {m["member_id"]: m["state"] for m in harness.rdv.members("generator")}
+    assert lost["generator-1"] == "lost"
+
+
+def test_generator_leaves_cleanly_when_the_trainer_leaves(harness):
+    survivor = harness.generators[0]
+    harness.rdv.leave("done")
+    assert survivor.wait(timeout=120) == 0, harness.log_tails()
+    states = {m["member_id"]: m["state"] for m in RendezvousClient.from_run_dir(harness.run_dir).members()}
+    assert states["generator-0"] == "left"

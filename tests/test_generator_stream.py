@@ -1,0 +1,127 @@
+"""The generator role's pure parts: requests to engine requests, results to samples, the meter,
+where the weights come from. No engine, no sockets, no clock."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from streamrl_cli.errors import StreamRLError
+from streamrl_cli.generator.engine import Completion, GenerationResult
+from streamrl_cli.generator.main import GeneratorRole, engine_kwargs
+from streamrl_cli.generator.stream import Meter, to_engine_request, to_samples
+from streamrl_cli.generator.weights import (
+    RelayMemberPath,
+    RelayPath,
+    WeightPath,
+    make_weight_path,
+    weight_source,
+)
+from streamrl_cli.launch.plan import RoleSpec
+from streamrl_cli.transport.wire import Request
+
+
+def spec(**overrides) -> RoleSpec:
+    base = dict(
+        run_name="t", run_dir="/tmp/none", role="generator", cluster="local", site="local", world=3,
+        expected={"trainer": 1, "generator": 3}, program="streamrl_cli.generator.main:main",
+        weight_transport="broadcast", rendezvous_file="/tmp/none/rendezvous.json",
+        secret_file="/tmp/none/secret",
+        settings={"engine": "vllm", "tensor_parallel": 2, "gpus_per_instance": 2},
+        model={"name": "m", "path": "~/models/m", "dtype": "bfloat16"},
+        task={"max_prompt_len": 100, "max_output_len": 300}, train={"seed": 5},
+    )  # fmt: skip
+    return RoleSpec(**{**base, **overrides})
+
+
+def request(indices=(0, 1, 2, 3), **sampling) -> Request:
+    return Request(prompt_id="it1/p7", prompt_token_ids=[1, 2, 3], sample_indices=list(indices),
+                   group_id="it1/p7", priority=4, sampling=sampling)  # fmt: skip
+
+
+def test_a_request_becomes_one_engine_request_for_the_whole_group():
+    r = to_engine_request(request(temperature=0.7), 12, {"max_tokens": 300, "temperature": 1.0})
+    assert r.request_id == "it1/p7#12" and r.prompt_token_ids == [1, 2, 3] and r.priority == 4
+    assert (r.sampling.n, r.sampling.temperature, r.sampling.max_tokens) == (4, 0.7, 300)
+
+
+def test_unknown_sampling_keys_are_ignored_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, "streamrl.generator"):
+        r = to_engine_request(request(n=9, beam=3, top_k=5), 0, {})
+    assert r.sampling.n == 4 and r.sampling.top_k == 5  # n always follows the sample indices
+    assert "['beam', 'n']" in caplog.text
+
+
+def result(indices, finish="stop") -> GenerationResult:
+    req = to_engine_request(request(indices), 0, {})
+    completions = [
+        Completion(index=i, token_ids=[10 + i, 11], logprobs=[-0.5, -1.5], finish_reason=finish)
+        for i in range(len(indices))
+    ]
+    return GenerationResult(request_id=req.request_id, prompt_token_ids=[1, 2, 3], completions=completions,
+                            weight_version=3, weight_version_end=3, priority=4, queued_at=1.0,
+                            first_token_at=2.0, finished_at=3.0, meta=req.meta)  # fmt: skip
+
+
+def test_completions_map_back_to_the_requested_sample_indices():
+    # After a re-dispatch only the missing samples (1 and 3) are asked for.
+    samples = to_samples(result([1, 3]), "generator-2")
+    assert [(s.sample_index, s.token_ids) for s in samples] == [(1, [10, 11]), (3, [11, 11])]
+    s = samples[0]
+    assert (s.prompt_id, s.group_id, s.generator, s.weight_version) == ("it1/p7", "it1/p7", "generator-2", 3)
+    assert (s.queued_at, s.first_token_at, s.finished_at, s.logprobs) == (1.0, 2.0, 3.0, [-0.5, -1.5])
+
+
+def test_a_result_that_does_not_match_its_indices_is_refused():
+    res = result([0, 1])
+    res.completions.pop()
+    with pytest.raises(ValueError, match="1 completions for sample indices"):
+        to_samples(res, "generator-0")
+
+
+def test_meter_rates_queue_depth_and_idle_ratio():
+    m = Meter(now=100.0)
+    m.submitted(102.0)  # idle 100..102
+    m.submitted(103.0)
+    m.finished(104.0, samples=4, tokens=400)
+    m.finished(106.0, samples=4, tokens=200)  # idle again from 106
+    rep = m.report(110.0)
+    assert rep["tokens_per_s"] == 60.0 and rep["samples_per_s"] == 0.8
+    assert rep["idle_ratio"] == 0.6 and rep["queue_depth"] == 0 and rep["window_s"] == 10.0
+    m.submitted(111.0)
+    rep = m.report(120.0)  # a new window: 1 s idle, one request still in the engine
+    assert rep["tokens_per_s"] == 0.0 and rep["idle_ratio"] == 0.1 and rep["queue_depth"] == 1
+    assert (rep["total_requests"], rep["total_samples"], rep["total_tokens"]) == (3, 8, 600)
+    with pytest.raises(ValueError):
+        Meter(0.0).finished(1.0, 1, 1)
+
+
+def test_engine_settings_come_from_the_recipe():
+    kw = engine_kwargs(spec())
+    assert kw["model"].endswith("/models/m") and not kw["model"].startswith("~")
+    assert (kw["dtype"], kw["max_model_len"], kw["tensor_parallel"], kw["seed"]) == ("bfloat16", 400, 2, 5)
+    cpu = spec(settings={"engine": "vllm", "tensor_parallel": 1, "gpus_per_instance": 0})
+    assert engine_kwargs(cpu)["dtype"] is None  # the engine picks float32 on CPUs
+
+
+def test_weight_source_follows_the_trainer_or_the_recipe_layout():
+    trainer = {"member_id": "trainer-0", "addresses": {"weights": "node1:29501"}, "info": {}}
+    src = weight_source(spec(), 2, trainer)  # 3 instances x TP 2: ranks 1..6, instance 2 takes 5 and 6
+    assert (src.host, src.port, src.world_size, src.first_rank, src.backend) == ("node1", 29501, 7, 5, "nccl")
+    trainer["info"] = {"weight_group": {"world_size": 4, "backend": "gloo"}}
+    src = weight_source(spec(), 0, trainer)
+    assert (src.world_size, src.first_rank, src.backend) == (4, 1, "gloo")
+    with pytest.raises(StreamRLError, match="addresses.weights"):
+        weight_source(spec(), 0, {"member_id": "trainer-0", "addresses": {}})
+
+
+def test_weight_path_by_site_and_rank():
+    # At the trainer's site everyone joins the trainer's group; at another site rank 0 is the relay.
+    assert type(make_weight_path(spec(), 0, None, None, "t")) is WeightPath
+    relay = make_weight_path(spec(weight_transport="relay"), 0, None, None, "t")
+    assert type(relay) is RelayPath and relay.addresses()["weights"].endswith(f":{relay.port}")
+    assert type(make_weight_path(spec(weight_transport="relay"), 2, None, None, "t")) is RelayMemberPath
+    assert make_weight_path(spec(), 1, None, None, "t").addresses() == {}
+    with pytest.raises(StreamRLError, match="unknown weight transport 'carrier-pigeon'"):
+        GeneratorRole(spec(weight_transport="carrier-pigeon"), 0)
