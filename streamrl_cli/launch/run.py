@@ -195,6 +195,9 @@ def watch_local(run: RunDir, console: Console) -> int:
             f"[red]{r.role} rank {r.rank} exited with {local.exit_code(r)}[/red]; last lines of {r.log}:"
         )
         console.print(local.log_tail(r.log), markup=False, highlight=False)
+    if not console.is_terminal:
+        console.line()  # the live table leaves no line break when output goes to a file or pipe
+    console.print(f"run {run.name} {state} (logs in {run.path / 'logs'}; `streamrl status {run.name}`)")
     return 1 if failed else 0
 
 
