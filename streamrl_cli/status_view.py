@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from rich.console import Group, RenderableType
@@ -146,7 +145,3 @@ def _member(m: dict[str, Any] | None) -> tuple[RenderableType, str, str, str]:
     hb = age(m["last_heartbeat_s"]) if m["last_heartbeat_s"] is not None else "-"
     wv = str(m["weight_version"]) if m["weight_version"] is not None else "-"
     return styled(m["state"]), hb, m["host"] or "-", wv
-
-
-def now() -> str:
-    return time.strftime("%H:%M:%S")

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamrl_cli.recipe.schema import Recipe, RoleJobConfig
+from streamrl_cli.recipe.schema import Recipe
 
 ROLES = ("rendezvous", "trainer", "generator")
 
@@ -222,7 +222,3 @@ def _job(
         env=dict(c.env),
         site=c.site,
     )
-
-
-def role_job(job: RoleJobConfig) -> str:  # pragma: no cover - tiny helper for messages
-    return f"{job.cluster}/{job.partition or '-'}"

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 from rich.table import Table
 
 from streamrl_cli.launch import local
-from streamrl_cli.rundir import RunDir
+from streamrl_cli.rundir import RunDir, read_json
 
 
 def local_table(run: RunDir) -> Table:
@@ -36,7 +35,4 @@ def local_table(run: RunDir) -> Table:
 
 
 def _member(run: RunDir, role: str, rank: int) -> dict:
-    try:
-        return json.loads((run.path / "members" / f"{role}-{rank}.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
+    return read_json(run.path / "members" / f"{role}-{rank}.json", {})
