@@ -35,18 +35,30 @@ def streamrl_home() -> Path:
     return Path(os.environ.get("STREAMRL_HOME", Path.home() / ".streamrl")).expanduser()
 
 
-def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write via a temporary file + rename, so readers never see half a file."""
+def write_atomic(path: Path, data: str | bytes, mode: int = 0o644, durable: bool = False) -> None:
+    """Write via a temporary file + rename, so readers see the old or the new file, never a mix.
+
+    ``durable`` also fsyncs the file and its directory, for state that must survive a crash.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if durable:
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
 
 def write_json(path: Path, data: Any) -> None:

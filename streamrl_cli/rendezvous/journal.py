@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from streamrl_cli.errors import RendezvousError
+from streamrl_cli.rundir import write_atomic
 
 log = logging.getLogger("streamrl.rendezvous")
 
@@ -92,7 +93,7 @@ class Journal:
 
     def compact(self, snapshot: dict[str, Any]) -> None:
         """Write the snapshot atomically, then empty the journal (replay skips covered events)."""
-        write_atomic(self.snapshot_path, json.dumps(snapshot, separators=(",", ":")).encode())
+        write_atomic(self.snapshot_path, json.dumps(snapshot, separators=(",", ":")).encode(), durable=True)
         self._fh.truncate(0)
         os.fsync(self._fh.fileno())
         self.lines = 0
@@ -101,21 +102,6 @@ class Journal:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` so that readers see the old or the new file, never a mix."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def read_metrics_tail(path: Path, tail_bytes: int = 1024 * 1024) -> dict[str, dict[str, Any]]:

@@ -28,9 +28,10 @@ from aiohttp import web
 from streamrl_cli.errors import RendezvousError
 from streamrl_cli.rendezvous import ENDPOINT_FILE, METRICS_FILE, STATE_DIR, read_secret
 from streamrl_cli.rendezvous import protocol as p
-from streamrl_cli.rendezvous.journal import Journal, read_metrics_tail, write_atomic
+from streamrl_cli.rendezvous.journal import Journal, read_metrics_tail
 from streamrl_cli.rendezvous.protocol import ApiError, error_response, json_response
 from streamrl_cli.rendezvous.state import Rejected, RendezvousState
+from streamrl_cli.rundir import write_atomic
 
 log = logging.getLogger("streamrl.rendezvous")
 # One per member per version: at INFO they would drown the membership changes.
@@ -380,7 +381,7 @@ async def run(
         "started": server.started,
         "tls": ssl_context is not None,
     }
-    write_atomic(run_dir / ENDPOINT_FILE, json.dumps(endpoint).encode())
+    write_atomic(run_dir / ENDPOINT_FILE, json.dumps(endpoint).encode(), durable=True)
     if stop is None:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -395,7 +396,9 @@ async def run(
         server.shutdown()
         await runner.cleanup()
         server.close()
-        write_atomic(run_dir / ENDPOINT_FILE, json.dumps({**endpoint, "stopped": time.time()}).encode())
+        write_atomic(
+            run_dir / ENDPOINT_FILE, json.dumps({**endpoint, "stopped": time.time()}).encode(), durable=True
+        )
 
 
 def serve(
