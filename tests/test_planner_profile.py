@@ -54,7 +54,15 @@ def profiled(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("profile")
     model_dir, out = tmp / "tiny-qwen2", tmp / "cpu.json"
     res = streamrl(
-        "profile", "local", f"model.path={model_dir}", "--out", str(out), "--batches", "1,4,16", timeout=600
+        "profile",
+        "local",
+        f"model.path={model_dir}",
+        "model.builder=tiny",
+        "--out",
+        str(out),
+        "--batches",
+        "1,4,16",
+        timeout=600,
     )
     return res, model_dir, out
 

@@ -136,7 +136,7 @@ def jobs(recipe: Recipe) -> list[JobSpec]:
     out = []
     if z.placement == "job" and z.cluster:
         out.append(
-            _job(
+            job_spec(
                 r,
                 "rendezvous",
                 z.cluster,
@@ -152,7 +152,7 @@ def jobs(recipe: Recipe) -> list[JobSpec]:
             )
         )
     out.append(
-        _job(
+        job_spec(
             r,
             "trainer",
             t.cluster,
@@ -168,7 +168,7 @@ def jobs(recipe: Recipe) -> list[JobSpec]:
         )
     )
     out.append(
-        _job(
+        job_spec(
             r,
             "generator",
             g.cluster,
@@ -186,7 +186,7 @@ def jobs(recipe: Recipe) -> list[JobSpec]:
     return out
 
 
-def _job(
+def job_spec(
     r: Recipe,
     role: str,
     cluster: str,
@@ -201,6 +201,7 @@ def _job(
     array: int | None,
     max_running: int | None,
 ) -> JobSpec:
+    """A job of ``role`` on ``cluster`` with that cluster's launcher, account, setup and env."""
     c = r.clusters[cluster]
     return JobSpec(
         role=role,

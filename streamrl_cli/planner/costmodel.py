@@ -11,8 +11,10 @@ so that the source of the numbers can change without touching the search:
   model-FLOP-utilisation, plus a fixed cost per micro-batch.
 - :class:`ProfiledCostModel` — measured curves from `streamrl profile` (decode step time vs
   batch size, training step time vs tokens), interpolated; for hardware/model pairs no profile
-  covers it falls back to the analytic model, rescaled where it can be (same hardware and model,
-  another TP degree: the analytic shape times the measured-to-analytic ratio).
+  covers, and for a curve a profile lacks (on SLURM the generator's kind is profiled for decoding
+  only, the trainer's for training), it falls back to the analytic model, rescaled where it can be
+  (same hardware and model, another TP degree: the analytic shape times the measured-to-analytic
+  ratio).
 """
 
 from __future__ import annotations

