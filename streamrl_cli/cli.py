@@ -7,6 +7,7 @@ Heavy imports (torch, vllm, deepspeed, hydra, submitit) stay inside command bodi
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -36,7 +37,10 @@ OverridesArg = Annotated[
 
 @app.command()
 def run(
-    recipe: RecipeArg,
+    recipe: Annotated[
+        str | None,
+        typer.Argument(help="recipe name (`local`, `paper/qwen2.5-7b-ppo`) or path to a YAML file"),
+    ] = None,
     overrides: OverridesArg = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="render and write everything, submit nothing")
@@ -44,11 +48,27 @@ def run(
     root: Annotated[
         Path | None, typer.Option(help="directory of run directories (default: run.root)")
     ] = None,
+    resume: Annotated[
+        str | None,
+        typer.Option("--resume", metavar="RUN", help="continue RUN from its latest checkpoint (same recipe)"),
+    ] = None,
 ) -> None:
     """Compose RECIPE, render one job per (cluster, role), start the rendezvous and launch the run."""
     from streamrl_cli.launch import run as launcher
     from streamrl_cli.recipe.load import load
 
+    if resume is not None:
+        if recipe is not None or overrides or dry_run:
+            raise StreamRLError(
+                "--resume RUN continues a run with its own recipe: give no RECIPE, overrides or --dry-run"
+            )
+        from streamrl_cli import rundir
+
+        prepared = launcher.reopen(rundir.find(resume))
+        console.print(f"resuming run {prepared.run.name}: {prepared.run.path}", markup=False, highlight=False)
+        raise typer.Exit(launcher.launch(prepared, console))
+    if recipe is None:
+        raise StreamRLError("missing RECIPE (see `streamrl recipes`), or --resume RUN")
     composed = load(recipe, overrides or [])
     prepared = launcher.prepare(composed, root=root, dry_run=dry_run)
     if dry_run:
@@ -142,6 +162,25 @@ def status(
                 live.update(render(document()), refresh=True)
         except KeyboardInterrupt:
             pass
+
+
+@app.command()
+def plot(
+    run_name: Annotated[str, typer.Argument(metavar="RUN", help="run id, prefix, name or directory")],
+    out: Annotated[
+        Path | None, typer.Option("--out", help="directory for the PNGs (default RUN/plots)")
+    ] = None,
+) -> None:
+    """Draw RUN's metrics as PNGs: reward and KL, throughput and idle time, pipeline timeline, lengths."""
+    from streamrl_cli import rundir
+    from streamrl_cli.metrics.plots import plot_run
+
+    r = rundir.find(run_name)
+    files = plot_run(r.path, out or r.path / "plots")
+    for path in files:
+        console.print(f"wrote {path}", markup=False, highlight=False, soft_wrap=True)
+    for name, why in files.skipped.items():
+        console.print(f"skipped {name}.png: {why}", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -282,48 +321,54 @@ def profile(
     recipe: RecipeArg,
     overrides: OverridesArg = None,
     out: Annotated[
-        Path | None, typer.Option("--out", help="profile file to write (default profile-<model>-<kind>.json)")
+        Path | None,
+        typer.Option(
+            "--out",
+            help="this machine: the profile file (default profile-<model>-<kind>.json); SLURM: the directory "
+            "for one profile-<model>-<kind>.json per hardware kind and the jobs' logs, on the shared "
+            "filesystem (default ./profiles)",
+        ),
     ] = None,
-    trainer: Annotated[str, typer.Option(help="trainer to time: torch or deepspeed (ZeRO on CPU)")] = "torch",
+    trainer: Annotated[str, typer.Option(help="trainer to time: torch or deepspeed (ZeRO)")] = "torch",
     batches: Annotated[str, typer.Option(help="decode batch sizes to measure")] = "1,2,4,8,16,32",
-    kind: Annotated[str, typer.Option(help="hardware kind the profile describes")] = "cpu",
+    kind: Annotated[
+        str | None, typer.Option(help="hardware kind the profile of this machine describes (default cpu)")
+    ] = None,
+    local: Annotated[
+        bool, typer.Option("--local", help="measure this machine even if the recipe's roles run on SLURM")
+    ] = False,
 ) -> None:
-    """Measure this machine's engines (vLLM decode vs batch size, trainer step vs tokens) for tune-split."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    """Measure the engines (vLLM decode vs batch size, trainer step vs tokens) for tune-split.
 
-    from streamrl_cli.planner import ProfileError
+    Roles on SLURM clusters: one job per hardware kind, on the roles' partitions. Otherwise (or
+    with --local): this machine's engines.
+    """
+    from streamrl_cli.planner import ProfileError, profile_jobs
     from streamrl_cli.planner import profile as prof
     from streamrl_cli.recipe.load import load
 
     r = load(recipe, overrides or []).recipe
-    model_dir = Path(r.model.path).expanduser()
-    build = False
-    if not (model_dir / "config.json").is_file():
-        if r.model.name != "tiny-qwen2":
+    if not local and profile_jobs.on_slurm(r):
+        if kind is not None:
             raise ProfileError(
-                f"model.path {r.model.path!r} is not a local model directory: `streamrl profile` runs the "
-                "engines of this machine on the model's files (on this machine: `streamrl profile local`)"
+                "--kind names the profile of this machine (with --local); on SLURM each profile is "
+                "of its partition's gpu_type"
             )
-        build = True  # the tiny model is built locally, never downloaded
-    if trainer not in ("torch", "deepspeed"):
-        raise ProfileError(f"--trainer {trainer!r}: valid: torch, deepspeed")
-    try:
-        sizes = tuple(sorted({int(b) for b in batches.split(",")}))
-    except ValueError:
-        raise ProfileError(f"--batches {batches!r}: expected comma-separated integers") from None
-    if not sizes or sizes[0] < 1:
-        raise ProfileError(f"--batches {batches!r}: batch sizes must be at least 1")
-    out = out or Path(f"profile-{r.model.name}-{kind}.json")
-    req = prof.ProfileRequest(
-        model_dir=str(model_dir),
-        model=r.model.name,
-        hardware=kind,
-        out=str(out),
-        batches=sizes,
-        trainer=trainer,
-        zero_stage=max(1, r.roles.trainer.zero_stage),
-        build_tiny=build,
-    )
+        base = prof.request_from_recipe(r, trainer=trainer, batches=batches, where="in the SLURM jobs")
+        written = profile_jobs.profile_on_slurm(r, base, out or Path("profiles"), err)
+    else:
+        kind = kind or "cpu"
+        base = prof.request_from_recipe(r, trainer=trainer, batches=batches, where="of this machine")
+        default = Path(f"profile-{r.model.name}-{kind}.json")
+        path = out / default if out is not None and out.is_dir() else out or default
+        written = [(path, _profile_here(prof, replace(base, hardware=kind, out=str(path))))]
+    for path, result in written:
+        console.print(prof.summary(path, result), markup=False, highlight=False, soft_wrap=True)
+
+
+def _profile_here(prof, req):  # type: ignore[no-untyped-def]
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
     with Progress(*columns, TimeElapsedColumn(), console=err) as progress:
         task = progress.add_task("profiling", total=None)
@@ -334,14 +379,7 @@ def profile(
                     task, completed=event["done"], total=event["total"], description=event["text"]
                 )
 
-        result = prof.run_profile(req, on_event)
-    console.print(
-        f"wrote {out}: {result.model} on {result.hardware}, decode {len(result.decode)} batch sizes "
-        f"({result.engine}), training {len(result.train)} sizes ({result.trainer})",
-        markup=False,
-        highlight=False,
-        soft_wrap=True,
-    )
+        return prof.run_profile(req, on_event)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,14 @@ def runs_root(tmp_path):
                 pass
 
 
+# Launch tests check the mechanics (jobs, rendezvous, status), not RL: their roles run the
+# preflight program (register, see every peer, leave) instead of the trainer and generators.
+PREFLIGHT = (
+    "roles.trainer.program=streamrl_cli.roles.preflight:main",
+    "roles.generator.program=streamrl_cli.roles.preflight:main",
+)
+
+
 def streamrl(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess, as a user would."""
     env = {**os.environ, "COLUMNS": "200", **kw.pop("env", {})}

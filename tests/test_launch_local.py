@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import psutil
-from conftest import REPO, STREAMRL, streamrl
+from conftest import PREFLIGHT, REPO, STREAMRL, streamrl
 
 HOLD = "+clusters.local.env.STREAMRL_PREFLIGHT_HOLD_S=120"
 
@@ -58,7 +58,7 @@ def none_alive(recs: list[dict]) -> bool:
 def start_held_run(runs_root: Path) -> tuple[subprocess.Popen, Path]:
     """`streamrl run local` whose roles hold (heartbeating) after preflight; returns once all passed it."""
     proc = subprocess.Popen(
-        [*STREAMRL, "run", "local", HOLD, "--root", str(runs_root)],
+        [*STREAMRL, "run", "local", *PREFLIGHT, HOLD, "--root", str(runs_root)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -74,7 +74,7 @@ def start_held_run(runs_root: Path) -> tuple[subprocess.Popen, Path]:
 
 
 def test_local_run_meets_at_the_rendezvous_and_finishes(runs_root):
-    out = streamrl("run", "local", "--root", str(runs_root))
+    out = streamrl("run", "local", *PREFLIGHT, "--root", str(runs_root))
     assert out.returncode == 0, out.stdout + out.stderr
     run_dir = run_dir_of(runs_root)
     info = json.loads((run_dir / "run.json").read_text())
@@ -144,7 +144,12 @@ def test_cancel_from_another_terminal_stops_a_local_run(runs_root):
 
 def test_a_failing_role_fails_the_run_and_shows_its_log(runs_root):
     out = streamrl(
-        "run", "local", "roles.generator.program=streamrl_cli.no_such_module:main", "--root", str(runs_root)
+        "run",
+        "local",
+        PREFLIGHT[0],
+        "roles.generator.program=streamrl_cli.no_such_module:main",
+        "--root",
+        str(runs_root),
     )
     assert out.returncode == 1
     assert (

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import streamrl
+from conftest import PREFLIGHT, streamrl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -23,7 +23,7 @@ FAST = {"STREAMRL_JOB_POLL_S": "1"}
 
 
 def launch(runs_root: Path, recipe: str, *overrides: str) -> Path:
-    out = streamrl("run", recipe, *overrides, "--root", str(runs_root), env=FAST)
+    out = streamrl("run", recipe, *PREFLIGHT, *overrides, "--root", str(runs_root), env=FAST)
     assert out.returncode == 0, out.stdout + out.stderr
     (run_dir,) = list(runs_root.iterdir())
     return run_dir

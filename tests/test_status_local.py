@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from conftest import REPO, STREAMRL, streamrl
+from conftest import PREFLIGHT, REPO, STREAMRL, streamrl
 from test_launch_local import members_ok, run_dir_of, start_held_run
 
 
@@ -117,6 +117,7 @@ def test_a_local_run_over_tls(runs_root, tmp_path):
     out = streamrl(
         "run",
         "local",
+        *PREFLIGHT,
         f"roles.rendezvous.tls_cert={cert}",
         f"roles.rendezvous.tls_key={key}",
         f"roles.rendezvous.tls_ca={cert}",

@@ -48,6 +48,7 @@ POLL_S = 0.5  # how long one blocking call in a thread may wait before checking 
 
 def main(spec: RoleSpec, rank: int) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per rendezvous call otherwise
     return asyncio.run(GeneratorRole(spec, rank).run())
 
 
@@ -65,16 +66,10 @@ def engine_kwargs(spec: RoleSpec) -> dict[str, Any]:
 
 
 def ensure_model(spec: RoleSpec) -> None:
-    """The embedded default's tiny model is built on first use (no download); others must exist."""
-    path = Path(os.path.expanduser(spec.model["path"]))
-    if path.exists():
-        return
-    if spec.model.get("name") == "tiny-qwen2":
-        from streamrl_cli.models.tiny import build_tiny_model
+    """The model must exist; a recipe with a builder (the embedded default's) makes it on first use."""
+    from streamrl_cli.models.warmup import ensure_model as make
 
-        build_tiny_model(path)
-        return
-    raise StreamRLError(f"generator: model {spec.model.get('name')!r} not found at {path} (model.path)")
+    make(spec.model, spec.task)
 
 
 class GeneratorRole:

@@ -66,6 +66,7 @@ def prepare(composed: Composed, root: Path | None = None, dry_run: bool = False)
     run.update_info(
         name=r.run.name,
         run_id=run.name,
+        iterations=r.train.iterations,
         recipe=str(composed.path),
         overrides=composed.overrides,
         choices=composed.choices,
@@ -82,9 +83,82 @@ def prepare(composed: Composed, root: Path | None = None, dry_run: bool = False)
     return Prepared(run=run, specs=specs, spec_paths=spec_paths, jobs=jobs, scripts=scripts)
 
 
+def reopen(run: RunDir) -> Prepared:
+    """A run directory made ready to launch again (`--resume`): same config, role files and secret.
+
+    What the previous attempt left that would confuse this one — its local process table, its job
+    list, the old server's address — moves to ``attempts/<n>/``; checkpoints, metrics and the
+    rendezvous journal stay (the trainer resumes from the checkpoints, the server from the journal).
+    """
+    from omegaconf import OmegaConf
+
+    from streamrl_cli.recipe.schema import Recipe
+
+    alive = [r for r in local.procs(run) if r.alive()]
+    if alive or (run.jobs() and not slurm.all_ended(slurm.run_job_states(run.jobs()))):
+        raise ClusterError(
+            f"run {run.name} still has roles running: stop it first (`streamrl cancel {run.name}`)"
+        )
+    try:
+        tree = OmegaConf.load(run.path / "config.yaml")
+        recipe = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Recipe), tree))
+    except (OSError, ValueError) as e:
+        raise ClusterError(f"cannot read {run.path / 'config.yaml'} to resume: {e}") from None
+    attempts = run.path / "attempts"
+    n = len(list(attempts.glob("*"))) + 1 if attempts.is_dir() else 1
+    for name in ("local.json", "jobs.json", "rendezvous.json"):
+        if (run.path / name).exists():
+            (attempts / str(n)).mkdir(parents=True, exist_ok=True)
+            os.replace(run.path / name, attempts / str(n) / name)
+    jobs = plan.jobs(recipe)
+    spec_paths = {
+        role: run.path / "roles" / f"{role}.yaml" for role in ("trainer", "generator", "rendezvous")
+    }
+    from streamrl_cli.roles.entry import load_spec
+
+    specs = {role: load_spec(path) for role, path in spec_paths.items()}
+    scripts = {
+        j.key: run.path / "jobs" / f"{j.key}.{'sbatch' if j.launcher == 'slurm' else 'sh'}" for j in jobs
+    }
+    run.update_info(state="created", resumed=time.time(), attempt=n + 1)
+    run.event("resumed", attempt=n + 1)
+    return Prepared(run=run, specs=specs, spec_paths=spec_paths, jobs=jobs, scripts=scripts)
+
+
+def prepare_model(p: Prepared, console: Console) -> None:
+    """Build the recipe's model on this host first if its builder says how (the embedded default's
+    tiny model and its warm-up), so that role processes never race to build it."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from streamrl_cli.models.warmup import ensure_model
+
+    spec = p.specs["trainer"]
+    path = Path(os.path.expanduser(str(spec.model["path"])))
+    if path.exists() or not spec.model.get("builder"):
+        return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # ours is the one that counts
+    hf_logging.set_verbosity_error()
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), console=console, transient=True,
+    ) as progress:  # fmt: skip
+        bar = progress.add_task(
+            f"building {spec.model['name']} (once, cached)", total=None, loss=float("nan")
+        )
+
+        def report(step: int, steps: int, loss: float) -> None:
+            progress.update(bar, description="warming up the model", completed=step, total=steps, loss=loss)
+
+        ensure_model(spec.model, spec.task, progress=report)
+    console.print(f"model {spec.model['name']}: {path}", markup=False, highlight=False)
+
+
 def launch(p: Prepared, console: Console) -> int:
     """Start the rendezvous, then every job; watch local processes until they end. Returns an exit code."""
     run = p.run
+    prepare_model(p, console)
     rdv_job = next((j for j in p.jobs if j.role == "rendezvous"), None)
     role_jobs = [j for j in p.jobs if j.role != "rendezvous"]
     try:
@@ -157,7 +231,7 @@ def watch_local(run: RunDir, console: Console) -> int:
     """Wait for the local role processes, with a live table; Ctrl-C (or SIGTERM) stops them all."""
     from rich.live import Live
 
-    from streamrl_cli.launch.view import local_table
+    from streamrl_cli.launch.view import live_view, summary_line
 
     stop = {"signal": None}
 
@@ -168,15 +242,15 @@ def watch_local(run: RunDir, console: Console) -> int:
     roles = [r for r in local.procs(run) if r.role != "rendezvous"]
     failed: list[local.LocalProc] = []
     try:
-        with Live(local_table(run), console=console, refresh_per_second=2, transient=False) as live:
+        with Live(live_view(run), console=console, refresh_per_second=2, transient=False) as live:
             while stop["signal"] is None:
                 codes = {r.pid: local.exit_code(r) for r in roles}
                 failed = [r for r in roles if codes[r.pid] not in (None, 0)]
                 if failed or all(c is not None for c in codes.values()):
                     break
-                live.update(local_table(run))
+                live.update(live_view(run))
                 time.sleep(0.5)
-            live.update(local_table(run))
+            live.update(live_view(run))
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -197,7 +271,12 @@ def watch_local(run: RunDir, console: Console) -> int:
         console.print(local.log_tail(r.log), markup=False, highlight=False)
     if not console.is_terminal:
         console.line()  # the live table leaves no line break when output goes to a file or pipe
+    summary = summary_line(run)
+    if summary:
+        console.print(summary, markup=False, highlight=False)
     console.print(f"run {run.name} {state} (logs in {run.path / 'logs'}; `streamrl status {run.name}`)")
+    if summary:
+        console.print(f"plots: `streamrl plot {run.name}`", markup=False, highlight=False)
     return 1 if failed else 0
 
 

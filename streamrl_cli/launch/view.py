@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 
+from rich.console import Group, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 from streamrl_cli.launch import local
 from streamrl_cli.rundir import RunDir, read_json
@@ -36,3 +38,67 @@ def local_table(run: RunDir) -> Table:
 
 def _member(run: RunDir, role: str, rank: int) -> dict:
     return read_json(run.path / "members" / f"{role}-{rank}.json", {})
+
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], width: int = 40) -> str:
+    """The last `width` values as block characters scaled between their min and max."""
+    vals = values[-width:]
+    if not vals:
+        return ""
+    lo, hi = min(vals), max(vals)
+    span = (hi - lo) or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))] for v in vals)
+
+
+def training_view(run: RunDir) -> RenderableType | None:
+    """What the trainer reports per iteration (from metrics.jsonl), or None before the first one."""
+    from streamrl_cli.metrics.read import read_iterations
+
+    recs = read_iterations(run.path)
+    if not recs:
+        return None
+    last, total = recs[-1], run_total_iterations(run)
+    table = Table(title="training", title_justify="left")
+    for col in ("iter", "mode", "reward", "smp/s", "idle T", "idle G", "stale", "kl", "len 50/90"):
+        table.add_column(col, no_wrap=True)
+    table.add_row(
+        f"{last['iteration'] + 1}/{total or '?'}",
+        str(last.get("mode", "")),
+        f"{recs[0]['reward_mean']:.2f}→{last['reward_mean']:.2f}",
+        f"{last.get('samples_per_s', 0):.1f}",
+        f"{100 * last.get('idle/trainer', 0):.0f}%",
+        f"{100 * last.get('idle/generator', 0):.0f}%",
+        f"{last.get('staleness/max', 0)}",
+        f"{last.get('loss/kl', 0):.3f}",
+        f"{last.get('len/p50', 0)}/{last.get('len/p90', 0)}",
+    )
+    spark = Text("reward " + sparkline([r["reward_mean"] for r in recs]), style="green")
+    return Group(table, spark)
+
+
+def run_total_iterations(run: RunDir) -> int | None:
+    spec = read_json(run.path / "run.json", {})
+    return spec.get("iterations")
+
+
+def live_view(run: RunDir) -> RenderableType:
+    training = training_view(run)
+    return local_table(run) if training is None else Group(local_table(run), training)
+
+
+def summary_line(run: RunDir) -> str | None:
+    """One line for the end of a run: how the reward moved, at what speed."""
+    from streamrl_cli.metrics.read import read_iterations
+
+    recs = read_iterations(run.path)
+    if not recs:
+        return None
+    first, last = recs[0], recs[-1]
+    rate = sum(r.get("samples", 0) for r in recs) / max(sum(r.get("t/iteration", 0) for r in recs), 1e-9)
+    return (
+        f"{len(recs)} iterations ({last.get('mode')}): reward {first['reward_mean']:.3f} → "
+        f"{last['reward_mean']:.3f} (best {max(r['reward_mean'] for r in recs):.3f}), {rate:.1f} samples/s"
+    )

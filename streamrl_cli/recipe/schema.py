@@ -16,6 +16,12 @@ ALGORITHMS = ("ppo", "grpo")
 MODES = ("sync-stream", "async", "baseline")
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("vllm",)
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_MODES = ("loss", "penalty", "none")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+IS_MODES = ("auto", "on", "off")
+LOGGERS = ("tensorboard", "wandb")
+MODEL_BUILDERS = ("tiny", "tiny-warm")
 
 
 def choices(*values: str, default: str) -> str:
@@ -71,6 +77,7 @@ class TrainerConfig(RoleJobConfig):
     pipeline_parallel: int = 1  # PP degree
     zero_stage: int = 1  # DeepSpeed ZeRO stage, 0-3
     cpu_offload: bool = False  # ZeRO-Offload: optimizer states in host memory (tune-split may pick it)
+    program: str = "streamrl_cli.trainer.main:main"  # `module:function` the trainer's processes run
 
 
 @dataclass(kw_only=True)
@@ -82,6 +89,7 @@ class GeneratorConfig(RoleJobConfig):
     tensor_parallel: int = 1  # TP degree inside an instance; must divide gpus_per_instance
     max_running: int | None = None  # array throttle (`%N`); null: all at once
     engine: str = choices(*ENGINES, default="vllm")  # inference engine
+    program: str = "streamrl_cli.generator.main:main"  # `module:function` each instance runs
 
 
 @dataclass(kw_only=True)
@@ -119,6 +127,10 @@ class ModelConfig:
     num_attention_heads: int = 2  # query heads (tensor-parallel sizes must divide it)
     num_kv_heads: int = 2  # key/value heads
     dtype: str = choices(*DTYPES, default="bfloat16")  # weights and compute dtype
+    # How to make the model when `path` does not exist yet (null: it must exist): "tiny" builds the
+    # tiny Qwen2 of streamrl_cli.models.tiny, "tiny-warm" also warms it up on the built-in task (SFT).
+    builder: str | None = field(default=None, metadata={"choices": MODEL_BUILDERS})
+    warmup_steps: int = 0  # builder tiny-warm: supervised steps on the built-in task before RL
 
 
 @dataclass(kw_only=True)
@@ -128,14 +140,38 @@ class AlgorithmConfig:
     group_size: int = 8  # samples per prompt
     max_staleness: int = 1  # async mode: max policy versions a sample may lag
     kl_coef: float = 0.001  # KL penalty against the reference model
-    clip_ratio: float = 0.2  # PPO-style ratio clipping
+    clip_ratio: float = 0.2  # PPO-style ratio clipping (both sides unless clip_ratio_high is set)
+    clip_ratio_high: float | None = None  # upper clip (DAPO's clip-higher); null: clip_ratio
     lr: float = 1e-6  # actor learning rate
+    critic_lr: float = 1e-5  # PPO: critic learning rate
+    weight_decay: float = 0.0  # AdamW weight decay of actor and critic
+    max_grad_norm: float = 1.0  # gradient clipping (0: off)
+    loss_agg: str = choices(*LOSS_AGGS, default="token-mean")  # how per-token losses become one number
+    entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
+    kl_mode: str = choices(
+        *KL_MODES, default="loss"
+    )  # KL to the reference: a loss term, a reward penalty, off
+    kl_estimator: str = choices(*KL_ESTIMATORS, default="k3")  # estimator of KL(policy || reference)
+    gamma: float = 1.0  # PPO: GAE discount
+    lam: float = 0.95  # PPO: GAE lambda
+    value_clip: float = 0.2  # PPO: critic value clipping around the old values (0: off)
+    grpo_std_norm: bool = True  # GRPO: divide advantages by the group's std (Dr. GRPO: false)
+    # Importance-sampling correction with the behaviour log-probs (auto: on in async mode only),
+    # per-token weights truncated at is_cap (truncated IS).
+    is_correction: str = choices(*IS_MODES, default="auto")
+    is_cap: float = 2.0  # truncation of the importance weights
+    temperature: float = 1.0  # sampling temperature (the trainer's log-probs use the same)
 
 
 @dataclass(kw_only=True)
 class TaskConfig:
     name: str = "???"  # task name
     dataset: str | None = None  # JSONL/Parquet of prompts (null: the task's built-in prompts)
+    prompt_key: str = "prompt"  # dataset: field holding the prompt text
+    # Reward: `module:function` called with a batch (see streamrl_cli.tasks.rewards); null: the
+    # built-in task's own verifier (a dataset needs one).
+    reward: str | None = None
+    num_prompts: int = 4096  # built-in task: prompts in its dataset
     max_prompt_len: int = 512  # prompt tokens
     max_output_len: int = 1024  # output tokens
     # Output-length distribution for tune-split's cost model and simulator (planner.lengths):
@@ -152,6 +188,10 @@ class TrainConfig:
     micro_batch: int = 4  # samples per forward/backward
     iterations: int = 10  # RL iterations
     seed: int = 0  # seed of data order and sampling
+    checkpoint_every: int = 5  # iterations between checkpoints (0: only the last one)
+    keep_checkpoints: int = 2  # checkpoints kept (older ones are deleted)
+    loggers: list[str] = field(default_factory=list)  # extra metric sinks: tensorboard, wandb
+    wandb_project: str = "streamrl"  # W&B project (loggers=[wandb])
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,1 @@
+"""The trainer role: PPO/GRPO on DeepSpeed, consuming the sample stream."""

@@ -1,0 +1,116 @@
+"""From streamed samples to padded tensors, and the grouping rules of stream pipelining.
+
+A :class:`Rollout` is one sample with everything the loss needs that does not depend on the
+current weights: its prompt, the behaviour log-probs, the reward, and (GRPO) its advantage.
+:class:`GroupCollector` holds samples until their whole group is in (GRPO normalises within a
+group, so a group is the unit that becomes trainable); :func:`collate` pads a list of
+rollouts into a :class:`MicroBatch` (prompt + response, right-padded; per-token tensors are
+aligned with ``targets = input_ids[:, 1:]``, so position j is the prediction of token j + 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from streamrl_cli.transport.wire import Sample
+
+
+@dataclass
+class Rollout:
+    """One sample, ready to train on."""
+
+    prompt_tokens: list[int]
+    sample: Sample
+    reward: float
+    advantage: float = 0.0  # GRPO: the group-normalised reward (PPO: computed per token later)
+    staleness: int = 0  # trainer's version - the sample's weight version
+    iteration: int = 0  # the iteration whose batch it belongs to
+
+    @property
+    def response_len(self) -> int:
+        return len(self.sample.token_ids)
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [B, L] prompt + response, right-padded with 0
+    attention_mask: torch.Tensor  # [B, L]
+    targets: torch.Tensor  # [B, L-1] = input_ids[:, 1:]
+    mask: torch.Tensor  # [B, L-1] float: 1 where the target is a response token
+    behaviour_logp: torch.Tensor  # [B, L-1] the generator's log-probs at response positions (0 elsewhere)
+    rewards: torch.Tensor  # [B] sequence rewards
+    advantages: torch.Tensor  # [B] GRPO sequence advantages
+    rollouts: list[Rollout] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.rollouts)
+
+
+def collate(rollouts: Sequence[Rollout], device: torch.device | str = "cpu") -> MicroBatch:
+    """Pad rollouts into one micro-batch (an empty list gives a 1-row batch with an all-zero mask)."""
+    rows = list(rollouts)
+    if not rows:  # a rank with nothing left still takes part in the collectives of a step
+        empty = Sample(
+            prompt_id="", sample_index=0, token_ids=[0], logprobs=[0.0], finish_reason="stop",
+            weight_version=0,
+        )  # fmt: skip
+        mb = collate([Rollout(prompt_tokens=[0], sample=empty, reward=0.0)], device)
+        mb.mask.zero_()
+        mb.rollouts = []
+        return mb
+    length = max(len(r.prompt_tokens) + r.response_len for r in rows)
+    n = len(rows)
+    ids = torch.zeros(n, length, dtype=torch.long)
+    attn = torch.zeros(n, length, dtype=torch.long)
+    mask = torch.zeros(n, length - 1)
+    blp = torch.zeros(n, length - 1)
+    for i, r in enumerate(rows):
+        p, resp = len(r.prompt_tokens), r.response_len
+        ids[i, : p + resp] = torch.tensor(r.prompt_tokens + list(r.sample.token_ids), dtype=torch.long)
+        attn[i, : p + resp] = 1
+        mask[i, p - 1 : p - 1 + resp] = 1.0  # logits at p-1 predict the first response token
+        blp[i, p - 1 : p - 1 + resp] = torch.tensor(r.sample.logprobs, dtype=torch.float32)
+    return MicroBatch(
+        input_ids=ids.to(device),
+        attention_mask=attn.to(device),
+        targets=ids[:, 1:].to(device),
+        mask=mask.to(device),
+        behaviour_logp=blp.to(device),
+        rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32, device=device),
+        advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=device),
+        rollouts=rows,
+    )
+
+
+class GroupCollector:
+    """Samples in, whole groups out (each group once, in completion order).
+
+    `finish` turns a complete group (its samples in index order) into rollouts: it scores them
+    and sets advantages. A group is complete when all `group_size` sample indices arrived.
+    """
+
+    def __init__(self, group_size: int, finish: Callable[[str, list[Sample]], list[Rollout]]):
+        self.group_size = group_size
+        self.finish = finish
+        self._open: dict[str, dict[int, Sample]] = {}
+
+    def add(self, sample: Sample) -> list[Rollout]:
+        key = sample.group_id or sample.prompt_id
+        group = self._open.setdefault(key, {})
+        group[sample.sample_index] = sample
+        if len(group) < self.group_size:
+            return []
+        del self._open[key]
+        return self.finish(key, [group[i] for i in sorted(group)])
+
+    @property
+    def pending(self) -> int:
+        return sum(len(g) for g in self._open.values())
+
+    def drop(self, keys: Sequence[str]) -> None:
+        for k in keys:
+            self._open.pop(k, None)

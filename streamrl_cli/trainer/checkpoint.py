@@ -1,0 +1,78 @@
+"""Checkpoints: policy, critic and optimizer states (DeepSpeed's own format), data position, RNG.
+
+Layout: ``run_dir/checkpoints/iter-<N>/{actor,critic}/`` written by ``engine.save_checkpoint``
+(every rank writes its ZeRO shards), plus ``state.json`` with what the trainer needs to continue
+(iteration, weight version, the prompt sampler's position, RNG states), written last: a
+directory without it is incomplete and ignored. ``latest`` names the newest complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from streamrl_cli.rundir import write_atomic
+
+STATE = "state.json"
+
+
+def checkpoint_dir(run_dir: Path, iteration: int) -> Path:
+    return run_dir / "checkpoints" / f"iter-{iteration:06d}"
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": repr(random.getstate()), "torch": torch.get_rng_state().tolist()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import ast
+
+    random.setstate(ast.literal_eval(state["python"]))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+
+
+def save_engines(learner: Any, path: Path, client_state: dict[str, Any]) -> None:
+    """Every rank: DeepSpeed checkpoints of actor (and critic); rank 0 then writes state.json."""
+    import torch.distributed as dist
+
+    learner.actor.save_checkpoint(str(path / "actor"), tag="ckpt")
+    if learner.critic is not None:
+        learner.critic.save_checkpoint(str(path / "critic"), tag="ckpt")
+    if dist.is_initialized():
+        dist.barrier()
+    if client_state:
+        write_atomic(path / STATE, json.dumps(client_state, indent=2) + "\n", durable=True)
+        write_atomic(path.parent / "latest", path.name + "\n", durable=True)
+
+
+def load_engines(learner: Any, path: Path) -> dict[str, Any]:
+    learner.actor.load_checkpoint(str(path / "actor"), tag="ckpt")
+    if learner.critic is not None:
+        learner.critic.load_checkpoint(str(path / "critic"), tag="ckpt")
+    return json.loads((path / STATE).read_text())
+
+
+def latest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run, or None."""
+    root = run_dir / "checkpoints"
+    done = sorted(p for p in root.glob("iter-*") if (p / STATE).is_file()) if root.is_dir() else []
+    return done[-1] if done else None
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints (and incomplete older ones)."""
+    root = run_dir / "checkpoints"
+    if keep < 1 or not root.is_dir():
+        return
+    complete = sorted(p for p in root.glob("iter-*") if (p / STATE).is_file())
+    if not complete:
+        return
+    newest_kept = complete[-keep:]
+    for p in root.glob("iter-*"):
+        if p not in newest_kept and p.name < newest_kept[-1].name:
+            shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,231 @@
+"""One iteration's gradient, built micro-batch by micro-batch, and one optimizer step.
+
+Why gradients are accumulated as *sums*: in stream mode the trainer starts backward passes
+before it knows how many tokens the iteration will have, yet the result must equal the loss
+averaged over the whole batch (token-mean needs the total token count). Each micro-batch
+backpropagates the numerator of its aggregate (``losses.aggregate``); after the last one the
+accumulated gradient is divided by the iteration's total units (tokens or sequences, summed over
+data-parallel ranks) through DeepSpeed's own gradient API, then the optimizer steps. The same
+path serves whole-batch (baseline) training, so the modes differ only in *when* micro-batches
+run, never in the gradient (tested).
+
+Actor and critic are DeepSpeed engines (ZeRO stage from the recipe; gloo on CPUs, NCCL on
+GPUs). The reference model is a frozen copy on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from streamrl_cli.trainer import losses as L
+from streamrl_cli.trainer.batch import MicroBatch
+from streamrl_cli.trainer.models import Critic, critic_forward, load_policy, load_reference, policy_forward
+
+
+@dataclass(kw_only=True)
+class LossConfig:
+    """The recipe's algorithm section, as the loss needs it."""
+
+    name: str = "grpo"
+    kl_mode: str = "loss"
+    kl_estimator: str = "k3"
+    kl_coef: float = 0.001
+    loss_agg: str = "token-mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    entropy_coef: float = 0.0
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_clip: float = 0.2
+    importance_sampling: bool = False
+    is_cap: float = 2.0
+    temperature: float = 1.0
+    max_len: int = 1024  # task.max_output_len (seq-mean-token-sum-norm's constant)
+
+    @classmethod
+    def from_recipe(cls, algorithm: dict[str, Any], max_len: int) -> LossConfig:
+        clip = float(algorithm.get("clip_ratio", 0.2))
+        high = algorithm.get("clip_ratio_high")
+        is_mode = algorithm.get("is_correction", "auto")
+        return cls(
+            name=algorithm.get("name", "grpo"),
+            kl_mode=algorithm.get("kl_mode", "loss"),
+            kl_estimator=algorithm.get("kl_estimator", "k3"),
+            kl_coef=float(algorithm.get("kl_coef", 0.001)),
+            loss_agg=algorithm.get("loss_agg", "token-mean"),
+            clip_low=clip,
+            clip_high=clip if high is None else float(high),
+            entropy_coef=float(algorithm.get("entropy_coef", 0.0)),
+            gamma=float(algorithm.get("gamma", 1.0)),
+            lam=float(algorithm.get("lam", 0.95)),
+            value_clip=float(algorithm.get("value_clip", 0.2)),
+            importance_sampling=is_mode == "on" or (is_mode == "auto" and algorithm.get("mode") == "async"),
+            is_cap=float(algorithm.get("is_cap", 2.0)),
+            temperature=float(algorithm.get("temperature", 1.0)),
+            max_len=max_len,
+        )
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    zero_stage: int = 1
+    lr: float = 1e-6
+    critic_lr: float = 1e-5
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+
+
+def init_distributed(rank: int, world: int, master: str, backend: str) -> None:
+    """The trainer ranks' default group (DeepSpeed's), before any engine is made."""
+    host, _, port = master.rpartition(":")
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"),
+        MASTER_ADDR=host, MASTER_PORT=port,
+    )  # fmt: skip
+    if backend == "gloo":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
+def _engine(model: torch.nn.Module, lr: float, opt: OptimConfig) -> Any:
+    import deepspeed
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=opt.weight_decay)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": opt.max_grad_norm,
+        "zero_optimization": {"stage": opt.zero_stage},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+class Learner:
+    """Actor, critic (PPO), reference; micro-batch backward passes and the iteration's step."""
+
+    def __init__(
+        self, path: str, loss: LossConfig, opt: OptimConfig, device: torch.device, dtype: torch.dtype
+    ):
+        self.loss, self.opt, self.device = loss, opt, device
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.actor = _engine(load_policy(path, dtype), opt.lr, opt)
+        self.critic = _engine(Critic(path, dtype), opt.critic_lr, opt) if loss.name == "ppo" else None
+        self.ref = load_reference(path, dtype, device) if loss.kl_mode != "none" else None
+        self._begin()
+
+    def _begin(self) -> None:
+        self.units = 0.0
+        self.sums: dict[str, float] = {}
+
+    def _add(self, key: str, value: torch.Tensor | float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + float(value)
+
+    def micro_step(self, mb: MicroBatch, *, last: bool) -> None:
+        """Forward and backward of one micro-batch (every rank calls it equally often; `last` ends the
+        accumulation: the gradient reduction happens in that backward)."""
+        c = self.loss
+        self.actor.train()
+        logp, ent = policy_forward(self.actor, mb, c.temperature, entropy=True)
+        old_logp, mask = logp.detach(), mb.mask
+        kl = None
+        if self.ref is not None:
+            with torch.no_grad():
+                ref_logp, _ = policy_forward(self.ref, mb, c.temperature)
+            kl = L.kl_estimate(logp, ref_logp, c.kl_estimator)
+        if c.name == "ppo":
+            values = critic_forward(self.critic, mb)
+            score_kl = kl.detach() if (kl is not None and c.kl_mode == "penalty") else None
+            tok_r = L.token_rewards(mb.rewards, score_kl, c.kl_coef, mask)
+            adv, ret = L.gae(tok_r, values.detach(), mask, c.gamma, c.lam)
+        else:
+            adv = mb.advantages[:, None].expand_as(mask) * mask
+        is_w = (
+            L.importance_weights(old_logp, mb.behaviour_logp, mask, c.is_cap)
+            if c.importance_sampling
+            else None
+        )
+        pg, stats = L.policy_loss(logp, old_logp, adv, mask, c.clip_low, c.clip_high, is_w)
+        per_token = pg
+        if kl is not None and c.kl_mode == "loss":
+            per_token = per_token + c.kl_coef * kl
+        if c.entropy_coef:
+            per_token = per_token - c.entropy_coef * ent
+        num, units = L.aggregate(per_token, mask, c.loss_agg, c.max_len)
+        units = units if mb.size else 0.0  # a rank's filler batch (nothing left for it) counts nothing
+        self.actor.set_gradient_accumulation_boundary(last)
+        self.actor.backward(num, scale_wrt_gas=False)
+        self.units += units
+        for key, t in (
+            ("policy", pg),
+            ("entropy", ent.detach()),
+            ("kl", kl.detach() if kl is not None else None),
+        ):
+            if t is not None:
+                self._add(f"loss/{key}", L.aggregate(t.detach(), mask, c.loss_agg, c.max_len)[0])
+        for key, v in stats.items():
+            self._add(f"pg/{key}", v)
+        if is_w is not None:
+            self._add("pg/is_weight", (is_w * mask).sum())
+        if c.name == "ppo":
+            vl = L.value_loss(values, values.detach(), ret, mask, c.value_clip)
+            vnum, _ = L.aggregate(vl, mask, c.loss_agg, c.max_len)
+            self.critic.set_gradient_accumulation_boundary(last)
+            self.critic.backward(vnum, scale_wrt_gas=False)
+            self._add("loss/value", vnum.detach())
+
+    def step(self) -> dict[str, float]:
+        """Divide the accumulated gradients by the iteration's units, step, and return the stats."""
+        out = self.finish_gradients()
+        for engine in filter(None, (self.actor, self.critic)):
+            engine.step()
+        norm = self.actor.get_global_grad_norm()
+        out["grad_norm"] = float(norm) if norm is not None else float("nan")
+        self._begin()
+        return out
+
+    def finish_gradients(self) -> dict[str, float]:
+        """After the last micro-batch: gradients become those of the whole batch's mean loss."""
+        from deepspeed.utils import safe_update_full_grad_vectorized
+
+        totals = torch.tensor([self.units, *self.sums.values()], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(totals)
+        units = max(float(totals[0]), 1e-12)
+        sums = dict(zip(self.sums, (float(x) for x in totals[1:]), strict=True))
+        # DeepSpeed averaged over the data-parallel ranks; the loss is a sum over all of them.
+        factor = self.world / units
+        for engine in filter(None, (self.actor, self.critic)):
+            params = [p for p in engine.module.parameters() if p.requires_grad]
+            safe_update_full_grad_vectorized(params, lambda g, _p: g * factor)
+        tokens = max(sums.get("pg/tokens", 0.0), 1.0)
+        out = {
+            f"loss/{k}": sums[f"loss/{k}"] / units
+            for k in ("policy", "kl", "entropy", "value")
+            if f"loss/{k}" in sums
+        }
+        out["clip_frac"] = sums.get("pg/clip_frac", 0.0) / tokens
+        out["approx_kl"] = sums.get("pg/approx_kl", 0.0) / tokens
+        if "pg/is_weight" in sums:
+            out["is_weight/mean"] = sums["pg/is_weight"] / tokens
+        return out
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The policy's full weights by HF name (ZeRO-3: gathered; every rank must call it)."""
+        module = self.actor.module
+        if self.opt.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters())):
+                return {n: p.detach().clone() for n, p in module.named_parameters()}
+        return {n: p.detach() for n, p in module.named_parameters()}

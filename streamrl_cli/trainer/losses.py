@@ -1,0 +1,178 @@
+"""The RL loss math of PPO and GRPO, in one place: pure torch functions, no I/O, no state.
+
+Why one module: every pipelining mode of the trainer (synchronous, one-step-off, fully streamed
+micro-batches) computes the same advantages, ratios, clipped surrogates and reductions; keeping
+the math here, away from DeepSpeed and the stream, makes it testable against hand-computed
+numbers and guarantees the modes differ only in *when* they compute, never in *what*.
+
+Conventions:
+
+- Per-token tensors have shape ``[B, T]`` (sequences × response positions) and come with a
+  float ``mask`` of the same shape, 1.0 on valid response tokens and 0.0 elsewhere (padding,
+  prompt, tokens the policy did not produce). Every per-token output is 0 where the mask is 0.
+- Per-token losses are returned *unreduced*; :func:`aggregate` turns them into a
+  ``(numerator, units)`` pair so that the loss of a batch split into micro-batches is exactly
+  ``Σ numerators / Σ units`` — the same number as the whole batch in one piece.
+- Statistics (:func:`policy_loss`) are *sums* over valid tokens plus a ``"tokens"`` count, for
+  the same reason: the caller adds them across micro-batches and divides once at the end.
+- Advantages, returns, importance weights and statistics carry no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "k2", "k3")
+
+
+def grpo_advantages(rewards: Tensor, std_norm: bool = True, eps: float = 1e-6) -> Tensor:
+    """GRPO advantages of one group's rewards [G]: r - mean, over the population std + eps if std_norm."""
+    rewards = rewards.detach().float()
+    centred = rewards - rewards.mean()
+    if not std_norm:
+        return centred
+    # Population std (correction=0): a group is the whole population of its prompt's samples, and
+    # a group of one then gives std 0 (advantage 0) instead of NaN.
+    return centred / (rewards.std(correction=0) + eps)
+
+
+def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
+    """Per-token estimate of KL(policy || ref) from policy samples: k1, k2 or k3 (Schulman's estimators)."""
+    log_ratio = logp - ref_logp
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    if kind == "k3":
+        return torch.exp(-log_ratio) + log_ratio - 1.0
+    raise ValueError(f"unknown KL estimator {kind!r}; valid: {', '.join(KL_KINDS)}")
+
+
+def _last_valid_index(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(index of each row's last valid token, whether the row has any), for a [B, T] mask."""
+    valid = mask > 0
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    last = torch.where(valid, positions, torch.full_like(positions, -1)).max(dim=-1).values
+    has_any = last >= 0
+    return last.clamp(min=0), has_any
+
+
+def token_rewards(score: Tensor, kl: Tensor | None, kl_coef: float, mask: Tensor) -> Tensor:
+    """PPO per-token reward [B, T]: -kl_coef * kl on valid tokens, plus score [B] at each last valid token."""
+    rewards = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    if kl is not None:
+        rewards = rewards - kl_coef * kl.detach().float()
+    last, has_any = _last_valid_index(mask)
+    bonus = torch.where(has_any, score.detach().float(), torch.zeros_like(score, dtype=torch.float32))
+    rewards = rewards.scatter_add(1, last.unsqueeze(1), bonus.unsqueeze(1))
+    return rewards * (mask > 0)
+
+
+def gae(
+    token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over [B, T], backward in time: (advantages, returns)."""
+    # Masked positions are skipped, not treated as steps: the value and the running GAE carry over
+    # them unchanged, so right padding (V after the last valid token = 0) and holes inside a
+    # response (e.g. tool output) are both handled by one rule. A mask is read as valid where > 0.
+    rewards = token_rewards.detach().float()
+    vals = values.detach().float()
+    valid = (mask > 0).float()
+    batch, length = rewards.shape
+    next_value = torch.zeros(batch, dtype=torch.float32, device=rewards.device)
+    running = torch.zeros_like(next_value)
+    advantages = torch.zeros_like(rewards)
+    for t in reversed(range(length)):
+        m = valid[:, t]
+        delta = rewards[:, t] + gamma * next_value - vals[:, t]
+        step = delta + gamma * lam * running
+        running = m * step + (1.0 - m) * running
+        next_value = m * vals[:, t] + (1.0 - m) * next_value
+        advantages[:, t] = running * m
+    returns = (advantages + vals) * valid
+    return advantages, returns
+
+
+def _per_token(x: Tensor, like: Tensor) -> Tensor:
+    """Broadcast a sequence-level [B] tensor over T; a [B, T] tensor is returned as is."""
+    return x.unsqueeze(-1).expand_as(like) if x.dim() == like.dim() - 1 else x
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate per token [B, T], and stats as sums over valid tokens (divide by "tokens")."""
+    adv = _per_token(advantages.detach(), logp)
+    log_ratio = logp - old_logp.detach()
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    loss = -torch.minimum(unclipped, clipped)
+    if is_weights is not None:
+        loss = loss * _per_token(is_weights.detach(), logp)
+    loss = loss * mask
+    with torch.no_grad():
+        valid = (mask > 0).to(loss.dtype)
+        # Clipping is active where the clipped term is the one taken and it cuts the gradient.
+        active = ((adv > 0) & (ratio > 1.0 + clip_high)) | ((adv < 0) & (ratio < 1.0 - clip_low))
+        # KL(old || new) by Schulman's k3 on the old policy's samples: (r - 1) - log r, always >= 0.
+        approx_kl = (ratio - 1.0) - log_ratio
+        stats = {
+            "clip_frac": (active.to(loss.dtype) * valid).sum(),
+            "approx_kl": (approx_kl * valid).sum(),
+            "tokens": valid.sum(),
+        }
+    return loss, stats
+
+
+def importance_weights(old_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, cap: float) -> Tensor:
+    """Truncated importance weights per token: min(exp(old_logp - behaviour_logp), cap), 0 where masked."""
+    with torch.no_grad():
+        weights = torch.exp(old_logp - behaviour_logp).clamp(max=cap)
+        return weights * (mask > 0)
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float) -> Tensor:
+    """Per-token value loss 0.5 * max((v - R)^2, (clip(v, old ± clip) - R)^2); clip <= 0: unclipped."""
+    returns = returns.detach()
+    loss = (values - returns).square()
+    if clip > 0:
+        old = old_values.detach()
+        clipped = torch.maximum(torch.minimum(values, old + clip), old - clip)
+        loss = torch.maximum(loss, (clipped - returns).square())
+    return 0.5 * loss * mask
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) [B, T, V] → [B, T]: logsumexp(l) - Σ p·l, stable for large logits."""
+    lse = torch.logsumexp(logits, dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    return lse - (probs * logits).sum(dim=-1)
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / temperature) at tokens: [B, T, V], [B, T] → [B, T], no [B, T, V] log-softmax."""
+    scaled = logits if temperature == 1.0 else logits / temperature
+    picked = scaled.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(scaled, dim=-1)
+
+
+def aggregate(per_token: Tensor, mask: Tensor, mode: str, max_len: int) -> tuple[Tensor, float]:
+    """(numerator, units) of a per-token loss: a batch's loss is Σ numerators / Σ units over micro-batches."""
+    masked = per_token * mask
+    if mode == "token-mean":
+        return masked.sum(), float(mask.sum().item())
+    if mode == "seq-mean-token-mean":
+        per_seq = masked.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
+        return per_seq.sum(), float(per_token.shape[0])
+    if mode == "seq-mean-token-sum-norm":
+        return masked.sum() / max_len, float(per_token.shape[0])
+    raise ValueError(f"unknown loss aggregation {mode!r}; valid: {', '.join(LOSS_AGGS)}")

@@ -1,0 +1,356 @@
+"""The three pipelining modes between generation and training (DESIGN.md §1), one loop.
+
+::
+
+    batch j's prompts ──dispatch──► generators ──samples──► GroupCollector(j) ──whole groups──► ready[j]
+         ▲ (once weight version j - ahead is confirmed)                                      │
+         │                                                                        micro-batches (rounds)
+    publisher ◄── full_state ◄── step (one per iteration, after batch j's last sample) ◄─────┘
+
+- **baseline**: batch j is dispatched once version j is on the generators; training starts
+  after its last sample (the naive disaggregated batch mode: each side idles while the other works).
+- **sync-stream**: the same dispatch, but micro-batches are trained as soon as enough whole groups
+  have arrived (dynamic-batch pipelining); the step still comes after the last sample: on-policy.
+- **async**: batch j is dispatched once version j - k is confirmed (k = max_staleness), so the
+  generation of the next batch overlaps this one's training, and the weight transfer runs in the
+  background. A sample of batch j generated with a version older than j - k (a late joiner, a
+  re-dispatch) is dropped and generated again, so staleness never exceeds k.
+
+The gradient is the same in every mode (``learner``): modes differ only in timing.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from streamrl_cli.tasks import Prompt, Task
+from streamrl_cli.trainer.batch import GroupCollector, Rollout
+from streamrl_cli.trainer.losses import grpo_advantages
+from streamrl_cli.transport.wire import Request, Sample
+
+log = logging.getLogger("streamrl.trainer")
+
+GET_POLL_S = 0.5
+
+
+@dataclass(kw_only=True)
+class PipelineConfig:
+    mode: str = "sync-stream"
+    algorithm: str = "grpo"
+    group_size: int = 4
+    global_batch: int = 8  # prompts per iteration
+    micro_batch: int = 4  # samples per micro-batch (per rank)
+    world: int = 1  # trainer data-parallel ranks
+    max_staleness: int = 1
+    max_output_len: int = 64
+    temperature: float = 1.0
+    grpo_std_norm: bool = True
+    seed: int = 0
+    sample_timeout_s: float = 1800.0  # no sample at all for this long: something is wrong
+
+    @property
+    def ahead(self) -> int:
+        return self.max_staleness if self.mode == "async" else 0
+
+
+@dataclass
+class Batch:
+    index: int
+    prompts: dict[str, tuple[Prompt, list[int]]]  # request prompt id -> (task prompt, tokens)
+    sampler_state: dict[str, Any]  # the sampler's position before drawing this batch
+    dispatched_at: float = 0.0
+    last_sample_at: float = 0.0
+    collector: GroupCollector | None = None
+    ready: list[Rollout] = field(default_factory=list)  # whole groups not yet trained on
+    trained: list[Rollout] = field(default_factory=list)
+    n_groups: int = 0
+    done_groups: int = 0
+    retries: int = 0
+
+
+class Pipeline:
+    """Rank 0's loop: dispatch prompts, receive samples, train micro-batches, step, publish."""
+
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        *,
+        task: Task,
+        sampler: Any,
+        tokenize: Callable[[str], list[int]],
+        detokenize: Callable[[list[int]], str],
+        svc: Any,
+        driver: Any,
+        publisher: Any,
+        on_record: Callable[[dict[str, Any]], None],
+        on_checkpoint: Callable[[int, dict[str, Any]], None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.cfg, self.task, self.sampler = cfg, task, sampler
+        self.tokenize, self.detokenize = tokenize, detokenize
+        self.svc, self.driver, self.publisher = svc, driver, publisher
+        self.on_record, self.on_checkpoint, self.clock = on_record, on_checkpoint, clock
+        self.batches: dict[int, Batch] = {}
+        self.confirmed = -1  # newest weight version every generator serves
+        self._cv = threading.Condition()
+        self.gen_spans: list[list[float]] = []  # [dispatched, last sample] of every batch
+        self.sync_spans: list[tuple[int, float, float]] = []  # (version, start, end) of weight transfers
+
+    # ---- the loop ----
+
+    def run(self, start: int, end: int, version: int, *, push_first: bool = False) -> None:
+        """Train iterations [start, end) from weight version `version` (== start). The generators
+        serve it already (a fresh run: the model on disk) or get it first (`push_first`: a resumed run)."""
+        # Weight versions count optimizer steps; a resumed run may have to continue above versions
+        # the rendezvous already saw, hence the offset (version of batch j's policy = j + offset).
+        self.version, self.end, self.next_batch, self.offset = version, end, start, version - start
+        if push_first:
+            self._publish(self.driver.full_state(), version)
+            self._wait_transfers()
+        else:
+            self._versions_ready(version)
+        prev_end = self.clock()
+        for i in range(start, end):
+            self._dispatch_due()
+            record = self._iteration(i, prev_end)
+            prev_end = record["timeline"]["end"]
+            self.on_record(record)
+        self._wait_transfers()
+
+    def _dispatch_due(self) -> None:
+        """Dispatch every batch whose weight version requirement is met (j - ahead <= confirmed)."""
+        with self._cv:
+            confirmed = self.confirmed
+        while self.next_batch < self.end and self.next_batch - self.cfg.ahead + self.offset <= confirmed:
+            self._dispatch(self.next_batch)
+            self.next_batch += 1
+
+    def _versions_ready(self, version: int) -> None:
+        with self._cv:
+            self.confirmed = max(self.confirmed, version)
+            self._cv.notify_all()
+
+    def _dispatch(self, j: int) -> None:
+        state = self.sampler.state()
+        prompts = self.sampler.next_batch()
+        batch = Batch(index=j, prompts={}, sampler_state=state)
+        batch.collector = GroupCollector(self.cfg.group_size, lambda key, s, b=batch: self._score(b, key, s))
+        requests = []
+        for p in prompts:
+            rid = f"it{j}/{p.prompt_id}"
+            tokens = self.tokenize(p.text)
+            batch.prompts[rid] = (p, tokens)
+            requests.append(self._request(rid, tokens, list(range(self.cfg.group_size))))
+        batch.n_groups = len(prompts)
+        batch.dispatched_at = self.clock()
+        self.batches[j] = batch
+        self.svc.submit(requests)
+
+    def _request(self, rid: str, tokens: list[int], indices: list[int], *, group: str = "") -> Request:
+        return Request(
+            prompt_id=rid, prompt_token_ids=tokens, sample_indices=indices, group_id=group or rid,
+            sampling={"temperature": self.cfg.temperature, "max_tokens": self.cfg.max_output_len},
+        )  # fmt: skip
+
+    def _iteration(self, i: int, started: float) -> dict[str, Any]:
+        wait_s = 0.0
+        while i not in self.batches:  # its weight version is still on the way to the generators
+            t0 = self.clock()
+            with self._cv:
+                self._cv.wait(GET_POLL_S)
+            wait_s += self.clock() - t0
+            self._check_transfer()
+            self._dispatch_due()
+        batch = self.batches[i]
+        per_round = self.cfg.micro_batch * self.cfg.world
+        train_spans: list[list[float]] = []
+        stream = self.cfg.mode != "baseline"
+        while True:
+            done = batch.done_groups == batch.n_groups
+            if done or (stream and len(batch.ready) > per_round):
+                take = batch.ready[:per_round] if not done or len(batch.ready) > per_round else batch.ready
+                batch.ready = batch.ready[len(take) :]
+                batch.trained += take
+                last = done and not batch.ready
+                t0 = self.clock()
+                mbs = [take[k : k + self.cfg.micro_batch] for k in range(0, len(take), self.cfg.micro_batch)]
+                self.driver.round(mbs, last=last)
+                train_spans.append([t0, self.clock()])
+                if last:
+                    break
+                continue
+            t0 = self.clock()
+            sample = self.svc.get(timeout=GET_POLL_S)
+            wait_s += self.clock() - t0
+            if sample is not None:
+                self._route(sample)
+            else:
+                self._check_transfer()
+            if (
+                sample is None
+                and self.clock() - max(batch.dispatched_at, batch.last_sample_at) > self.cfg.sample_timeout_s
+            ):
+                raise TimeoutError(f"no sample of iteration {i} for {self.cfg.sample_timeout_s:.0f}s")
+            self._dispatch_due()
+        t_step = self.clock()
+        stats = self.driver.step()
+        self.version = i + 1 + self.offset
+        step_span = [t_step, self.clock()]
+        # Every rank takes part in gathering the weights; the transfer runs in the publisher's thread.
+        state = self.driver.full_state()
+        if self.cfg.mode == "async":
+            state = {k: v.clone() for k, v in state.items()}  # the next step must not change it mid-transfer
+        self._publish(state, self.version)
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(i, self._client_state(i))
+        if self.cfg.mode != "async":
+            self._wait_transfers()
+        end = self.clock()
+        return self._record(i, batch, started, end, train_spans, step_span, wait_s, stats)
+
+    # ---- samples ----
+
+    def _route(self, sample: Sample) -> None:
+        j = int(sample.prompt_id.split("/", 1)[0].removeprefix("it"))
+        batch = self.batches.get(j)
+        if batch is None:
+            log.warning("sample of unknown iteration %s dropped", sample.prompt_id)
+            return
+        staleness = j + self.offset - sample.weight_version
+        if staleness > self.cfg.ahead:
+            # Too old for this batch (a late joiner's or a re-dispatch's): generate it again.
+            group = sample.group_id or sample.prompt_id
+            batch.retries += 1
+            rid = f"{group}#r{batch.retries}"
+            batch.prompts[rid] = batch.prompts[group]
+            self.svc.submit([self._request(rid, batch.prompts[group][1], [sample.sample_index], group=group)])
+            return
+        batch.last_sample_at = self.clock()
+        for r in batch.collector.add(sample):
+            r.staleness, r.iteration = staleness, j
+            batch.ready.append(r)
+        if batch.done_groups == batch.n_groups:
+            self.gen_spans.append([batch.dispatched_at, batch.last_sample_at])
+
+    def _score(self, batch: Batch, key: str, samples: list[Sample]) -> list[Rollout]:
+        prompt, tokens = batch.prompts[key]
+        texts = [self.detokenize(s.token_ids) for s in samples]
+        rewards = [float(r) for r in self.task.reward([prompt] * len(samples), texts)]
+        batch.done_groups += 1
+        import torch
+
+        if self.cfg.algorithm == "grpo":
+            adv = grpo_advantages(torch.tensor(rewards), self.cfg.grpo_std_norm).tolist()
+        else:
+            adv = [0.0] * len(rewards)
+        return [
+            Rollout(prompt_tokens=tokens, sample=s, reward=r, advantage=a)
+            for s, r, a in zip(samples, rewards, adv, strict=True)
+        ]
+
+    # ---- weights ----
+
+    def _publish(self, state: dict, version: int) -> None:
+        started = self.clock()
+
+        def confirmed(v: int) -> None:
+            self.sync_spans.append((v, started, self.clock()))
+            self._versions_ready(v)
+
+        self._transfer = self.publisher.publish(state, version, then=confirmed)
+
+    def _check_transfer(self) -> None:
+        """A failed background transfer fails the run (its error, not a hang)."""
+        transfer = getattr(self, "_transfer", None)
+        if transfer is not None and transfer.done():
+            transfer.result()
+
+    def _wait_transfers(self) -> None:
+        transfer = getattr(self, "_transfer", None)
+        if transfer is not None:
+            transfer.result()
+
+    # ---- records ----
+
+    def _client_state(self, i: int) -> dict[str, Any]:
+        """What a resumed run needs: where the data of iteration i + 1 starts."""
+        nxt = self.batches.get(i + 1)
+        sampler = nxt.sampler_state if nxt is not None else self.sampler.state()
+        return {"iteration": i, "next_iteration": i + 1, "weight_version": i + 1, "sampler": sampler}
+
+    def _record(self, i, batch, started, end, train_spans, step_span, wait_s, stats) -> dict[str, Any]:  # noqa: ANN001
+        rows = batch.trained
+        rewards = [r.reward for r in rows]
+        lengths = sorted(r.response_len for r in rows)
+        stale = [r.staleness for r in rows]
+        elapsed = max(end - started, 1e-9)
+        busy = sum(b - a for a, b in train_spans) + (step_span[1] - step_span[0])
+        gen_busy = _covered(self.gen_spans + [[batch.dispatched_at, batch.last_sample_at]], started, end)
+        syncs = [s for s in self.sync_spans if started <= s[2] <= end + 1e-6]
+        tokens = sum(lengths)
+        rec = {
+            "iteration": i,
+            "mode": self.cfg.mode,
+            "weight_version": self.version,
+            "reward_mean": statistics.fmean(rewards),
+            "reward_std": statistics.pstdev(rewards),
+            "reward_max": max(rewards),
+            "samples": len(rows),
+            "tokens": tokens,
+            "len/mean": tokens / len(rows),
+            "len/p50": lengths[len(lengths) // 2],
+            "len/p90": lengths[min(len(lengths) - 1, int(0.9 * len(lengths)))],
+            "len/max": lengths[-1],
+            "samples_per_s": len(rows) / elapsed,
+            "tokens_per_s": tokens / elapsed,
+            "t/iteration": elapsed,
+            "t/generation": batch.last_sample_at - batch.dispatched_at,
+            "t/train": busy,
+            "t/wait": wait_s,
+            "t/weight_sync": sum(s[2] - s[1] for s in syncs),
+            "idle/trainer": max(0.0, 1.0 - busy / elapsed),
+            "idle/generator": max(0.0, 1.0 - gen_busy / elapsed),
+            "staleness/mean": statistics.fmean(stale),
+            "staleness/max": max(stale),
+            "retries": batch.retries,
+            # Which prompts the batch held, in order (a resumed run must repeat the same data order).
+            "data/digest": xxhash.xxh64_hexdigest(
+                "\n".join(p.prompt_id for k, (p, _) in batch.prompts.items() if "#r" not in k).encode()
+            ),
+            "micro_batches": len(train_spans),
+            "timeline": {
+                "start": started,
+                "end": end,
+                "generation": [batch.dispatched_at, batch.last_sample_at],
+                "train": train_spans,
+                "step": step_span,
+                "weight_sync": [syncs[-1][1], syncs[-1][2]] if syncs else None,
+            },
+            **stats,
+        }
+        self.batches.pop(i, None)
+        return rec
+
+
+def _covered(spans: list[list[float]], start: float, end: float) -> float:
+    """Length of the union of `spans` clipped to [start, end]."""
+    clipped = sorted((max(a, start), min(b, end)) for a, b in spans if b > start and a < end)
+    total, cur_a, cur_b = 0.0, None, None
+    for a, b in clipped:
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        total += cur_b - cur_a
+    return total

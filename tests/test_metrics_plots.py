@@ -1,0 +1,279 @@
+"""Metrics of a run: reading metrics.jsonl back, the PNG plots, `streamrl plot`, and the sinks."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from conftest import streamrl
+
+from streamrl_cli.errors import StreamRLError
+from streamrl_cli.metrics.plots import plot_run
+from streamrl_cli.metrics.read import read_iterations
+from streamrl_cli.metrics.sinks import JsonlSink, make_sinks, scalars
+from streamrl_cli.rundir import RunDir, catalog_add, write_json
+
+PLOTS = ["reward.png", "throughput.png", "timeline.png", "lengths.png"]
+T0 = 1_700_000_000.0
+
+
+def simulate(
+    mode: str, iterations: int = 6, first: int = 0, t0: float = T0, reward0: float = 0.2
+) -> list[dict]:
+    """Trainer records of a plausible run: 4 s generation, 4 micro-batches, a step, a weight sync.
+
+    baseline trains after generation; sync-stream trains on micro-batches as they stream in;
+    async generates continuously and syncs weights while the next iteration is generated.
+    """
+    gen_s, micro_s, step_s, sync_s, micro_batches = 4.0, 0.6, 0.3, 0.4, 4
+    recs, t, trainer_free = [], t0, t0
+    for i in range(first, first + iterations):
+        gen = [t, t + gen_s]
+        if mode == "sync-stream":
+            begins = [t + gen_s * (k + 1) / micro_batches for k in range(micro_batches)]
+        else:
+            begin = max(gen[1], trainer_free)
+            begins = [begin + k * (micro_s + 0.05) for k in range(micro_batches)]
+        train = [[b, b + micro_s] for b in begins]
+        step = [train[-1][1], train[-1][1] + step_s]
+        sync = [step[1], step[1] + sync_s]
+        trainer_free = sync[1] if mode != "async" else step[1]
+        end = sync[1] if mode != "async" else gen[1]
+        t_iter = end - t
+        lens = {"len/mean": 300 + 10 * i, "len/p50": 250 + 5 * i, "len/p90": 700 + 20 * i, "len/max": 1024}
+        recs.append(
+            {
+                "time": sync[1],
+                "member_id": "trainer-0",
+                "role": "trainer",
+                "rank": 0,
+                "iteration": i,
+                "mode": mode,
+                "weight_version": i + 1,
+                "reward_mean": reward0 + 0.08 * i,
+                "reward_std": 0.15,
+                "reward_max": 1.0,
+                "kl": 0.002 * i,
+                "entropy": 1.2 - 0.02 * i,
+                "grad_norm": 0.8,
+                "clip_frac": 0.05,
+                "loss/policy": -0.01,
+                "loss/kl": 0.001,
+                "loss/value": 0.0,
+                "loss/entropy": -0.01,
+                "loss/total": -0.019,
+                **lens,
+                "samples": 64,
+                "tokens": 64 * lens["len/mean"],
+                "samples_per_s": 64 / t_iter,
+                "tokens_per_s": 64 * lens["len/mean"] / t_iter,
+                "t/iteration": t_iter,
+                "t/generation": gen_s,
+                "t/train": micro_batches * micro_s,
+                "t/wait": max(0.0, begins[0] - t - (0.0 if mode == "sync-stream" else gen_s)),
+                "t/weight_sync": sync_s,
+                "idle/trainer": 0.5 if mode == "baseline" else 0.2,
+                "idle/generator": 0.3 if mode == "baseline" else 0.05,
+                "staleness/mean": 1.0 if mode == "async" else 0.0,
+                "staleness/max": 1 if mode == "async" else 0,
+                "timeline": {
+                    "start": t,
+                    "generation": gen,
+                    "train": train,
+                    "step": step,
+                    "weight_sync": sync,
+                },
+            }
+        )
+        t = end
+    return recs
+
+
+def generator_line(i: int) -> dict:
+    """Generators post to the same file; one even carries an iteration, and must be ignored."""
+    return {"time": T0 + i, "member_id": "generator-0", "role": "generator", "rank": 0, "iteration": i}
+
+
+def make_run(root: Path, lines: list, name: str = "demo") -> Path:
+    """A run directory whose metrics.jsonl holds `lines` (dicts as JSON, strings verbatim)."""
+    run_dir = root / f"{name}-20250101-000000"
+    run_dir.mkdir(parents=True)
+    write_json(run_dir / "run.json", {"name": name, "run_id": run_dir.name, "state": "finished"})
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for line in lines:
+            f.write(line if isinstance(line, str) else json.dumps(line) + "\n")
+    return run_dir
+
+
+def messy_run(root: Path, mode: str) -> Path:
+    """Six iterations among generator lines, one garbage line, and a torn last line."""
+    lines: list = []
+    for rec in simulate(mode):
+        lines += [rec, generator_line(rec["iteration"])]
+    lines.insert(3, "this is not JSON\n")
+    lines.append('{"time": 1, "member_id": "trainer-0", "role": "trai')
+    return make_run(root, lines)
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+
+def test_read_iterations_keeps_trainer_records_and_the_last_of_a_repeat(tmp_path):
+    resumed = simulate("async", iterations=3, first=3, t0=T0 + 100, reward0=-1.0)  # repeats 3, 4, 5
+    run_dir = make_run(tmp_path, [*simulate("async"), generator_line(9), "garbage\n", *resumed, "{torn"])
+    iters = read_iterations(run_dir)
+    assert [r["iteration"] for r in iters] == [0, 1, 2, 3, 4, 5]
+    assert all(r["role"] == "trainer" for r in iters)
+    assert iters[2]["reward_mean"] == pytest.approx(0.2 + 0.16)
+    assert iters[4]["reward_mean"] == pytest.approx(-1.0 + 0.08 * 4)  # the resumed run's record wins
+
+
+def test_read_iterations_without_a_metrics_file(tmp_path):
+    assert read_iterations(tmp_path) == []
+
+
+# --- plots ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["baseline", "sync-stream", "async"])
+def test_plot_run_writes_four_pngs(tmp_path, mode):
+    run_dir = messy_run(tmp_path, mode)
+    files = plot_run(run_dir, tmp_path / "out")
+    assert [p.name for p in files] == PLOTS and files.skipped == {}
+    for path in files:
+        width, height = png_size(path)
+        assert width >= 800 and height >= 400 and path.stat().st_size > 10_000, path
+    import matplotlib.image
+
+    assert matplotlib.image.imread(files[2]).shape[:2] == (450, 1200)
+
+
+def test_plot_run_skips_plots_whose_data_is_missing(tmp_path):
+    old = [
+        {"role": "trainer", "rank": 0, "iteration": i, "mode": "baseline", "reward_mean": 0.1 * i}
+        for i in range(4)
+    ]
+    files = plot_run(make_run(tmp_path, old), tmp_path / "out")
+    assert [p.name for p in files] == ["reward.png"]
+    assert files.skipped == {
+        "throughput": "no samples_per_s, tokens_per_s or idle/* recorded",
+        "timeline": "no timeline recorded",
+        "lengths": "no len/* recorded",
+    }
+
+
+def test_plot_run_without_iterations_is_a_user_error(tmp_path):
+    run_dir = make_run(tmp_path, [generator_line(0), "nonsense\n"])
+    with pytest.raises(StreamRLError, match="no iterations recorded yet in .*metrics.jsonl"):
+        plot_run(run_dir, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+
+def test_cli_plot_by_directory_and_by_name(tmp_path):
+    run_dir = messy_run(tmp_path, "sync-stream")
+    out = streamrl("plot", str(run_dir))
+    assert out.returncode == 0, out.stderr
+    assert [p.name for p in sorted((run_dir / "plots").iterdir())] == sorted(PLOTS)
+    assert all(f"wrote {run_dir / 'plots' / name}" in out.stdout for name in PLOTS)
+    catalog_add(RunDir(run_dir))
+    out = streamrl("plot", "demo", "--out", str(tmp_path / "elsewhere"))
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == sorted(PLOTS)
+
+
+def test_cli_plot_without_iterations_fails_cleanly(tmp_path):
+    run_dir = make_run(tmp_path, [generator_line(0)])
+    out = streamrl("plot", str(run_dir))
+    assert out.returncode != 0
+    assert "no iterations recorded yet in" in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+
+
+# --- sinks ---------------------------------------------------------------------------------------
+
+RECORD = {
+    "iteration": 3,
+    "mode": "async",
+    "kl": 0.1,
+    "done": True,
+    "loss": {"kl": 0.5},
+    "timeline": {"start": 1.0},
+}
+
+
+def test_scalars_flatten_numbers_and_leave_the_timeline_out():
+    assert scalars(RECORD) == {"iteration": 3.0, "kl": 0.1, "loss/kl": 0.5}
+
+
+def test_jsonl_sink_appends_one_flushed_line_per_record(tmp_path):
+    path = tmp_path / "sub" / "metrics.jsonl"
+    sink = JsonlSink(path)
+    sink.log(RECORD, step=3)
+    assert json.loads(path.read_text()) == {"step": 3, **RECORD}  # readable before close
+    sink.log({"kl": 0.2}, step=4)
+    sink.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [3, 4]
+
+
+def test_make_sinks_rejects_unknown_names(tmp_path):
+    assert make_sinks([], tmp_path, "demo", "streamrl") == []
+    with pytest.raises(StreamRLError, match=r"'tensorbord', 'mlflow'.*valid: tensorboard, wandb"):
+        make_sinks(["tensorbord", "wandb", "mlflow"], tmp_path, "demo", "streamrl")
+
+
+def test_missing_dashboard_packages_say_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` now fails
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(StreamRLError, match=r"pip install tensorboard.*streamrl\[tensorboard\]"):
+        make_sinks(["tensorboard"], tmp_path, "demo", "streamrl")
+    with pytest.raises(StreamRLError, match=r"pip install wandb.*streamrl\[wandb\]"):
+        make_sinks(["wandb"], tmp_path, "demo", "streamrl")
+
+
+class FakeWandb(types.ModuleType):
+    """Records what the sink asks of wandb."""
+
+    def __init__(self) -> None:
+        super().__init__("wandb")
+        self.inits: list[dict] = []
+        self.logged: list[tuple[dict, int]] = []
+        self.finished = False
+
+    def init(self, **kw):  # type: ignore[no-untyped-def]
+        self.inits.append(kw)
+        return types.SimpleNamespace(log=lambda d, step: self.logged.append((d, step)), finish=self.finish)
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_wandb_sink_honours_wandb_mode_and_logs_scalars(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    (sink,) = make_sinks(["wandb"], tmp_path, "demo", "streamrl")
+    sink.log(RECORD, step=3)
+    sink.close()
+    assert fake.inits == [{"project": "streamrl", "name": "demo", "dir": str(tmp_path), "mode": "offline"}]
+    assert fake.logged == [({"iteration": 3.0, "kl": 0.1, "loss/kl": 0.5}, 3)] and fake.finished
+
+
+def test_tensorboard_sink_writes_event_files(tmp_path):
+    pytest.importorskip("tensorboard")
+    (sink,) = make_sinks(["tensorboard"], tmp_path, "demo", "streamrl")
+    sink.log(RECORD, step=3)
+    sink.close()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

@@ -1,0 +1,183 @@
+"""The pipelining modes' schedule, with small fakes for generators, ranks and weight transfer.
+
+What is checked here is *when* things happen (dispatch, micro-batch rounds, steps) and the
+staleness rule; the real parts (vLLM generators, DeepSpeed, the data plane) are exercised
+together in test_trainer_e2e.py. The fakes record events in one shared list.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections import deque
+
+import pytest
+
+from streamrl_cli.tasks import Prompt, Task
+from streamrl_cli.trainer.pipeline import Pipeline, PipelineConfig
+from streamrl_cli.transport.wire import Sample
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 0.001
+        return self.t
+
+
+class CountTask(Task):
+    name = "count"
+
+    def __init__(self, n: int):
+        self._prompts = [Prompt(prompt_id=f"c/{i}", text=f"p{i}", answer=i) for i in range(n)]
+
+    def prompts(self):
+        return self._prompts
+
+    def reward(self, prompts, completions):
+        return [float(len(c)) for c in completions]
+
+
+class ListSampler:
+    def __init__(self, prompts, batch):
+        self.prompts, self.batch, self.pos = list(prompts), batch, 0
+
+    def next_batch(self):
+        out = [self.prompts[(self.pos + k) % len(self.prompts)] for k in range(self.batch)]
+        self.pos += self.batch
+        return out
+
+    def state(self):
+        return {"pos": self.pos}
+
+
+class Generators:
+    """Answers requests one sample per get(), with the weight version it currently serves."""
+
+    def __init__(self, events: list, stale_first: int = 0):
+        self.events, self.version = events, 0
+        self.queue: deque = deque()
+        self.stale_left = stale_first  # this many samples come with version 0 whatever is served
+        self.lock = threading.Lock()
+
+    def submit(self, requests):
+        for r in requests:
+            self.events.append(("dispatch", r.prompt_id))
+            for i in r.sample_indices:
+                self.queue.append((r, i))
+
+    def get(self, timeout=None):
+        with self.lock:
+            if not self.queue:
+                return None
+            r, i = self.queue.popleft()
+            version = self.version
+            if self.stale_left:
+                self.stale_left, version = self.stale_left - 1, 0
+        self.events.append(("sample", r.prompt_id, i, version))
+        return Sample(prompt_id=r.prompt_id, sample_index=i, group_id=r.group_id, token_ids=[1] * (i + 1),
+                      logprobs=[-1.0] * (i + 1), finish_reason="stop", weight_version=version)  # fmt: skip
+
+
+class Driver:
+    def __init__(self, events: list):
+        self.events, self.rounds = events, []
+
+    def round(self, micro_batches, *, last):
+        self.rounds.append([r for mb in micro_batches for r in mb])
+        self.events.append(("round", sum(len(m) for m in micro_batches), last))
+
+    def step(self):
+        self.events.append(("step",))
+        return {"grad_norm": 1.0}
+
+    def full_state(self):
+        import torch
+
+        return {"w": torch.zeros(1)}
+
+
+class Publisher:
+    def __init__(self, events: list, gens: Generators):
+        self.events, self.gens = events, gens
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def publish(self, state, version, *, then=None):
+        def deliver():
+            self.gens.version = version
+            self.events.append(("weights", version))
+            if then:
+                then(version)
+            return {}
+
+        return self.pool.submit(deliver)
+
+
+def make(mode: str, iterations: int = 4, stale_first: int = 0, **kw):
+    events: list = []
+    gens = Generators(events, stale_first)
+    driver = Driver(events)
+    records: list = []
+    cfg = PipelineConfig(mode=mode, group_size=2, global_batch=4, micro_batch=2, **kw)
+    task = CountTask(64)
+    pipe = Pipeline(
+        cfg, task=task, sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],
+        detokenize=lambda ids: "x" * len(ids), svc=gens, driver=driver,
+        publisher=Publisher(events, gens), on_record=records.append, clock=Clock(),
+    )  # fmt: skip
+    pipe.run(0, iterations, 0)
+    return events, driver, records
+
+
+def test_sync_stream_trains_before_the_last_sample_and_steps_after_it():
+    events, driver, records = make("sync-stream")
+    it0 = events[: events.index(("step",))]
+    first_round = next(k for k, e in enumerate(it0) if e[0] == "round")
+    last_sample = max(k for k, e in enumerate(it0) if e[0] == "sample")
+    assert first_round < last_sample  # streamed: work started while samples were still coming
+    assert [e for e in it0 if e[0] == "round"][-1][2] is True  # the last round ends accumulation
+    assert sum(len(r) for r in driver.rounds) == 4 * 2 * 4  # every sample trained once
+    # on-policy: batch j is generated by version j and dispatched only after it was delivered
+    assert {r["staleness/max"] for r in records} == {0}
+    assert events.index(("weights", 1)) < events.index(("dispatch", "it1/c/4"))
+
+
+def test_baseline_waits_for_the_whole_batch():
+    events, driver, _ = make("baseline")
+    it0 = events[: events.index(("step",))]
+    first_round = next(k for k, e in enumerate(it0) if e[0] == "round")
+    assert all(e[0] != "sample" for e in it0[first_round:])
+
+
+def test_async_overlaps_the_next_batch_and_bounds_staleness():
+    events, driver, records = make("async", iterations=6, max_staleness=1, stale_first=0)
+    # batch 1 is dispatched before iteration 0's step: generation overlaps training
+    assert events.index(("dispatch", "it1/c/4")) < events.index(("step",))
+    assert max(r["staleness/max"] for r in records) <= 1
+    assert sum(len(r) for r in driver.rounds) == 6 * 8
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_async_drops_samples_older_than_k_and_generates_them_again(k):
+    # Generators that keep serving version 0 for a while: samples of later batches come too old.
+    events, driver, records = make("async", iterations=5, max_staleness=k, stale_first=30)
+    trained = [r for rnd in driver.rounds for r in rnd]
+    assert all(r.staleness <= k for r in trained)
+    assert len(trained) == 5 * 8  # each sample of each batch exactly once, re-generated if too old
+    assert sum(r["retries"] for r in records) > 0
+    keys = [(r.iteration, r.sample.group_id, r.sample.sample_index) for r in trained]
+    assert len(set(keys)) == len(keys)
+
+
+def test_records_carry_the_metrics_and_the_timeline():
+    _, _, records = make("sync-stream", iterations=2)
+    rec = records[-1]
+    for key in ("reward_mean", "samples_per_s", "idle/trainer", "idle/generator", "len/p90", "t/generation",
+                "staleness/max", "grad_norm", "weight_version"):  # fmt: skip
+        assert key in rec, key
+    assert rec["samples"] == 8 and rec["weight_version"] == 2
+    tl = rec["timeline"]
+    assert tl["start"] <= tl["generation"][0] <= tl["generation"][1] <= tl["step"][0] <= tl["end"]
+    assert all(a <= b for a, b in tl["train"])
