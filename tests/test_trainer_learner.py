@@ -75,8 +75,6 @@ def reference_grads(path: str, cfg: LossConfig, rows: list[Rollout]) -> dict[str
      ("seq-mean-token-mean", 2), ("seq-mean-token-sum-norm", 1)],
 )  # fmt: skip
 def test_streamed_micro_batches_give_the_whole_batch_gradient(model_dir, agg, stage):
-    from deepspeed.utils import safe_get_full_grad
-
     cfg = LossConfig(name="grpo", loss_agg=agg, kl_coef=0.05, entropy_coef=0.01, importance_sampling=True,
                      temperature=0.7, max_len=16)  # fmt: skip
     rows = rollouts(12, seed=stage)
@@ -88,17 +86,63 @@ def test_streamed_micro_batches_give_the_whole_batch_gradient(model_dir, agg, st
     for k, chunk in enumerate(chunks):
         learner.micro_step(collate(chunk), last=k == len(chunks) - 1)
     learner.finish_gradients()
-    module = learner.actor.module
-    if stage == 3:
-        import deepspeed
+    got = learner.full_gradients()
+    assert_same(got, expected)
 
-        names = [n for n, _ in module.named_parameters()]
-        got = {n: safe_get_full_grad(p).clone() for n, p in zip(names, module.parameters(), strict=True)}
-        del deepspeed
-    else:
-        got = {n: safe_get_full_grad(p).clone() for n, p in module.named_parameters()}
+
+def assert_same(got: dict, expected: dict) -> None:
     assert set(got) == set(expected)
     worst = max((got[n] - expected[n]).abs().max().item() / (expected[n].abs().max().item() + 1e-12)
                 for n in expected)  # fmt: skip
     assert worst < 1e-4, f"relative gradient difference {worst:.2e}"
     assert any(expected[n].abs().sum() > 0 for n in expected)  # a zero gradient would prove nothing
+
+
+CFG = LossConfig(name="grpo", loss_agg="token-mean", kl_coef=0.05, importance_sampling=True, max_len=16)
+
+
+def _rank_main(rank: int, port: int, path: str, out: str) -> None:
+    """Two trainer ranks in lockstep through RankDriver/follow, ZeRO-2 over gloo."""
+    from streamrl_cli.trainer.ranks import RankDriver, follow
+
+    init_distributed(rank, 2, f"127.0.0.1:{port}", "gloo")
+    torch.set_num_threads(1)
+    learner = Learner(path, CFG, OptimConfig(zero_stage=2, lr=0.0), torch.device("cpu"), torch.float32)
+    if rank:
+        follow(learner, rank)
+        return
+    driver = RankDriver(learner, 2)
+    rows = rollouts(11, seed=7)
+    # rounds of one micro-batch per rank; the last round leaves rank 1 without one (a filler batch)
+    driver.round([rows[0:3], rows[3:5]], last=False)
+    driver.round([rows[5:11]], last=True)
+    torch.save(driver.gradients(), out)
+    driver.stop()
+
+
+def test_two_data_parallel_ranks_give_the_whole_batch_gradient(model_dir, tmp_path):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "grads.pt"
+    mp.start_processes(_rank_main, args=(port, model_dir, str(out)), nprocs=2, start_method="spawn")
+    expected = reference_grads(model_dir, CFG, rollouts(11, seed=7))
+    assert_same(torch.load(out), expected)
+
+
+def test_ppo_trains_actor_and_critic(model_dir):
+    cfg = LossConfig(name="ppo", kl_mode="penalty", kl_estimator="k1", kl_coef=0.01, max_len=16)
+    learner = Learner(model_dir, cfg, OptimConfig(zero_stage=1, lr=1e-2, critic_lr=1e-2), torch.device("cpu"),
+                      torch.float32)  # fmt: skip
+    head = learner.critic.module.head.weight.detach().clone()
+    actor = {n: p.detach().clone() for n, p in learner.actor.module.named_parameters()}
+    rows = rollouts(8, seed=3, group=1)
+    for k in range(2):
+        learner.micro_step(collate(rows[4 * k : 4 * k + 4]), last=k == 1)
+    stats = learner.step()
+    assert stats["loss/value"] > 0 and stats["grad_norm"] > 0
+    assert not torch.equal(learner.critic.module.head.weight, head)  # the critic learnt from the returns
+    moved = [n for n, p in learner.actor.module.named_parameters() if not torch.equal(p, actor[n])]
+    assert len(moved) == len(actor)

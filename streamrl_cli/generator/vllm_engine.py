@@ -241,9 +241,12 @@ class VLLMEngine(GenerationEngine):
             raise EngineError(f"unknown weight update mode {mode!r}; valid: {', '.join(UPDATE_MODES)}")
         llm = self._require()
         async with self._update_lock:
+            t0 = time.perf_counter()
             await llm.pause_generation(mode=mode, clear_cache=mode != "keep")
+            t1 = time.perf_counter()
             try:
                 stats = await receive(llm)
+                t2 = time.perf_counter()
                 loaded = {s["version"] for s in stats}
                 if len(loaded) != 1:  # tensor-parallel workers must agree, or the engine is inconsistent
                     raise EngineError(f"workers loaded different weight versions: {sorted(loaded)}")
@@ -255,7 +258,8 @@ class VLLMEngine(GenerationEngine):
                 self.weight_version = loaded.pop()
             finally:
                 await llm.resume_generation()
-        return stats[0] if len(stats) == 1 else {"workers": stats}
+            timings = {"pause_s": t1 - t0, "receive_s": t2 - t1, "resume_s": time.perf_counter() - t2}
+        return {**stats[0], **timings} if len(stats) == 1 else {"workers": stats, **timings}
 
     async def pause(self, mode: str = "keep") -> None:
         await self._require().pause_generation(mode=mode, clear_cache=False)

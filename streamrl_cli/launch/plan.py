@@ -37,6 +37,7 @@ class RoleSpec:
     algorithm: dict = field(default_factory=dict)
     task: dict = field(default_factory=dict)
     train: dict = field(default_factory=dict)
+    skewness: dict = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -87,6 +88,7 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
         algorithm=dataclasses.asdict(r.algorithm),
         task=dataclasses.asdict(r.task),
         train=dataclasses.asdict(r.train),
+        skewness=dataclasses.asdict(r.skewness),
     )
     specs = {
         "trainer": RoleSpec(

@@ -10,7 +10,7 @@ import difflib
 from collections.abc import Iterator
 from pathlib import Path
 
-from streamrl_cli.recipe.schema import ClusterConfig, Recipe, RoleJobConfig
+from streamrl_cli.recipe.schema import LOGGERS, ClusterConfig, Recipe, RoleJobConfig
 
 Problem = tuple[str, str]
 
@@ -247,6 +247,30 @@ def _workload(r: Recipe) -> Iterator[Problem]:
             yield f"train.{key}", f"must be at least 1, got {getattr(t, key)}"
     if task.max_output_len < 1 or task.max_prompt_len < 1:
         yield "task.max_output_len", "prompt and output lengths must be at least 1 token"
+    yield from _training(r)
+
+
+def _training(r: Recipe) -> Iterator[Problem]:
+    a, t = r.algorithm, r.train
+    for key in ("lr", "critic_lr"):
+        if getattr(a, key) <= 0:
+            yield f"algorithm.{key}", f"must be positive, got {getattr(a, key)}"
+    if a.clip_ratio <= 0 or (a.clip_ratio_high is not None and a.clip_ratio_high <= 0):
+        yield "algorithm.clip_ratio", "clip ratios must be positive"
+    if a.temperature <= 0:
+        yield "algorithm.temperature", f"must be positive (logits are divided by it), got {a.temperature}"
+    if a.is_cap < 1:
+        yield "algorithm.is_cap", f"importance weights are truncated at is_cap: must be ≥ 1, got {a.is_cap}"
+    if a.name == "ppo" and a.kl_mode == "loss":
+        yield "algorithm.kl_mode", "PPO puts the KL into the reward: use penalty (or none); loss is GRPO's"
+    if not 0 <= a.lam <= 1 or not 0 <= a.gamma <= 1:
+        yield "algorithm.lam", f"gamma and lam must be in [0, 1], got {a.gamma} and {a.lam}"
+    unknown = [x for x in t.loggers if x not in LOGGERS]
+    if unknown:
+        names = ", ".join(map(repr, unknown))
+        yield "train.loggers", f"unknown logger(s) {names}; valid: {', '.join(LOGGERS)}"
+    if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
+        yield "train.checkpoint_every", "checkpoint_every must be ≥ 0 and keep_checkpoints ≥ 1"
     if r.model.num_attention_heads < 1 or r.model.num_kv_heads < 1:
         yield "model.num_attention_heads", "head counts must be at least 1"
     elif r.model.num_attention_heads % r.model.num_kv_heads:

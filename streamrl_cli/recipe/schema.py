@@ -22,6 +22,9 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 IS_MODES = ("auto", "on", "off")
 LOGGERS = ("tensorboard", "wandb")
 MODEL_BUILDERS = ("tiny", "tiny-warm")
+SKEW_DISPATCH = ("random", "skewness-aware")
+SKEW_SCHEDULE = ("fifo", "lpt")
+RANKERS = ("none", "learned", "history", "oracle")
 
 
 def choices(*values: str, default: str) -> str:
@@ -209,6 +212,21 @@ class PlannerConfig:
 
 
 @dataclass(kw_only=True)
+class SkewnessConfig:
+    """Skewness-aware generation (DESIGN.md §1): length ranker, dispatch, order inside an instance."""
+
+    dispatch: str = choices(*SKEW_DISPATCH, default="random")  # prompts to instances: random or Algorithm 2
+    schedule: str = choices(*SKEW_SCHEDULE, default="fifo")  # order inside an instance: FIFO or longest first
+    # Output-length ranker: learned (a small LM fine-tuned online), history (per-prompt statistics,
+    # learned for unseen prompts), oracle (the task's true lengths, for evaluation), none.
+    ranker: str = choices(*RANKERS, default="none")
+    ranker_model: str | None = None  # base model of the learned ranker (null: the policy's model.path)
+    long_tail: float = 0.2  # α: share of prompts (by predicted length) treated as the long tail
+    refresh_every: int = 1  # iterations between background refreshes of the learned ranker
+    cache: str | None = None  # scores from `streamrl rank` to start from
+
+
+@dataclass(kw_only=True)
 class Recipe:
     """The whole run, as composed from a recipe file, its defaults and command-line overrides."""
 
@@ -220,3 +238,4 @@ class Recipe:
     task: TaskConfig = field(default_factory=TaskConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)  # tune-split's hardware and profiles
+    skewness: SkewnessConfig = field(default_factory=SkewnessConfig)  # ranker, dispatch, LPT

@@ -220,6 +220,12 @@ class Learner:
             out["is_weight/mean"] = sums["pg/is_weight"] / tokens
         return out
 
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """The policy's full accumulated gradient by name (collective under ZeRO: every rank calls it)."""
+        from deepspeed.utils import safe_get_full_grad
+
+        return {n: safe_get_full_grad(p).detach().clone() for n, p in self.actor.module.named_parameters()}
+
     def full_state(self) -> dict[str, torch.Tensor]:
         """The policy's full weights by HF name (ZeRO-3: gathered; every rank must call it)."""
         module = self.actor.module

