@@ -366,6 +366,80 @@ def profile(
         console.print(prof.summary(path, result), markup=False, highlight=False, soft_wrap=True)
 
 
+@app.command()
+def rank(
+    recipe: RecipeArg,
+    overrides: OverridesArg = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="the cache: FILE.json or FILE.jsonl (default rank-<task>-<ranker>.json)"),
+    ] = None,
+    limit: Annotated[
+        int | None, typer.Option("--limit", min=1, help="score only the first N prompts")
+    ] = None,
+    fit: Annotated[
+        Path | None,
+        typer.Option(
+            "--fit", help='first teach the ranker: JSONL of {"prompt_id" or "prompt": ..., "length": N}'
+        ),
+    ] = None,
+    device: Annotated[str, typer.Option(help="where the learned ranker runs: cpu, cuda, cuda:1")] = "cpu",
+) -> None:
+    """Score RECIPE's prompts once with skewness.ranker; point skewness.cache at the file written."""
+    import dataclasses
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from streamrl_cli.ranker import cache as rc
+    from streamrl_cli.ranker.base import RankerError, make_ranker
+    from streamrl_cli.recipe.load import load
+    from streamrl_cli.tasks import make_task
+
+    r = load(recipe, overrides or []).recipe
+    skew = {**dataclasses.asdict(r.skewness), "cache": None}  # scoring from a cache would only copy it
+    kind = skew["ranker"]
+    if kind == "none":
+        raise RankerError(
+            "skewness.ranker is none: name the ranker to score with, e.g. skewness.ranker=learned "
+            "(or skewness.ranker=oracle with the built-in task)"
+        )
+    if fit is not None and kind not in ("learned", "history"):
+        raise RankerError(f"--fit teaches a learned or history ranker, not skewness.ranker={kind}")
+    task = make_task(dataclasses.asdict(r.task), r.train.seed)
+    model = r.skewness.ranker_model or r.model.path
+    if kind in ("learned", "history") and not r.skewness.ranker_model:
+        from streamrl_cli.models.warmup import ensure_model
+
+        with err.status(f"preparing {r.model.name} (once, cached)"):
+            model = str(ensure_model(dataclasses.asdict(r.model), dataclasses.asdict(r.task)))
+    prompts = list(task.prompts())[:limit]
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
+    with make_ranker(skew, model_path=model, task=task, seed=r.train.seed, device=device) as ranker:
+        if fit is not None:
+            pairs = rc.read_lengths(fit, task)
+            with err.status(f"fitting the {kind} ranker on {len(pairs[0])} lengths from {fit}"):
+                ranker.fit(*pairs)
+        with Progress(*columns, TimeElapsedColumn(), console=err, transient=True) as progress:
+            bar = progress.add_task(f"scoring with the {kind} ranker", total=len(prompts))
+            scores = rc.score(ranker, prompts, progress=lambda done, _: progress.update(bar, completed=done))
+    out = out or Path(f"rank-{task.name}-{kind}.json")
+    meta = {
+        "ranker": kind,
+        "model": model if kind in ("learned", "history") else None,
+        "task": task.name,
+        "seed": r.train.seed,
+        "prompts": len(scores),
+        "fit": str(fit) if fit else None,
+    }
+    rc.write_cache(out, scores, meta)
+    console.print(
+        f"wrote {out}: {len(scores)} scores ({kind} ranker); use it with skewness.cache={out}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
 def _profile_here(prof, req):  # type: ignore[no-untyped-def]
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

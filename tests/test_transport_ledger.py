@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from streamrl_cli.transport import TransportError
 from streamrl_cli.transport.dispatch import Dispatcher, LeastLoaded, make_policy
 from streamrl_cli.transport.ledger import Ledger, Outcome
-from streamrl_cli.transport.wire import Request, Sample
+from streamrl_cli.transport.wire import Request, Sample, decode_request, encode
 
 
 def req(pid: str, n: int = 2, **kw) -> Request:
@@ -164,3 +165,46 @@ def test_dispatcher_backlog_lose_rejoin_reset_and_admit():
     assert sum(len(r.sample_indices) for r in out["g0"]) == 7
     out = d.generator_reset("g0")  # same id, new process: its work is handed out again (to itself)
     assert sum(len(r.sample_indices) for r in out["g0"]) == 7
+
+
+def placed(out) -> dict[str, list[tuple[str, list[int]]]]:
+    return {g: [(r.prompt_id, r.sample_indices) for r in rs] for g, rs in out.items()}
+
+
+def test_a_target_is_followed_while_alive_else_the_policy_places_the_request():
+    d = Dispatcher()
+    for g in ("g0", "g1", "g2"):
+        d.generator_joined(g)
+    out = d.submit([
+        req("a", 2, target="g2", batch_limit=4, priority=1),
+        req("b", 2, target="g2", batch_limit=4, priority=0),
+        req("c", 1, target="gone"),  # not a member (any more): the policy's choice
+        req("d", 1),
+    ])  # fmt: skip
+    assert placed(out) == {"g2": [("a", [0, 1]), ("b", [0, 1])], "g0": [("c", [0])], "g1": [("d", [0])]}
+    assert out["g2"][0].batch_limit == 4 and out["g2"][1].priority == 0
+    sample = Sample(prompt_id="a", sample_index=0, token_ids=[], logprobs=[], finish_reason="stop",
+                    weight_version=0)  # fmt: skip
+    assert d.admit(sample)
+    out = d.lose("g2")  # its undelivered work goes by load, with its limit and priority kept
+    assert placed(out) == {"g0": [("a", [1])], "g1": [("b", [0, 1])]}
+    assert out["g0"][0].target == "g2" and out["g0"][0].batch_limit == 4 and out["g0"][0].priority == 1
+    out = d.generator_reset("g0")  # same id, new process: what it owed comes back to it
+    assert placed(out)["g0"] == [("a", [1]), ("c", [0])]
+
+
+def test_new_request_fields_are_appended_so_older_peers_still_decode():
+    class OldRequest(msgspec.Struct, array_like=True, kw_only=True):  # the wire format before them
+        prompt_id: str
+        prompt_token_ids: list[int]
+        sample_indices: list[int]
+        group_id: str = ""
+        priority: int = 0
+        sampling: dict = {}
+
+    old = decode_request(
+        encode(OldRequest(prompt_id="p", prompt_token_ids=[1], sample_indices=[0], priority=3))
+    )
+    assert (old.priority, old.batch_limit, old.target) == (3, 0, "")
+    new = req("p", 2, target="generator-1", batch_limit=8)
+    assert decode_request(encode(new)) == new

@@ -66,7 +66,14 @@ def test_samples_and_requests_round_trip_with_acks(cfg, receiver):
         s.wait_connected(10)
         assert receiver.generators() == ["generator-0"]
         reqs = [
-            Request(prompt_id=f"p{i}", prompt_token_ids=[i], sample_indices=[0, 1], priority=i)
+            Request(
+                prompt_id=f"p{i}",
+                prompt_token_ids=[i],
+                sample_indices=[0, 1],
+                priority=i,
+                batch_limit=i,
+                target="generator-0" if i % 2 else "",
+            )
             for i in range(5)
         ]
         receiver.dispatch("generator-0", reqs[:2])

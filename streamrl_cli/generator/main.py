@@ -3,9 +3,9 @@
 Selected in a recipe with ``roles.generator.program=streamrl_cli.generator.main:main``. Data flow
 of one instance (DESIGN.md §1, §4):
 
-    trainer rank 0 ── requests ──► sample sender ──► engine.generate ──► each finished group
-         ▲                           (ZeroMQ)          (vLLM)                   │
-         └────────────── samples, acked ◄── sample sender ◄─────────────────────┘
+    trainer rank 0 ── requests ──► sample sender ──► admission ──► engine.generate ──► finished group
+         ▲                           (ZeroMQ)      (LPT, batch size)     (vLLM)               │
+         └─────────────────── samples, acked ◄── sample sender ◄──────────────────────────────┘
     trainer rank 0 ── version_proposed (rendezvous) ──► weights.update ── broadcast group of the
                                                        site (trainer's, or the relay's: weights.py)
     rendezvous ◄── register, heartbeat (weight version, state), metrics, confirm_version
@@ -19,6 +19,7 @@ leaves the rendezvous, so the trainer re-dispatches what it still owed without w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamrl_cli.errors import StreamRLError
+from streamrl_cli.generator.admission import Admission
 from streamrl_cli.generator.engine import GenerationEngine, GenerationRequest, make_engine
 from streamrl_cli.generator.stream import Meter, to_engine_request, to_samples
 from streamrl_cli.generator.weights import WeightPath, make_weight_path
@@ -87,6 +89,10 @@ class GeneratorRole:
         self.defaults = {"max_tokens": int(spec.task["max_output_len"]), "temperature": 1.0}
         self._stop = asyncio.Event()
         self._serial = itertools.count()
+        # Requests wait here until they fit in the batch their dispatcher chose (generator.admission);
+        # `_wake` tells `_incoming` that one arrived or one finished.
+        self.admission: Admission[GenerationRequest] = Admission()
+        self._wake = asyncio.Event()
         self.rdv: Any = None
         self.sender: Any = None
         self.weights: WeightPath | None = None
@@ -151,6 +157,7 @@ class GeneratorRole:
 
     async def _serve(self, since: int) -> int:
         tasks = [
+            asyncio.create_task(self._receive(), name="receive"),
             asyncio.create_task(self._deliver(), name="deliver"),
             asyncio.create_task(self._follow_events(since), name="events"),
             asyncio.create_task(self._report(), name="metrics"),
@@ -165,16 +172,35 @@ class GeneratorRole:
                 raise t.exception()
         return 0
 
-    async def _incoming(self) -> AsyncIterator[GenerationRequest]:
-        """Requests dispatched to us, as the engine's input stream (ends when we stop)."""
-        while not self._stop.is_set():
-            for req in await asyncio.to_thread(self.sender.requests, POLL_S):
+    async def _receive(self) -> None:
+        """Requests dispatched to us join the admission queue, in their priority order."""
+        while True:
+            reqs = await asyncio.to_thread(self.sender.requests, POLL_S)
+            for req in reqs:
                 self.meter.submitted(time.time())
-                yield to_engine_request(req, next(self._serial), self.defaults)
+                er = to_engine_request(req, next(self._serial), self.defaults)
+                self.admission.add(
+                    er.request_id, er, size=er.sampling.n, priority=req.priority, limit=req.batch_limit
+                )
+            if reqs:
+                self._wake.set()
+
+    async def _incoming(self) -> AsyncIterator[GenerationRequest]:
+        """The engine's input stream: what the admission queue lets in (ends when we stop)."""
+        while not self._stop.is_set():
+            self._wake.clear()  # before looking, so that a wake-up after the look is not lost
+            admitted = self.admission.ready()
+            for er in admitted:
+                yield er
+            if not admitted:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), POLL_S)
 
     async def _deliver(self) -> None:
         """Each finished group goes to the trainer at once (the sender owns it until acked)."""
         async for result in self.engine.generate(self._incoming()):
+            self.admission.finish(result.request_id)  # its place goes to the next one right away
+            self._wake.set()
             samples = [] if result.aborted else to_samples(result, self.member_id)
             self.meter.finished(time.time(), len(samples), sum(len(s.token_ids) for s in samples))
             if samples:
@@ -194,6 +220,8 @@ class GeneratorRole:
             for ev in doc["events"]:
                 data = ev.get("data", {})
                 if ev["type"] == "version_proposed" and "generator" in data.get("required_roles", []):
+                    log.info("%s: version %s proposed %.3fs ago", self.member_id, data["version"],
+                             time.time() - ev["time"])  # fmt: skip
                     await self._update_weights(int(data["version"]))
                 elif ev["type"] == "member_left" and data.get("member_id") == trainer_id:
                     log.info("%s: the trainer left; finishing", self.member_id)

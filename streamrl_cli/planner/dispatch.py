@@ -11,7 +11,9 @@
   Latency = PTL(BS) × L × ceil(M / BS). Within an instance, Longest-Processing-Time first.
 
 Long samples end up on instances with few, small batches (low PTL); regular ones fill the rest.
-Pure functions: randomness comes from the caller's seeded generator.
+Algorithm 2 itself is streamrl_cli.skew.dispatch, shared with the real dispatcher; these are the
+simulator's views of it (instances are numbered, queues are lists). Pure functions: randomness
+comes from the caller's seeded generator.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
+
+from streamrl_cli.skew.dispatch import group_latency, plan_split, random_dispatch
 
 POLICIES = ("random", "skewness")
 
@@ -39,22 +43,15 @@ def recall(true_lengths: Sequence[float], predicted: Sequence[float], top: float
 
 def dispatch_random(n_prompts: int, instances: int, rng: random.Random) -> list[list[int]]:
     """Prompt indices per instance, in admission order."""
-    order = list(range(n_prompts))
-    rng.shuffle(order)
-    return [order[i::instances] for i in range(instances)]
+    plan = random_dispatch(n_prompts, _ids(instances), rng)
+    return [list(q) for q in plan.queues.values()]
 
 
 def instance_latency(
     ptl: Callable[[float], float], prompts: int, length: float, n: int, group: int, max_batch: int
 ) -> float:
     """Algorithm 2's estimate for n instances sharing `prompts` prompts of mean output `length`."""
-    if prompts == 0:
-        return 0.0
-    if n == 0:
-        return math.inf
-    m = math.ceil(prompts / n) * group
-    bs = min(m, max_batch)
-    return ptl(bs) * length * math.ceil(m / bs)
+    return group_latency(ptl, prompts, length, n, group=group, max_batch=max_batch)
 
 
 def dispatch_skewness(
@@ -68,23 +65,12 @@ def dispatch_skewness(
     alpha: float = 0.2,
 ) -> list[list[int]]:
     """Algorithm 2 + LPT: prompt indices per instance, longest predicted first."""
-    order = sorted(range(len(predicted)), key=lambda i: -predicted[i])
-    if instances == 1:
-        return [order]
-    n_long = max(1, round(alpha * len(order)))
-    long, regular = order[:n_long], order[n_long:]
-    best = min(
-        range(1, instances),
-        key=lambda k: (
-            instance_latency(ptl, len(long), l90, k, group, max_batch)
-            + instance_latency(ptl, len(regular), l50, instances - k, group, max_batch),
-            k,
-        ),
-    )
-    out: list[list[int]] = [[] for _ in range(instances)]
-    # Dealt in descending order, so every instance's queue is already longest-first (LPT).
-    for j, p in enumerate(long):
-        out[j % best].append(p)
-    for j, p in enumerate(regular):
-        out[best + j % (instances - best)].append(p)
-    return out
+    plan = plan_split(
+        predicted, _ids(instances), ptl=ptl, l_long=l90, l_regular=l50, alpha=alpha, max_batch=max_batch,
+        group=group,
+    )  # fmt: skip
+    return [list(q) for q in plan.queues.values()]
+
+
+def _ids(instances: int) -> list[str]:
+    return [str(i) for i in range(instances)]

@@ -29,10 +29,9 @@ from dataclasses import dataclass
 from streamrl_cli.planner.costmodel import interpolate
 from streamrl_cli.planner.dispatch import POLICIES, dispatch_random, dispatch_skewness, predict
 from streamrl_cli.planner.lengths import LengthDist, empirical_quantile
+from streamrl_cli.skew.dispatch import PAPER_PTL_7B_H800 as PAPER_PTL_7B_H800  # re-exported
 
 SIM_MODES = ("colocated", "baseline", "sync-stream", "async")
-# PTL(BS) for a 7B model on H800 with vLLM, ms, read off the StreamRL paper (DESIGN §1).
-PAPER_PTL_7B_H800 = ((1, 8.3), (16, 9.4), (32, 10.2), (64, 11.7), (128, 15.2), (256, 21.0), (512, 37.0))
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,10 @@ The wire path is :class:`DispatchService`, the trainer's one object for the stre
 the receiver, sends the dispatcher's assignments through it, and follows the rendezvous
 events so that a generator whose lease expired (``member_lost``) or that left has its
 unacknowledged work re-dispatched to the others. The skewness-aware dispatcher of
-DESIGN.md §1 (the paper's Algorithm 2) plugs in as another policy.
+DESIGN.md §1 (the paper's Algorithm 2, streamrl_cli.skew.dispatch) places a whole batch at once,
+so it does not fit a per-request policy: the trainer writes its choice into each request's
+``target`` (and ``batch_limit``, ``priority``), which the dispatcher follows while that generator
+is alive; a lost generator's work goes to the policy's choice like any other.
 """
 
 from __future__ import annotations
@@ -128,7 +131,10 @@ class Dispatcher:
         if not self._alive:
             return out
         for r in self.ledger.open_requests():  # a whole prompt goes to one generator (prefix cache)
-            g = self.policy.choose(r, {a: self.ledger.load(a) for a in self._alive})
+            if r.target in self._alive:  # placed by the trainer (skewness-aware dispatch)
+                g = r.target
+            else:  # no target, or its generator is gone: its work is the policy's to place
+                g = self.policy.choose(r, {a: self.ledger.load(a) for a in self._alive})
             out.setdefault(g, []).append(self.ledger.assign(r.prompt_id, r.sample_indices, g))
         return out
 

@@ -23,6 +23,8 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from streamrl_cli.transport.wire import Request
 
 
@@ -148,11 +150,4 @@ class Ledger:
 def _narrow(request: Request, indices: list[int]) -> Request:
     if indices == request.sample_indices:
         return request
-    return Request(
-        prompt_id=request.prompt_id,
-        prompt_token_ids=request.prompt_token_ids,
-        sample_indices=list(indices),
-        group_id=request.group_id,
-        priority=request.priority,
-        sampling=request.sampling,
-    )
+    return msgspec.structs.replace(request, sample_indices=list(indices))

@@ -58,6 +58,9 @@ class Request(msgspec.Struct, array_like=True, kw_only=True):
     group_id: str = ""
     priority: int = 0  # lower is admitted first (vLLM's `priority` convention)
     sampling: dict[str, Any] = {}  # engine sampling parameters (temperature, max_tokens, ...)
+    # Appended fields (array_like: new ones go last, with defaults, so older peers still decode).
+    batch_limit: int = 0  # sequences its generator runs at once (Algorithm 2's batch size); 0: no limit
+    target: str = ""  # generator member id to send it to while that one is alive; "": the policy chooses
 
 
 class Hello(msgspec.Struct, array_like=True):

@@ -1,0 +1,143 @@
+"""The output-length ranker interface, the trivial rankers, and the factory that picks one.
+
+Skewness-aware dispatching (DESIGN.md §1) only needs to know which prompts will produce the longest
+outputs: "rankability over predictability". A :class:`Ranker` therefore returns one score per
+prompt, in tokens so that rankers can stand in for each other (the history ranker falls back on the
+learned one, a cache on its ranker), but only the order of the scores is used. ``update`` feeds the
+lengths the policy actually produced back, so that a ranker can follow the policy as it drifts.
+
+Kinds (``skewness.ranker`` in a recipe): ``learned`` (a small LM fine-tuned online,
+:mod:`.learned`), ``history`` (per-prompt statistics, the learned ranker for unseen prompts,
+:mod:`.history`), ``oracle`` (the task's true lengths: the upper bound, for evaluation), ``none``.
+``random`` is not a recipe choice: it is the baseline that tests and benchmarks compare with.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+
+from streamrl_cli.errors import StreamRLError
+from streamrl_cli.tasks import Prompt, Task
+
+KINDS = ("none", "learned", "history", "oracle", "random")
+
+
+class RankerError(StreamRLError):
+    """A ranker could not be made or used: unknown kind, missing model, unreadable cache."""
+
+    exit_code = 2
+
+
+class Ranker(ABC):
+    """Predicts output lengths of prompts; learns from the lengths the policy produced."""
+
+    kind: str = "?"
+
+    @abstractmethod
+    def rank(self, prompts: Sequence[Prompt]) -> list[float]:
+        """Predicted output length in tokens of each prompt (only their order matters)."""
+
+    def update(self, prompts: Sequence[Prompt], lengths: Sequence[float]) -> None:  # noqa: B027
+        """Observed output lengths (e.g. the mean over a GRPO group), one call per iteration.
+        Must return at once: learning, if any, happens in the background."""
+
+    def fit(self, prompts: Sequence[Prompt], lengths: Sequence[float]) -> None:
+        """Learn from ``lengths`` now, before returning (offline use: ``streamrl rank --fit``)."""
+        self.update(prompts, lengths)
+        self.wait_idle()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no background learning is pending or running; False on timeout."""
+        return True
+
+    def close(self) -> None:  # noqa: B027
+        """Stop background work and free the model."""
+
+    def __enter__(self) -> Ranker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class OracleRanker(Ranker):
+    """The task's exact expected lengths: the best any ranker can do."""
+
+    kind = "oracle"
+
+    def __init__(self, task: Task):
+        expected = getattr(task, "expected_length", None)
+        if expected is None:
+            raise RankerError(
+                f"skewness.ranker=oracle: task {task.name!r} knows no expected output lengths "
+                "(only the built-in repeat task does); use ranker=learned or ranker=history"
+            )
+        self._expected = expected
+
+    def rank(self, prompts: Sequence[Prompt]) -> list[float]:
+        return [float(self._expected(p)) for p in prompts]
+
+
+class RandomRanker(Ranker):
+    """Scores drawn from ``seed`` and the prompt id: the evaluation baseline (recall@k ≈ k)."""
+
+    kind = "random"
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def rank(self, prompts: Sequence[Prompt]) -> list[float]:
+        # Per-prompt seeding: the same prompt gets the same score whatever batch it comes in.
+        return [random.Random(f"rank-{self.seed}-{p.prompt_id}").random() for p in prompts]
+
+
+def make_ranker(
+    cfg: dict, *, model_path: str | None, task: Task, seed: int = 0, device: str = "cpu"
+) -> Ranker | None:
+    """The ranker of a recipe's ``skewness`` section (a plain dict), or None for ``ranker: none``.
+
+    ``model_path`` is the policy's model, the learned ranker's base unless ``ranker_model`` names
+    another. With ``cache`` set, the cached scores (``streamrl rank``) answer for the prompts they
+    cover and the ranker for the rest; a history ranker's observations still come first.
+    """
+    kind = cfg.get("ranker") or "none"
+    if kind not in KINDS:
+        raise RankerError(f"skewness.ranker: unknown ranker {kind!r} (valid: {', '.join(KINDS)})")
+    if kind == "none":
+        return None
+    if kind == "oracle":
+        ranker: Ranker = OracleRanker(task)
+    elif kind == "random":
+        ranker = RandomRanker(seed)
+    else:
+        ranker = _learned(cfg, model_path, seed, device)
+    if cfg.get("cache"):
+        from streamrl_cli.ranker.cache import CachedRanker, load_cache
+
+        ranker = CachedRanker(load_cache(cfg["cache"]), ranker)
+    if kind == "history":
+        from streamrl_cli.ranker.history import HistoryRanker
+
+        ranker = HistoryRanker(ranker)
+    return ranker
+
+
+def _learned(cfg: dict, model_path: str | None, seed: int, device: str) -> Ranker:
+    from streamrl_cli.ranker.learned import LearnedRanker
+
+    base = cfg.get("ranker_model") or model_path
+    key = "skewness.ranker_model" if cfg.get("ranker_model") else "model.path"
+    if not base:
+        raise RankerError(
+            f"skewness.ranker={cfg.get('ranker')}: no base model; set skewness.ranker_model (or model.path)"
+        )
+    path = Path(str(base)).expanduser()
+    if not (path / "config.json").is_file():
+        raise RankerError(
+            f"{key}: the learned ranker's base model {path} does not exist (no config.json there); "
+            "point skewness.ranker_model at a local model directory (a small LM, e.g. Qwen2.5-0.5B)"
+        )
+    return LearnedRanker(path, device=device, seed=seed, refresh_every=int(cfg.get("refresh_every") or 1))
