@@ -80,7 +80,9 @@ class WeightPublisher:
             stats = BroadcastSender(self.group).send(tensors, version)
         sent = time.monotonic()
         self.rdv.wait_for_version(version, timeout=SYNC_TIMEOUT_S)
-        stats.update(send_s=sent - started, confirm_s=time.monotonic() - sent, seconds=time.monotonic() - started)
+        stats.update(
+            send_s=sent - started, confirm_s=time.monotonic() - sent, seconds=time.monotonic() - started
+        )
         log.info("weight version %d delivered: %s", version, stats)
         if then is not None:
             then(version)
