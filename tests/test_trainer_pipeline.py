@@ -181,3 +181,55 @@ def test_records_carry_the_metrics_and_the_timeline():
     tl = rec["timeline"]
     assert tl["start"] <= tl["generation"][0] <= tl["generation"][1] <= tl["step"][0] <= tl["end"]
     assert all(a <= b for a, b in tl["train"])
+
+
+class LengthRanker:
+    """Predicts the prompt's index as its length; records what it learnt."""
+
+    def __init__(self):
+        self.updates = []
+
+    def rank(self, prompts):
+        return [float(p.answer) for p in prompts]
+
+    def update(self, prompts, lengths):
+        self.updates.append((len(prompts), list(lengths)))
+
+
+class PlacingGenerators(Generators):
+    def generators(self):
+        return ["generator-0", "generator-1"]
+
+    def submit(self, requests):
+        self.requests = getattr(self, "requests", []) + list(requests)
+        super().submit(requests)
+
+
+@pytest.mark.parametrize("dispatch,schedule", [("skewness-aware", "lpt"), ("random", "fifo")])
+def test_skewness_settings_reach_the_requests_and_the_ranker_learns(dispatch, schedule):
+    events: list = []
+    gens = PlacingGenerators(events)
+    ranker = LengthRanker()
+    records: list = []
+    cfg = PipelineConfig(mode="sync-stream", group_size=2, global_batch=4, micro_batch=2, dispatch=dispatch,
+                         schedule=schedule)  # fmt: skip
+    task = CountTask(64)
+    pipe = Pipeline(
+        cfg, task=task, sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],
+        detokenize=lambda ids: "x" * len(ids), svc=gens, driver=Driver(events),
+        publisher=Publisher(events, gens), on_record=records.append, clock=Clock(), ranker=ranker,
+    )  # fmt: skip
+    pipe.run(0, 2, 0)
+    first = gens.requests[:4]  # batch 0: prompts c/0..c/3, predicted lengths 0..3
+    assert {r.target for r in gens.requests} <= {"generator-0", "generator-1"}
+    assert all(r.target for r in gens.requests)
+    if schedule == "lpt":
+        # longest predicted first: c/3 gets the lowest priority value; every request has a batch limit
+        assert [r.priority for r in first] == [3, 2, 1, 0]
+        assert all(r.batch_limit > 0 for r in gens.requests)
+        assert [r.priority for r in gens.requests[4:]] == [7, 6, 5, 4]  # the next batch comes after
+        assert "dispatch/long_instances" in records[0]
+    else:
+        assert {r.priority for r in first} == {0}
+    assert len(ranker.updates) == 2 and ranker.updates[0][0] == 4  # one update per iteration
+    assert "ranker/recall@20" in records[0] and "ranker/spearman" in records[0]

@@ -269,6 +269,15 @@ def _training(r: Recipe) -> Iterator[Problem]:
     if unknown:
         names = ", ".join(map(repr, unknown))
         yield "train.loggers", f"unknown logger(s) {names}; valid: {', '.join(LOGGERS)}"
+    k = r.skewness
+    if k.ranker == "none" and (k.dispatch == "skewness-aware" or k.schedule == "lpt"):
+        what = "skewness-aware dispatch" if k.dispatch == "skewness-aware" else "LPT scheduling"
+        yield (
+            "skewness.ranker",
+            f"{what} orders prompts by predicted length: pick a ranker (learned, history, oracle)",
+        )
+    if not 0 <= k.long_tail <= 1:
+        yield "skewness.long_tail", f"a share of the prompts: must be in [0, 1], got {k.long_tail}"
     if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
         yield "train.checkpoint_every", "checkpoint_every must be ≥ 0 and keep_checkpoints ≥ 1"
     if r.model.num_attention_heads < 1 or r.model.num_kv_heads < 1:

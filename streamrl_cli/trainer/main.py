@@ -162,7 +162,7 @@ class TrainerRole:
         from streamrl_cli.trainer import checkpoint as ckpt
         from streamrl_cli.trainer.pipeline import Pipeline, PipelineConfig
 
-        a, t, task_cfg = self.spec.algorithm, self.spec.train, self.spec.task
+        a, t, task_cfg, skew = self.spec.algorithm, self.spec.train, self.spec.task, self.spec.skewness
         seed = int(t.get("seed", 0))
         random.seed(seed)
         task = make_task(task_cfg, seed)
@@ -195,8 +195,10 @@ class TrainerRole:
             global_batch=int(t["global_batch"]), micro_batch=int(t["micro_batch"]), world=self.spec.world,
             max_staleness=int(a["max_staleness"]), max_output_len=int(task_cfg["max_output_len"]),
             temperature=float(a.get("temperature", 1.0)), grpo_std_norm=bool(a.get("grpo_std_norm", True)),
-            seed=seed,
+            seed=seed, dispatch=skew.get("dispatch", "random"), schedule=skew.get("schedule", "fifo"),
+            long_tail=float(skew.get("long_tail", 0.2)),
         )  # fmt: skip
+        ranker = self._ranker(task, seed)
         sinks = self._sinks()
         every, keep = int(t.get("checkpoint_every", 0)), int(t.get("keep_checkpoints", 2))
 
@@ -207,6 +209,8 @@ class TrainerRole:
                 i + 1, iterations=iterations, reward=round(rec["reward_mean"], 4),
                 samples_per_s=round(rec["samples_per_s"], 2), trainer_idle=round(rec["idle/trainer"], 3),
                 generator_idle=round(rec["idle/generator"], 3), mode=rec["mode"],
+                **({"ranker_recall20": round(rec["ranker/recall@20"], 3)} if "ranker/recall@20" in rec
+                   else {}),
             )  # fmt: skip
             for sink in sinks:
                 sink.log(rec, i)
@@ -226,13 +230,22 @@ class TrainerRole:
         pipe = Pipeline(
             cfg, task=task, sampler=sampler, tokenize=tokenize,
             detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True), svc=svc, driver=driver,
-            publisher=publisher, on_record=on_record, on_checkpoint=on_checkpoint,
+            publisher=publisher, on_record=on_record, on_checkpoint=on_checkpoint, ranker=ranker,
         )  # fmt: skip
         try:
             pipe.run(start, iterations, version, push_first=push)
         finally:
             for sink in sinks:
                 sink.close()
+            if ranker is not None:
+                ranker.close()
+
+    def _ranker(self, task: Any, seed: int) -> Any:
+        from streamrl_cli.ranker.base import make_ranker
+
+        skew = self.spec.skewness
+        base = skew.get("ranker_model") or self.spec.model["path"]
+        return make_ranker(skew, model_path=os.path.expanduser(base), task=task, seed=seed)
 
     def _wait_generators_serving(self) -> None:
         """Iteration 0's clock starts when every generator serves (engine up, stream connected)."""

@@ -22,9 +22,11 @@ The gradient is the same in every mode (``learner``): modes differ only in timin
 from __future__ import annotations
 
 import logging
+import random
 import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +57,10 @@ class PipelineConfig:
     grpo_std_norm: bool = True
     seed: int = 0
     sample_timeout_s: float = 1800.0  # no sample at all for this long: something is wrong
+    dispatch: str = "least-loaded"  # least-loaded (the data plane's policy), random, skewness-aware
+    schedule: str = "fifo"  # fifo or lpt (longest predicted first, inside each instance)
+    long_tail: float = 0.2  # α of Algorithm 2
+    engine_max_seqs: int = 64  # sequences a generator's engine runs at once at most (its max_num_seqs)
 
     @property
     def ahead(self) -> int:
@@ -74,6 +80,9 @@ class Batch:
     n_groups: int = 0
     done_groups: int = 0
     retries: int = 0
+    predicted: dict[str, float] = field(default_factory=dict)  # request prompt id -> predicted length
+    observed: dict[str, float] = field(default_factory=dict)  # request prompt id -> mean output length
+    plan: dict[str, Any] = field(default_factory=dict)  # the dispatch decision, for the record
 
 
 class Pipeline:
@@ -93,6 +102,7 @@ class Pipeline:
         on_record: Callable[[dict[str, Any]], None],
         on_checkpoint: Callable[[int, dict[str, Any]], None] | None = None,
         clock: Callable[[], float] = time.time,
+        ranker: Any = None,
     ):
         self.cfg, self.task, self.sampler = cfg, task, sampler
         self.tokenize, self.detokenize = tokenize, detokenize
@@ -103,6 +113,10 @@ class Pipeline:
         self._cv = threading.Condition()
         self.gen_spans: list[list[float]] = []  # [dispatched, last sample] of every batch
         self.sync_spans: list[tuple[int, float, float]] = []  # (version, start, end) of weight transfers
+        self.ranker = ranker
+        self.recent_lengths: deque[int] = deque(maxlen=4096)  # for Algorithm 2's P90 / P50
+        self.priority_base = 0  # LPT priorities of later batches come after earlier ones'
+        self.rng = random.Random(cfg.seed)
 
     # ---- the loop ----
 
@@ -143,16 +157,52 @@ class Pipeline:
         prompts = self.sampler.next_batch()
         batch = Batch(index=j, prompts={}, sampler_state=state)
         batch.collector = GroupCollector(self.cfg.group_size, lambda key, s, b=batch: self._score(b, key, s))
+        rids = [f"it{j}/{p.prompt_id}" for p in prompts]
+        placement = self._place(batch, prompts, rids)
         requests = []
-        for p in prompts:
-            rid = f"it{j}/{p.prompt_id}"
+        for k, (p, rid) in enumerate(zip(prompts, rids, strict=True)):
             tokens = self.tokenize(p.text)
             batch.prompts[rid] = (p, tokens)
-            requests.append(self._request(rid, tokens, list(range(self.cfg.group_size))))
+            req = self._request(rid, tokens, list(range(self.cfg.group_size)))
+            if placement is not None:
+                req.priority, req.target, req.batch_limit = placement[k]
+            requests.append(req)
         batch.n_groups = len(prompts)
         batch.dispatched_at = self.clock()
         self.batches[j] = batch
         self.svc.submit(requests)
+
+    def _place(
+        self, batch: Batch, prompts: list[Prompt], rids: list[str]
+    ) -> list[tuple[int, str, int]] | None:
+        """(priority, target generator, batch limit) per prompt, or None: the data plane's own policy."""
+        from streamrl_cli.skew.dispatch import default_ptl, lpt_priorities, plan_dispatch, random_dispatch
+
+        cfg = self.cfg
+        predicted = [float(x) for x in self.ranker.rank(prompts)] if self.ranker is not None else None
+        if predicted is not None:
+            batch.predicted = dict(zip(rids, predicted, strict=True))
+        alive = self.svc.generators() if hasattr(self.svc, "generators") else []
+        if cfg.dispatch == "least-loaded" and cfg.schedule == "fifo" or not alive:
+            return None
+        if cfg.dispatch == "skewness-aware" and predicted is not None:
+            plan = plan_dispatch(
+                predicted, alive, ptl=default_ptl(), recent_lengths=list(self.recent_lengths),
+                alpha=cfg.long_tail, max_batch=cfg.engine_max_seqs, group=cfg.group_size,
+            )  # fmt: skip
+        else:
+            plan = random_dispatch(len(prompts), alive, self.rng)
+        batch.plan = {"split": list(plan.split), "estimated_s": plan.latency}
+        if cfg.schedule == "lpt" and predicted is not None:
+            priorities = lpt_priorities(predicted, base=self.priority_base)
+        else:
+            priorities = [self.priority_base] * len(prompts)  # ties: arrival order
+        self.priority_base += len(prompts)
+        # With LPT every instance needs a limit, or vLLM admits everything at once and order is moot.
+        limit = cfg.engine_max_seqs if cfg.schedule == "lpt" else 0
+        return [
+            (priorities[k], plan.assignment[k], plan.batch_limit(k) or limit) for k in range(len(prompts))
+        ]
 
     def _request(self, rid: str, tokens: list[int], indices: list[int], *, group: str = "") -> Request:
         return Request(
@@ -242,6 +292,9 @@ class Pipeline:
 
     def _score(self, batch: Batch, key: str, samples: list[Sample]) -> list[Rollout]:
         prompt, tokens = batch.prompts[key]
+        lengths = [len(s.token_ids) for s in samples]
+        self.recent_lengths.extend(lengths)
+        batch.observed[key] = sum(lengths) / len(lengths)
         texts = [self.detokenize(s.token_ids) for s in samples]
         rewards = [float(r) for r in self.task.reward([prompt] * len(samples), texts)]
         batch.done_groups += 1
@@ -335,9 +388,26 @@ class Pipeline:
                 "weight_sync": [syncs[-1][1], syncs[-1][2]] if syncs else None,
             },
             **stats,
+            **self._skew_record(batch),
         }
         self.batches.pop(i, None)
         return rec
+
+    def _skew_record(self, batch: Batch) -> dict[str, Any]:
+        """Ranker quality on this batch (predicted before it learned from it), then its update."""
+        out: dict[str, Any] = {}
+        if batch.plan:
+            out["dispatch/long_instances"], out["dispatch/regular_instances"] = batch.plan["split"]
+            out["dispatch/estimated_s"] = batch.plan["estimated_s"]
+        keys = [k for k in batch.observed if k in batch.predicted]
+        if self.ranker is None or len(keys) < 2:
+            return out
+        from streamrl_cli.ranker.quality import quality
+
+        q = quality([batch.observed[k] for k in keys], [batch.predicted[k] for k in keys])
+        out.update({f"ranker/{name}": v for name, v in q.items() if name != "n"})
+        self.ranker.update([batch.prompts[k][0] for k in keys], [batch.observed[k] for k in keys])
+        return out
 
 
 def _covered(spans: list[list[float]], start: float, end: float) -> float:

@@ -179,6 +179,10 @@ class DispatchService:
         """Samples submitted and not yet received."""
         return self.dispatcher.outstanding()
 
+    def generators(self) -> list[str]:
+        """The generators work can go to now (alive, in the order they joined)."""
+        return self.dispatcher.generators()
+
     def watch(self, rdv: RendezvousClient, role: str = "generator", since: int | None = None) -> None:
         """Follow the rendezvous events in a daemon thread: lost/left members of `role` are re-dispatched."""
         start = rdv.versions()["event_seq"] if since is None else since
