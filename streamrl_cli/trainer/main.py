@@ -17,6 +17,7 @@ to finish.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import socket
@@ -204,6 +205,10 @@ class TrainerRole:
 
         def on_record(rec: dict[str, Any]) -> None:
             i = rec["iteration"]
+            bad = [k for k, v in rec.items() if isinstance(v, float) and not math.isfinite(v)]
+            if bad:  # JSON has no NaN/inf: recorded as null, and said once in the log
+                log.warning("iteration %d: non-finite %s", i, ", ".join(f"{k}={rec[k]}" for k in bad))
+                rec = {**rec, **dict.fromkeys(bad)}
             self.rdv.post_metrics(rec)
             self.rdv.post_progress(
                 i + 1, iterations=iterations, reward=round(rec["reward_mean"], 4),

@@ -190,9 +190,9 @@ class Pipeline:
                 predicted, alive, ptl=default_ptl(), recent_lengths=list(self.recent_lengths),
                 alpha=cfg.long_tail, max_batch=cfg.engine_max_seqs, group=cfg.group_size,
             )  # fmt: skip
+            batch.plan = {"split": list(plan.split), "estimated_s": plan.latency}
         else:
             plan = random_dispatch(len(prompts), alive, self.rng)
-        batch.plan = {"split": list(plan.split), "estimated_s": plan.latency}
         if cfg.schedule == "lpt" and predicted is not None:
             priorities = lpt_priorities(predicted, base=self.priority_base)
         else:
