@@ -71,7 +71,7 @@ def test_resume_continues_from_the_checkpoint_with_the_same_data_order(local_run
     first = {r["iteration"]: r for r in trainer_records(run_dir)}
     # As if the run had died after iteration 1's checkpoint: the later one never happened.
     shutil.rmtree(run_dir / "checkpoints" / "iter-000003")
-    out = streamrl("run", "--resume", run_dir.name, timeout=900)
+    out = streamrl("run", "--resume", str(run_dir), timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     resumed = trainer_records(run_dir)[len(first) :]
     assert [r["iteration"] for r in resumed] == [2, 3]
