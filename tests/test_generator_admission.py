@@ -138,6 +138,7 @@ async def drive_role(engine, requests: list[Request], timeout: float = 120.0) ->
     """Run the role's receive → admission → engine → deliver path until every sample is sent."""
     role = GeneratorRole(role_spec(), 0, engine=engine)
     role.sender = FakeSender(requests)
+    role._serving.set()  # what connecting the sample stream does
     want = sum(len(r.sample_indices) for r in requests)
     tasks = [asyncio.create_task(role._receive()), asyncio.create_task(role._deliver())]
     try:

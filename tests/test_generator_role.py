@@ -47,7 +47,11 @@ def wait_until(predicate, timeout: float, what: str, poll: float = 0.1):
 
 
 class Harness:
-    """Rendezvous server + trainer rank 0 (sample receiver, dispatcher, weight group) + generators."""
+    """Rendezvous server + trainer rank 0 (sample receiver, dispatcher, weight group) + generators.
+
+    `transport`: "broadcast" (one fixed group, sent by hand), "relay" (the far-site path), or
+    "elastic" (the trainer's own WeightPublisher: groups re-formed as generators come and go).
+    """
 
     def __init__(self, root: Path, instances: int = 2, transport: str = "broadcast"):
         self.run_dir = root / "run"
@@ -64,8 +68,16 @@ class Harness:
         self.hf = load_hf(self.model)
         self.svc = DispatchService(StreamConfig(bind="tcp://127.0.0.1:0", max_delay_s=0.001), self.token)
         addresses, info = {"samples": self.svc.address}, {}
-        self.weights = self.relay = None
-        if transport == "broadcast":  # the trainer hosts its site's weight group
+        self.weights = self.relay = self.publisher = None
+        self.rdv = RendezvousClient.from_run_dir(self.run_dir)
+        if transport == "elastic":
+            from streamrl_cli.trainer.publish import WeightPublisher
+
+            self.publisher = WeightPublisher(
+                self.rdv, self.token, transport="broadcast", generator_workers=instances, backend="gloo",
+                host="127.0.0.1", transfer_timeout_s=15.0, sync_timeout_s=180.0,
+            )  # fmt: skip
+        elif transport == "broadcast":  # the trainer hosts its site's weight group
             self.weights = Trainer(world_size=1 + instances)
             addresses["weights"] = f"127.0.0.1:{self.weights.port}"
             info["weight_group"] = {"world_size": 1 + instances, "backend": "gloo"}
@@ -74,22 +86,22 @@ class Harness:
 
             self.relay = WeightServer(self.token, host="127.0.0.1", chunk_bytes=64 << 10)
             addresses["relay"] = self.relay.address
-        self.rdv = RendezvousClient.from_run_dir(self.run_dir)
         self.rdv.register("trainer", 0, cluster="local", site="local", addresses=addresses, info=info)
         self.rdv.start_heartbeat()
         self.svc.watch(self.rdv)
-        spec_path = self.write_spec(instances, transport)
-        self.generators = [
-            subprocess.Popen(
-                [sys.executable, "-u", "-m", "streamrl_cli.roles", str(spec_path), "--rank", str(r)],
-                stdout=(self.logs / f"generator-{r}.log").open("w"),
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                start_new_session=True,  # its own group: a kill takes vLLM's processes along
-            )  # fmt: skip
-            for r in range(instances)
-        ]
+        self.spec_path = self.write_spec(instances, "relay" if transport == "relay" else "broadcast")
+        self.generators = [self.start_generator(r) for r in range(instances)]
         self.serial = 0
+
+    def start_generator(self, rank: int) -> subprocess.Popen:
+        """One generator process, started as `streamrl run` starts an array task."""
+        return subprocess.Popen(
+            [sys.executable, "-u", "-m", "streamrl_cli.roles", str(self.spec_path), "--rank", str(rank)],
+            stdout=(self.logs / f"generator-{rank}.log").open("w"),
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            start_new_session=True,  # its own group: a kill takes vLLM's processes along
+        )  # fmt: skip
 
     def write_spec(self, instances: int, transport: str) -> Path:
         spec = RoleSpec(
@@ -141,7 +153,7 @@ class Harness:
                 os.killpg(g.pid, signal.SIGKILL)
             g.wait()
         self.svc.close()
-        for weights in (self.weights, self.relay):
+        for weights in (self.weights, self.relay, self.publisher):
             if weights is not None:
                 weights.close()
         self.rdv.close()

@@ -94,6 +94,52 @@ def test_newest_complete_version_supersedes_older_pending_ones():
     assert s.confirm("generator-0", 2, now=3, mono=0) == []
 
 
+def test_a_version_sent_to_named_members_needs_only_them_alive_as_that_incarnation():
+    s = RendezvousState(lease_s=1.0)
+    for rank in range(3):
+        reg(s, "generator", rank)
+    layout = {"group": "g1", "ranks": {"generator-0": 1, "generator-1": 2}}
+    sent_to = {"generator-0": 1, "generator-1": 1}
+    (ev,) = s.propose(1, ["generator"], members=sent_to, transfer=layout, now=1)
+    assert ev["data"]["members"] == sent_to and ev["data"]["transfer"] == layout
+    assert s.propose(1, ["generator"], members=sent_to, transfer=layout, now=1) == []  # a retry
+    reg(s, "generator", 3)  # a newcomer (and generator-2, not sent it) does not hold it up
+    s.confirm("generator-0", 1, now=2, mono=0)
+    assert s.current_version is None
+    # generator-1 restarts: the new process was not sent version 1, so version 1 is complete.
+    assert [e["type"] for e in reg(s, "generator", 1)] == ["member_registered", "version_current"]
+    assert s.current_version == 1
+    with pytest.raises(Rejected, match=r"unregistered member\(s\) \['generator-9'\]") as e:
+        s.propose(2, ["generator"], members={"generator-9": 1}, now=3)
+    assert e.value.code == "unknown_member"
+
+
+def test_proposing_a_pending_version_to_other_members_is_a_re_send():
+    s = RendezvousState(lease_s=1.0)
+    for rank in range(3):
+        reg(s, "generator", rank)
+    first = {"generator-0": 1, "generator-1": 1, "generator-2": 1}
+    s.propose(1, ["generator"], members=first, transfer={"group": "a"}, now=1)
+    s.confirm("generator-2", 1, now=2, mono=0)  # had it before the group failed
+    s.reap(now=3, mono=1.5)  # all silent: generator-0 comes back below, generator-1 stays lost
+    s.heartbeat("generator-0", incarnation=1, weight_version=None, reported_state=None, now=3, mono=1.5)
+    (ev,) = s.propose(1, ["generator"], members={"generator-0": 1}, transfer={"group": "b"}, now=4)
+    assert ev["type"] == "version_proposed" and s.pending[1].transfer == {"group": "b"}
+    assert s.pending[1].members == {"generator-0": 1} and list(s.pending[1].confirmed) == ["generator-2"]
+    assert s.confirm("generator-0", 1, now=5, mono=1.6)[-1]["data"]["confirmed_by"] == ["generator-0"]
+    s.heartbeat("generator-2", incarnation=1, weight_version=None, reported_state=None, now=6, mono=1.6)
+    s.propose(2, ["generator"], members={"generator-0": 1, "generator-2": 1}, transfer={"group": "b"}, now=6)
+    s.confirm("generator-0", 2, now=6, mono=1.6)
+    assert s.current_version == 1
+    # Re-sent to members that all confirmed it already: current at once.
+    events = s.propose(2, ["generator"], members={"generator-0": 1}, transfer={"group": "c"}, now=7)
+    assert [e["type"] for e in events] == ["version_proposed", "version_current"] and s.current_version == 2
+    snap = s.to_snapshot()
+    replayed = RendezvousState(lease_s=1.0)
+    replayed.replay(list(s.events))
+    assert replayed.to_snapshot() == snap
+
+
 def test_lease_boundaries_and_revival():
     s = RendezvousState(lease_s=1.0)
     reg(s, "generator", 0, mono=10.0)

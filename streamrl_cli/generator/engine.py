@@ -123,6 +123,9 @@ class GenerationEngine(ABC):
     """An inference engine serving one generator instance."""
 
     weight_version: int = 0
+    # False after a transfer failed midway through loading: the model is part old, part new, so the
+    # engine stays paused (requests wait) until a full version is loaded.
+    weights_intact: bool = True
 
     @abstractmethod
     async def start(self) -> None:

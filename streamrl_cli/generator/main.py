@@ -14,6 +14,12 @@ Everything runs on one asyncio loop (the engine is async); the blocking clients 
 long-polls, the sender's request queue) are called in threads. A generator finishes when the
 trainer leaves, or on SIGTERM (`streamrl cancel`, SLURM); it then aborts what is in flight and
 leaves the rendezvous, so the trainer re-dispatches what it still owed without waiting a lease.
+
+A generator that joins a run in progress (a restarted array task, elastic scale-out: the run has
+proposed versions already) must not serve the checkpoint's weights: it reports ``waiting for
+weights`` and connects its sample stream only once it loaded the version the trainer sends it
+next (``weights.layout``), before confirming it, so the dispatcher knows it by the time the
+version is current. Until that hello the trainer dispatches nothing to it.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from streamrl_cli.generator.stream import Meter, to_engine_request, to_samples
 from streamrl_cli.generator.weights import WeightPath, make_weight_path
 from streamrl_cli.launch.plan import RoleSpec
 from streamrl_cli.rendezvous.client import RendezvousClient, RendezvousRequestError
+from streamrl_cli.weights.layout import STARTING, WAITING
 
 if TYPE_CHECKING:
     from streamrl_cli.transport.wire import Sample
@@ -98,11 +105,12 @@ class GeneratorRole:
         self.weights: WeightPath | None = None
         self._confirmed: set[int] = set()
         self.trainer: dict[str, Any] = {}
+        self.token = ""
+        self._serving = asyncio.Event()  # the sample stream is connected: requests come in
 
     async def run(self) -> int:
         from streamrl_cli.rendezvous import read_secret
         from streamrl_cli.roles.preflight import wait_for_file
-        from streamrl_cli.transport.samples import StreamConfig, make_sender
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -110,7 +118,7 @@ class GeneratorRole:
         run_dir = Path(self.spec.run_dir)
         await asyncio.to_thread(wait_for_file, Path(self.spec.rendezvous_file), WAIT_S)
         self.rdv = RendezvousClient.from_run_dir(run_dir, tls_ca=self.spec.rendezvous_ca)
-        token = read_secret(run_dir)
+        self.token = token = read_secret(run_dir)
         try:
             self.weights = make_weight_path(self.spec, self.rank, self.engine, self.rdv, token)
             self.rdv.register(
@@ -122,38 +130,36 @@ class GeneratorRole:
                 addresses=self.weights.addresses(),
                 info=self._info(),
             )
-            self.rdv.set_status(state="starting", weight_version=self.engine.weight_version)
+            self.rdv.set_status(state=STARTING, weight_version=self.engine.weight_version)
             self.rdv.start_heartbeat()
             await asyncio.to_thread(ensure_model, self.spec)
             await self.engine.start()
             versions = self.rdv.versions()
             since = versions["event_seq"]  # proposals from here on are ours to follow
-            if versions["current"]:
-                # Joining a run in progress: until the trainer sends its next version we serve the
-                # checkpoint's weights (catching a late joiner up is the trainer's side of the protocol).
-                log.warning(
-                    "%s: the run serves weight version %s; starting from the checkpoint",
-                    self.member_id,
-                    versions["current"],
-                )
+            newest = max([versions["current"] or 0] + [p["version"] for p in versions["pending"]])
             self.trainer = await asyncio.to_thread(self._find_trainer)
-            self.sender = make_sender(
-                StreamConfig(),
-                address=self.trainer["addresses"]["samples"],
-                token=token,
-                generator=self.member_id,
-            )
-            await asyncio.to_thread(self.sender.wait_connected, WAIT_S)
-            self.rdv.set_status(state="generating")
-            log.info(
-                "%s serving %s, streaming to %s",
-                self.member_id,
-                self.spec.model.get("name"),
-                self.trainer["addresses"]["samples"],
-            )
+            if newest > self.engine.weight_version:
+                # Joining a run in progress: no work before we serve the trainer's weights. Said at
+                # once, as past start-up we follow proposals: the trainer includes us in the next one.
+                log.info("%s: the run is at weight version %d; waiting for weights", self.member_id, newest)
+                self.rdv.set_status(state=WAITING)
+                await asyncio.to_thread(self.rdv.heartbeat)
+            else:
+                await self._connect()
             return await self._serve(since)
         finally:
             await self._shutdown()
+
+    async def _connect(self) -> None:
+        """Open the sample stream: the trainer's hello answer makes us a generator it dispatches to."""
+        from streamrl_cli.transport.samples import StreamConfig, make_sender
+
+        address = self.trainer["addresses"]["samples"]
+        self.sender = make_sender(StreamConfig(), address=address, token=self.token, generator=self.member_id)
+        await asyncio.to_thread(self.sender.wait_connected, WAIT_S)
+        self.rdv.set_status(state="generating", weight_version=self.engine.weight_version)
+        self._serving.set()
+        log.info("%s serving %s, streaming to %s", self.member_id, self.spec.model.get("name"), address)
 
     async def _serve(self, since: int) -> int:
         tasks = [
@@ -174,6 +180,7 @@ class GeneratorRole:
 
     async def _receive(self) -> None:
         """Requests dispatched to us join the admission queue, in their priority order."""
+        await self._serving.wait()
         while True:
             reqs = await asyncio.to_thread(self.sender.requests, POLL_S)
             for req in reqs:
@@ -198,6 +205,7 @@ class GeneratorRole:
 
     async def _deliver(self) -> None:
         """Each finished group goes to the trainer at once (the sender owns it until acked)."""
+        await self._serving.wait()
         async for result in self.engine.generate(self._incoming()):
             self.admission.finish(result.request_id)  # its place goes to the next one right away
             self._wake.set()
@@ -222,17 +230,32 @@ class GeneratorRole:
                 if ev["type"] == "version_proposed" and "generator" in data.get("required_roles", []):
                     log.info("%s: version %s proposed %.3fs ago", self.member_id, data["version"],
                              time.time() - ev["time"])  # fmt: skip
-                    await self._update_weights(int(data["version"]))
+                    await self._update_weights(int(data["version"]), data)
                 elif ev["type"] == "member_left" and data.get("member_id") == trainer_id:
                     log.info("%s: the trainer left; finishing", self.member_id)
                     self._stop.set()
                     return
 
-    async def _update_weights(self, version: int) -> None:
-        if version > self.engine.weight_version:
+    async def _update_weights(self, version: int, proposal: dict[str, Any]) -> None:
+        if not self.weights.concerns_us(proposal):  # the group was planned without us: the next one
+            log.info("%s: version %d goes to a group without us", self.member_id, version)
+            return
+        grouped = "transfer" in proposal  # a group member must take part even if it has the version
+        if grouped or version > self.engine.weight_version:
             self.rdv.set_status(state=f"loading weights v{version}")
             started = time.monotonic()
-            stats = await self.weights.update(version)
+            try:
+                stats = await self.weights.update(version, proposal)
+            except Exception as e:
+                if not grouped:
+                    raise
+                # The trainer sends it again on a new group of the members still there.
+                healthy = self._serving.is_set() and self.engine.weights_intact
+                self.rdv.set_status(state="generating" if healthy else WAITING)
+                log.warning("%s: weight version %d not received: %s", self.member_id, version, e)
+                return
+            if not self._serving.is_set():
+                await self._connect()  # before confirming: known to the dispatcher once it is current
             self.rdv.set_status(state="generating", weight_version=self.engine.weight_version)
             log.info(
                 "%s: serving weight version %d (%.2fs): %s",

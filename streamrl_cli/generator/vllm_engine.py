@@ -244,8 +244,16 @@ class VLLMEngine(GenerationEngine):
             t0 = time.perf_counter()
             await llm.pause_generation(mode=mode, clear_cache=mode != "keep")
             t1 = time.perf_counter()
+            resume = True
             try:
-                stats = await receive(llm)
+                try:
+                    stats = await receive(llm)
+                except Exception:
+                    resume = self.weights_intact = await _intact(llm)
+                    if not resume:
+                        log.error("a weight transfer failed midway: paused until a full version is loaded")
+                    raise
+                self.weights_intact = True
                 t2 = time.perf_counter()
                 loaded = {s["version"] for s in stats}
                 if len(loaded) != 1:  # tensor-parallel workers must agree, or the engine is inconsistent
@@ -257,7 +265,8 @@ class VLLMEngine(GenerationEngine):
                     raise EngineError("vLLM refused to reset its prefix cache after a weight update")
                 self.weight_version = loaded.pop()
             finally:
-                await llm.resume_generation()
+                if resume:
+                    await llm.resume_generation()
             timings = {"pause_s": t1 - t0, "receive_s": t2 - t1, "resume_s": time.perf_counter() - t2}
         return {**stats[0], **timings} if len(stats) == 1 else {"workers": stats, **timings}
 
@@ -309,6 +318,14 @@ class VLLMEngine(GenerationEngine):
         if self._llm is None:
             raise EngineError("the vLLM engine is not started (call start() first)")
         return self._llm
+
+
+async def _intact(llm: Any) -> bool:
+    """After a failed receive: did every worker keep a whole set of weights (nothing half-loaded)?"""
+    try:
+        return all(await llm.collective_rpc("streamrl_weights_intact"))
+    except Exception:  # noqa: BLE001 - cannot tell: assume the worst
+        return False
 
 
 def _completion(c: Any) -> Completion:

@@ -1,20 +1,27 @@
 """How a generator instance gets each new weight version: from the trainer, or through the relay.
 
-Inside the trainer's site every generator worker is a rank of the trainer's broadcast group
-(trainer rank 0 hosts it and publishes it as ``addresses["weights"]``). At another site one
-copy crosses the inter-site link: generator rank 0 of that site is the *relay* — it fetches the
-version from the trainer's weight server (``addresses["relay"]``; chunked, checksummed,
-resumable: ``weights.relay``), then hosts its site's own broadcast group (published as its own
-``addresses["weights"]``) and broadcasts to every worker there, its own engine's included.
-The other instances at that site receive from the relay exactly as they would from a trainer.
+Inside the trainer's site every generator worker is a rank of the trainer's broadcast group. That
+group is elastic (``weights.layout``): the trainer forms it for the generators it can reach and
+names, in each version proposal, the group (store address, id) and every member's first rank.
+For each proposal that names this instance (this incarnation), :meth:`WeightPath.update`
 
-Group layout (both kinds of group): rank 0 is the source; instance r's workers take ranks
-``1 + r * tp ...``, so every process computes the layout from the recipe alone (the source may
-override world size and backend with ``info["weight_group"]``).
+1. drains: requests in flight finish on the old weights (every sample comes from one version);
+2. reports ``receiving v<version> <group id>`` at once (a heartbeat): the trainer sends only when
+   every member said so, so a long drain is never mistaken for a dead member;
+3. joins the group (leaving the previous one if the id changed) and receives the version.
 
-Trainer's side of the protocol, for reference: publish the version on the weight server (for
-relays), propose it through the rendezvous, broadcast it on its group; the rendezvous announces
-it once every generator confirmed.
+A proposal that does not name this instance (it started after the group was planned) is skipped:
+the next one will. A failed transfer is not fatal: the trainer sends the version again on a new
+group; until then the engine serves the weights it has, or stays paused if the failure left them
+half loaded.
+
+At another site one copy crosses the inter-site link: generator rank 0 of that site is the
+*relay* — it fetches the version from the trainer's weight server (``addresses["relay"]``;
+chunked, checksummed, resumable: ``weights.relay``), then hosts its site's own broadcast group
+(published as its own ``addresses["weights"]``) and broadcasts to every worker there, its own
+engine's included. The other instances at that site receive from the relay exactly as they did
+from a trainer before groups were elastic: proposals without a layout, a group formed once, rank
+0 the source and instance r's workers at ranks ``1 + r * tp ...`` (:func:`weight_source`).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Any
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.generator.engine import GenerationEngine, WeightSource
 from streamrl_cli.launch.plan import RoleSpec
+from streamrl_cli.weights.layout import GroupLayout, receiving_state
 
 log = logging.getLogger("streamrl.generator.weights")
 
@@ -35,7 +43,8 @@ NOT_PUBLISHED_WAIT_S = 60.0  # a relay asking for a version the trainer has not 
 
 
 def weight_source(spec: RoleSpec, rank: int, source: dict[str, Any]) -> WeightSource:
-    """Where this instance's workers join `source`'s broadcast group (`source`: a member record)."""
+    """Where this instance's workers join `source`'s fixed broadcast group (`source`: a member record);
+    for proposals without a layout (the relay's group)."""
     address = source.get("addresses", {}).get("weights")
     if not address:
         raise StreamRLError(
@@ -62,15 +71,35 @@ class WeightPath:
 
     def __init__(self, spec: RoleSpec, rank: int, engine: GenerationEngine, rdv: Any):
         self.spec, self.rank, self.engine, self.rdv = spec, rank, engine, rdv
+        self.member_id = f"generator-{rank}"
 
     def addresses(self) -> dict[str, str]:
         """What this instance publishes when it registers."""
         return {}
 
-    async def update(self, version: int) -> dict[str, Any]:
-        """Receive `version` (or newer, if the source moved on) into the engine; returns its stats."""
-        source = await asyncio.to_thread(self._source_member)
-        return await self.engine.update_weights(version, weight_source(self.spec, self.rank, source))
+    def concerns_us(self, proposal: dict[str, Any]) -> bool:
+        """Whether we take part in this proposal's transfer (always, for one without a layout)."""
+        layout = GroupLayout.from_proposal(proposal)
+        return layout is None or layout.source(self.member_id, self.rdv.incarnation) is not None
+
+    async def update(self, version: int, proposal: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Receive `version` (or newer, if the source moved on) into the engine; returns its stats.
+        `proposal`: the ``version_proposed`` event's data, whose layout says where to join."""
+        layout = GroupLayout.from_proposal(proposal or {})
+        if layout is None:
+            source = await asyncio.to_thread(self._source_member)
+            return await self.engine.update_weights(version, weight_source(self.spec, self.rank, source))
+        place = layout.source(self.member_id, self.rdv.incarnation)
+        if place is None:
+            raise StreamRLError(f"{self.member_id} is not a member of weight group {layout.group}")
+        await self.engine.pause(mode="wait")  # drain first: the trainer's send timeout must not see it
+        try:
+            self.rdv.set_status(state=receiving_state(version, layout.group))
+            await asyncio.to_thread(self.rdv.heartbeat)  # now, not at the next beat: everyone waits for it
+        except BaseException:
+            await self.engine.resume()
+            raise
+        return await self.engine.update_weights(version, WeightSource(**place))  # resumes the engine
 
     def close(self) -> None:
         pass
@@ -104,7 +133,7 @@ class RelayPath(WeightPath):
     def addresses(self) -> dict[str, str]:
         return {"weights": f"{self.host}:{self.port}"}
 
-    async def update(self, version: int) -> dict[str, Any]:
+    async def update(self, version: int, proposal: dict[str, Any] | None = None) -> dict[str, Any]:
         trainer = await asyncio.to_thread(self._trainer)
         fetched = await asyncio.to_thread(self._fetch, trainer["addresses"]["relay"], version)
         me = {"member_id": f"generator-{self.rank}", "addresses": self.addresses(), "info": {}}

@@ -95,8 +95,13 @@ class WeightSyncExtension:
     def streamrl_weight_version(self) -> int | None:
         return getattr(self, "_streamrl_version", None)
 
+    def streamrl_weights_intact(self) -> bool:
+        """False when a load started and did not finish (a transfer failed midway): mixed weights."""
+        return not getattr(self, "_streamrl_partial", False)
+
     def _streamrl_load(self, version: int, weights: Iterator[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         start, counts = time.perf_counter(), {"tensors": 0, "bytes": 0}
+        self._streamrl_partial = True  # until every tensor is in
 
         def counted() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
@@ -106,7 +111,7 @@ class WeightSyncExtension:
 
         self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
         retied = _retie_lm_head(self.model_runner.get_model())
-        self._streamrl_version = version
+        self._streamrl_version, self._streamrl_partial = version, False
         return {
             "version": version,
             "worker": int(self.rank),  # rank inside the vLLM instance (tensor parallel)

@@ -232,11 +232,22 @@ class RendezvousClient:
     def versions(self) -> dict[str, Any]:
         return self._call("GET", "/v1/versions")
 
-    def propose_version(self, version: int, required_roles: list[str]) -> dict[str, Any]:
-        """Trainer: announce that `version` is being distributed to `required_roles`."""
-        return self._call(
-            "POST", "/v1/versions/propose", {"version": version, "required_roles": required_roles}
-        )
+    def propose_version(
+        self,
+        version: int,
+        required_roles: list[str],
+        *,
+        members: dict[str, int] | None = None,
+        transfer: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Trainer: announce that `version` is being distributed to `required_roles`; with `members`
+        (member_id -> incarnation) only those must confirm it; `transfer` is passed on to them."""
+        body: dict[str, Any] = {"version": version, "required_roles": required_roles}
+        if members is not None:
+            body["members"] = members
+        if transfer is not None:
+            body["transfer"] = transfer
+        return self._call("POST", "/v1/versions/propose", body)
 
     def confirm_version(self, version: int) -> dict[str, Any]:
         """Member: `version` is loaded and served (also reported by later heartbeats)."""

@@ -17,6 +17,7 @@ from aiohttp import web
 
 MAX_BODY = 256 * 1024  # a register body with engine info fits in a few KiB
 MAX_RECORD = 16 * 1024  # metrics and progress documents are meant to be small
+MAX_TRANSFER = 128 * 1024  # a proposal's transfer document: a weight group layout, ~20 bytes per rank
 MAX_KEYS = 64
 MAX_DEPTH = 8  # free-form documents are journaled with the json module: keep them shallow
 MAX_POLL_S = 60.0
@@ -27,6 +28,7 @@ Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")]
 Label = Annotated[str, msgspec.Meta(max_length=255)]
 MemberId = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
 Version = Annotated[int, msgspec.Meta(ge=0)]
+Incarnation = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class RegisterBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -54,6 +56,9 @@ class LeaveBody(msgspec.Struct, forbid_unknown_fields=True):
 class ProposeBody(msgspec.Struct, forbid_unknown_fields=True):
     version: Version
     required_roles: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=MAX_KEYS)]
+    # Who it is sent to (member_id -> incarnation): only they must confirm. Default: every alive member.
+    members: Annotated[dict[MemberId, Incarnation], msgspec.Meta(min_length=1)] | None = None
+    transfer: dict[str, Any] | None = None  # how they get it (e.g. the weight group layout), passed on
 
 
 class ConfirmBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -138,19 +143,21 @@ def check_addresses(path: str, addresses: dict[str, str]) -> None:
             raise invalid(path, f"addresses.{name} = {addr!r} is not 'host:port' with a port in 1..65535")
 
 
-def check_document(doc: dict[str, Any], what: str, path: str, reserved: set[str]) -> None:
+def check_document(
+    doc: dict[str, Any], what: str, path: str, reserved: set[str], max_bytes: int = MAX_RECORD
+) -> None:
     """A free-form document (info, metrics, progress): small, flat-ish, no keys the server sets."""
     bad = sorted(reserved & set(doc))
     size = len(msgspec.json.encode(doc))
     if bad:
         why = f"uses reserved key(s) {bad}"
-    elif size > MAX_RECORD or len(doc) > MAX_KEYS:
+    elif size > max_bytes or len(doc) > MAX_KEYS:
         why = f"is too large ({size} bytes, {len(doc)} keys)"
     elif _depth(doc) > MAX_DEPTH:
         why = f"nests deeper than {MAX_DEPTH} levels"
     else:
         return
-    limits = f"{MAX_RECORD} bytes, {MAX_KEYS} keys and {MAX_DEPTH} levels"
+    limits = f"{max_bytes} bytes, {MAX_KEYS} keys and {MAX_DEPTH} levels"
     raise invalid(path, f"{what} {why}; keep it under {limits}, without {sorted(reserved)}")
 
 

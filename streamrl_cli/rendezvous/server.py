@@ -278,7 +278,12 @@ class RendezvousServer:
 
     async def propose(self, request: web.Request) -> web.Response:
         b = await p.decode_body(request, p.ProposeBody)
-        await self._commit(self.state.propose(b.version, b.required_roles, now=time.time()))
+        if b.transfer is not None:
+            p.check_document(b.transfer, "transfer", request.path, reserved=set(), max_bytes=p.MAX_TRANSFER)
+        events = self.state.propose(
+            b.version, b.required_roles, members=b.members, transfer=b.transfer, now=time.time()
+        )
+        await self._commit(events)
         return json_response({**self.state.versions_view(), "event_seq": self.durable_seq})
 
     async def confirm(self, request: web.Request) -> web.Response:

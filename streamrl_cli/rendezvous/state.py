@@ -62,6 +62,10 @@ class PendingVersion:
     required_roles: list[str]
     proposed_at: float
     confirmed: dict[str, float] = field(default_factory=dict)  # member_id -> wall time
+    # The members it is sent to (member_id -> incarnation): only they must confirm. None: every
+    # alive member of the required roles (a newcomer too).
+    members: dict[str, int] | None = None
+    transfer: dict[str, Any] | None = None  # how they get it (the weight group layout); opaque here
 
 
 MEMBER_FIELDS = [f.name for f in fields(Member) if f.name != "last_seen"]
@@ -116,7 +120,8 @@ class RendezvousState:
         )
         member = self.members[member_id]
         member.last_seen = mono
-        return member, [ev]
+        # A restarted member named by a pending proposal no longer holds it up (another process).
+        return member, [ev, *self._check_versions(now)]
 
     def heartbeat(
         self,
@@ -169,7 +174,18 @@ class RendezvousState:
         for m in self.members.values():
             m.last_seen = mono
 
-    def propose(self, version: int, required_roles: list[str], *, now: float) -> list[dict[str, Any]]:
+    def propose(
+        self,
+        version: int,
+        required_roles: list[str],
+        *,
+        now: float,
+        members: dict[str, int] | None = None,
+        transfer: dict[str, Any] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Announce `version`. Proposing a pending version again with other `members` or `transfer` is a
+        re-send (the trainer re-formed its weight group around a changed membership): a new event,
+        the new recipients replace the old ones, confirmations already made still count."""
         if self.current_version is not None and version <= self.current_version:
             raise Rejected(
                 "stale_version",
@@ -178,15 +194,24 @@ class RendezvousState:
                 current=self.current_version,
             )
         roles = sorted(set(required_roles))
-        if version in self.pending:
-            if self.pending[version].required_roles == roles:
-                return []  # the same proposal again (a retry): nothing to do
+        unknown = sorted(set(members or ()) - set(self.members))
+        if unknown:
             raise Rejected(
-                "version_conflict",
-                f"version {version} is already pending with required roles "
-                f"{self.pending[version].required_roles}, not {roles}",
+                "unknown_member", f"version {version} proposed for unregistered member(s) {unknown}"
             )
-        return [self._emit(now, "version_proposed", version=version, required_roles=roles)]
+        pending = self.pending.get(version)
+        if pending is not None:
+            if pending.required_roles != roles:
+                raise Rejected(
+                    "version_conflict",
+                    f"version {version} is already pending with required roles "
+                    f"{pending.required_roles}, not {roles}",
+                )
+            if (pending.members, pending.transfer) == (members, transfer):
+                return []  # the same proposal again (a retry): nothing to do
+        extra = {k: v for k, v in (("members", members), ("transfer", transfer)) if v is not None}
+        ev = self._emit(now, "version_proposed", version=version, required_roles=roles, **extra)
+        return [ev, *self._check_versions(now)] if pending is not None else [ev]
 
     def confirm(self, member_id: str, version: int, *, now: float, mono: float) -> list[dict[str, Any]]:
         m = self.member(member_id)
@@ -274,7 +299,10 @@ class RendezvousState:
         self._set_state(d["member_id"], "left", t)
 
     def _on_version_proposed(self, t: float, d: dict[str, Any]) -> None:
-        self.pending[d["version"]] = PendingVersion(d["version"], d["required_roles"], t)
+        p = self.pending.get(d["version"])
+        if p is None:
+            p = self.pending[d["version"]] = PendingVersion(d["version"], d["required_roles"], t)
+        p.members, p.transfer = d.get("members"), d.get("transfer")  # a re-send replaces the recipients
 
     def _on_version_confirmed(self, t: float, d: dict[str, Any]) -> None:
         self.pending[d["version"]].confirmed[d["member_id"]] = t
@@ -310,14 +338,22 @@ class RendezvousState:
         return [self._emit(now, "member_revived", member_id=m.member_id)] if m.state == "lost" else []
 
     def _check_versions(self, now: float) -> list[dict[str, Any]]:
-        """Announce the newest pending version that every alive member of its roles confirmed."""
+        """Announce the newest pending version that every alive member it was sent to confirmed
+        (all alive members of its roles, unless the proposal named its members)."""
         for v in sorted(self.pending, reverse=True):
             p = self.pending[v]
-            needed = [
-                m.member_id
-                for m in self.members.values()
-                if m.state == "alive" and m.role in p.required_roles
-            ]
+            if p.members is None:
+                needed = [
+                    m.member_id
+                    for m in self.members.values()
+                    if m.state == "alive" and m.role in p.required_roles
+                ]
+            else:  # a member that re-registered since is a new process: it was not sent this version
+                needed = [
+                    mid
+                    for mid, incarnation in p.members.items()
+                    if (m := self.members.get(mid)) and m.state == "alive" and m.incarnation == incarnation
+                ]
             # At least one confirmation: a version nobody serves is not "current".
             if needed and all(mid in p.confirmed for mid in needed):
                 superseded = sorted(x for x in self.pending if x < v)

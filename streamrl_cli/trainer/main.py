@@ -258,7 +258,8 @@ class TrainerRole:
         deadline = time.monotonic() + WAIT_S
         while True:
             alive = [m for m in self.rdv.members("generator") if m["state"] == "alive"]
-            serving = [m for m in alive if m.get("reported_state") == "generating"]
+            # "waiting for weights": up, joined a run in progress; it gets the version pushed first
+            serving = [m for m in alive if m.get("reported_state") in ("generating", "waiting for weights")]
             if len(serving) >= self.generators:
                 return
             if time.monotonic() > deadline:

@@ -223,6 +223,10 @@ class DispatchService:
             self.lost(member)
         elif event["type"] == "member_revived":
             self.revived(member)
+        elif event["type"] == "member_registered" and event["data"].get("incarnation", 1) > 1:
+            # A new process under the same id (restarted within a lease, so never lost): its
+            # predecessor's work died with it; the newcomer takes work once it says hello.
+            self.lost(member)
 
     def _resync(self, rdv: RendezvousClient, prefix: str) -> None:
         for m in rdv.members():

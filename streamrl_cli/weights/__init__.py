@@ -12,6 +12,8 @@ of the run (DESIGN.md §4). Two paths, one per distance:
 - ``plan``: pure planning (per-dtype buckets, stream layout, the chunk state machine).
 - ``broadcast``: a torch.distributed group (compatible with vLLM's stateless groups) and the
   bucketed broadcast over it.
+- ``layout``: who is in a broadcast group at which ranks, re-planned as generators come and go
+  (pure; the trainer's ``WeightPublisher`` and the generators' ``WeightPath`` use it).
 - ``relay_wire`` / ``relay``: the cross-site protocol, its server (trainer) and fetcher (relay).
 
 Nothing here imports torch at package import time; the modules do.

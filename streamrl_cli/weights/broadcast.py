@@ -74,13 +74,35 @@ class WeightGroup:
                     continue
 
 
+def host_weight_store(host: str, world_size: int, *, timeout_s: float = 300.0) -> Any:
+    """Rank 0's store on a free port, listening at once, without waiting for the others.
+
+    For a group announced before it is formed (``weights.layout``): members can connect while
+    rank 0 waits for them to be ready, and if rank 0 gives up, dropping the store makes their
+    joins fail at once instead of after their timeout. Pass it to :func:`init_weight_group`.
+    """
+    try:
+        return dist.TCPStore(
+            host, 0, world_size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+    except (RuntimeError, ValueError) as e:
+        raise WeightTransferError(f"cannot host a weight group store on {host}: {e}") from None
+
+
 def init_weight_group(
-    address: str, rank: int, world_size: int, *, backend: str = "gloo", timeout_s: float = 300.0
+    address: str,
+    rank: int,
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+    store: Any = None,
 ) -> WeightGroup:
     """Join (rank > 0) or host (rank 0; port 0 picks a free one) the group at ``host:port``.
 
     `host` must be the name the others use (the store prefix includes it). Blocks until every
-    rank joined or `timeout_s` passed. Publish ``group.address`` through the rendezvous.
+    rank joined or `timeout_s` passed. Publish ``group.address`` through the rendezvous. Rank 0
+    may pass the store it already hosts (:func:`host_weight_store`).
     """
     host, _, port_s = address.rpartition(":")
     if not host or not port_s.isdigit():
@@ -89,7 +111,10 @@ def init_weight_group(
         raise WeightTransferError(f"weight group backend must be gloo or nccl, got {backend!r}")
     timeout = timedelta(seconds=timeout_s)
     try:
-        store = dist.TCPStore(host, int(port_s), world_size, rank == 0, timeout=timeout, multi_tenant=True)
+        if store is None:
+            store = dist.TCPStore(
+                host, int(port_s), world_size, rank == 0, timeout=timeout, multi_tenant=True
+            )
         port = store.port
         prefix = dist.PrefixStore(f"tcp://{host}:{port}", store)
         if backend == "gloo":
