@@ -38,19 +38,25 @@ TARGETS = {"sync-stream": 1.2, "async": 1.5}
 console = Console(width=140)
 
 
-def run_mode(mode: str, root: Path, iterations: int, overrides: list[str]) -> Path:
+def run_local(label: str, root: Path, overrides: list[str]) -> Path:
+    """One `streamrl run local` with `overrides` under `root`, with a spinner; its run directory."""
     streamrl = str(Path(sys.executable).with_name("streamrl"))
-    cmd = [streamrl, "run", "local", f"algorithm.mode={mode}", f"train.iterations={iterations}",
-           "train.checkpoint_every=0", *overrides, "--root", str(root / mode)]  # fmt: skip
+    cmd = [streamrl, "run", "local", "train.checkpoint_every=0", *overrides, "--root", str(root)]
     started = time.monotonic()
-    with console.status(f"{mode}: running {iterations} iterations ..."):
+    with console.status(f"{label}: running ..."):
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         console.print(out.stdout[-3000:], out.stderr[-3000:], markup=False)
-        raise SystemExit(f"{mode}: streamrl run failed ({out.returncode})")
-    console.print(f"{mode}: done in {time.monotonic() - started:.0f} s")
-    (run_dir,) = (root / mode).iterdir()
+        raise SystemExit(f"{label}: streamrl run failed ({out.returncode})")
+    console.print(f"{label}: done in {time.monotonic() - started:.0f} s")
+    (run_dir,) = root.iterdir()
     return run_dir
+
+
+def run_mode(mode: str, root: Path, iterations: int, overrides: list[str]) -> Path:
+    return run_local(
+        mode, root / mode, [f"algorithm.mode={mode}", f"train.iterations={iterations}", *overrides]
+    )
 
 
 def summarise(run_dir: Path, skip: int) -> dict:

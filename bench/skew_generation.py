@@ -25,14 +25,12 @@ import argparse
 import dataclasses
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rl_modes import run_local  # noqa: E402 - bench/ is the script's directory
 
 from streamrl_cli.metrics.read import read_iterations
 
@@ -51,22 +49,12 @@ PAPER = "paper (normalised generation time): ranker 0.785–0.90, true lengths 0
 
 
 def real(iterations: int, skip: int) -> dict[str, dict]:
-    streamrl = str(Path(sys.executable).with_name("streamrl"))
     out = {}
     with tempfile.TemporaryDirectory(prefix="skew-") as tmp:
         for k, (name, overrides) in enumerate(SYSTEMS.items()):
             root = Path(tmp) / str(k)
-            cmd = [streamrl, "run", "local", "algorithm.mode=baseline", f"train.iterations={iterations}",
-                   "train.global_batch=16", "train.checkpoint_every=0", *overrides,
-                   "--root", str(root)]  # fmt: skip
-            started = time.monotonic()
-            with console.status(f"{name}: {iterations} iterations ..."):
-                res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            if res.returncode != 0:
-                console.print(res.stdout[-3000:], res.stderr[-3000:], markup=False)
-                raise SystemExit(f"{name}: streamrl run failed ({res.returncode})")
-            console.print(f"{name}: done in {time.monotonic() - started:.0f} s")
-            (run_dir,) = root.iterdir()
+            run_dir = run_local(name, root, ["algorithm.mode=baseline", f"train.iterations={iterations}",
+                                             "train.global_batch=16", *overrides])  # fmt: skip
             recs = [r for r in read_iterations(run_dir) if r["iteration"] >= skip]
             out[name] = {
                 "generation_s": statistics.fmean(r["t/generation"] for r in recs),
