@@ -270,3 +270,29 @@ def test_send_from_many_threads_is_safe(cfg, receiver):
         assert len({x.key for x in drain(receiver, 400)}) == 400
     finally:
         s.close()
+
+
+def test_malformed_messages_from_a_run_member_are_counted_and_dropped(cfg, receiver):
+    """A peer with the run's keys but another framing or garbage: counted, dropped, the stream goes on."""
+    from streamrl_cli.transport import wire as w
+    from streamrl_cli.transport.zmq_common import make_client_socket
+
+    ctx = zmq.Context()
+    try:
+        raw = make_client_socket(ctx, curve_keys(TOKEN))
+        raw.connect(f"tcp://{receiver.address}")
+        raw.send_multipart([w.SAMPLES, w.encode(w.batch([1], [w.encode(sample("p", 0))]))])  # protocol 1
+        raw.send(w.SAMPLES + b"\xc1junk")  # not msgpack
+        raw.send(b"?" + w.encode(1))  # unknown kind
+        deadline = time.monotonic() + 10
+        while receiver.stats["malformed"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert receiver.stats["malformed"] == 3 and receiver.get(timeout=0.2) is None
+    finally:
+        ctx.destroy(linger=0)
+    good = make_sender(cfg, address=receiver.address, token=TOKEN, generator="generator-0")
+    try:
+        good.send(sample("ok", 0))
+        assert [x.key for x in drain(receiver, 1)] == [("ok", 0)]
+    finally:
+        good.close()

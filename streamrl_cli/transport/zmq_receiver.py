@@ -164,16 +164,20 @@ class ZmqSampleReceiver(SampleReceiver):
         for _ in range(64):  # then let the loop look at the queue bound and at outbound requests
             if not sock.poll(0):
                 return
-            rid, kind, *rest = sock.recv_multipart()
+            rid, *frames = sock.recv_multipart()
+            kind = b""
             try:
+                if len(frames) != 1:
+                    raise ValueError(f"{len(frames)} frames, not one (a peer of another protocol version?)")
+                kind, body = w.split(frames[0])
                 if kind == w.SAMPLES:
-                    self._on_samples(sock, rid, *w.decode_batch(rest[0]))
+                    self._on_samples(sock, rid, *w.decode_batch(body))
                 elif kind == w.HELLO:
-                    self._on_hello(sock, rid, w.decode_hello(rest[0]))
+                    self._on_hello(sock, rid, w.decode_hello(body))
                 elif kind == w.REQUEST_ACK:
                     peer = self._peers.get(self._by_routing.get(rid, ""))
                     if peer is not None:
-                        upto = w.decode_int(rest[0])
+                        upto = w.decode_int(body)
                         for seq in [s for s in peer.unacked if s <= upto]:
                             del peer.unacked[seq]
                 else:
@@ -205,7 +209,7 @@ class ZmqSampleReceiver(SampleReceiver):
                 self._queue.extend(admitted)
                 self._cond.notify_all()
             self.stats["delivered"] += len(admitted)
-        self._send(sock, rid, [w.ACK, w.encode(seqs)])
+        self._send(sock, rid, w.message(w.ACK, seqs))
 
     def _on_hello(self, sock: zmq.Socket, rid: bytes, hello: w.Hello) -> None:
         g = hello.generator
@@ -225,7 +229,7 @@ class ZmqSampleReceiver(SampleReceiver):
                 self._by_routing.pop(peer.routing_id, None)
                 peer.routing_id, hook = rid, None
             self._by_routing[rid] = g
-        self._send(sock, rid, [w.WELCOME, w.encode(w.Welcome(w.PROTOCOL, self.session))])
+        self._send(sock, rid, w.message(w.WELCOME, w.Welcome(w.PROTOCOL, self.session)))
         self._send_requests(sock, peer, list(peer.unacked.items()))
         if hook is not None:
             for gen, reqs in (self._call_hook(hook, g) or {}).items():
@@ -254,16 +258,13 @@ class ZmqSampleReceiver(SampleReceiver):
             return  # sent when its hello arrives
         for i in range(0, len(items), self.config.max_batch):
             part = items[i : i + self.config.max_batch]
-            if self._send(
-                sock,
-                peer.routing_id,
-                [w.REQUESTS, w.encode_batch([s for s, _ in part], [d for _, d in part])],
-            ):
+            body = w.batch([s for s, _ in part], [d for _, d in part])
+            if self._send(sock, peer.routing_id, w.message(w.REQUESTS, body)):
                 self.stats["requests_sent"] += len(part)
 
-    def _send(self, sock: zmq.Socket, rid: bytes, frames: list[bytes]) -> bool:
+    def _send(self, sock: zmq.Socket, rid: bytes, frame: bytes) -> bool:
         try:
-            sock.send_multipart([rid, *frames], flags=zmq.NOBLOCK)
+            sock.send_multipart([rid, frame], flags=zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:  # peer gone (EHOSTUNREACH) or its queue full: it resyncs on hello
             log.debug("sample stream: could not send to %r: %s", rid, e)

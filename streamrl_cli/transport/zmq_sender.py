@@ -7,6 +7,15 @@ coalesces samples into messages (up to ``max_batch``, waiting at most ``max_dela
 acknowledgements and requests, and after every reconnection says hello again and resends every
 sample not yet acknowledged. The window of unacknowledged samples is the back-pressure: when the
 trainer stops acknowledging, ``send`` blocks, then raises :class:`BackpressureTimeout`.
+
+What streaming adds to generation is what holds the GIL per sample, on the engine's thread and on
+the I/O thread (CURVE and TCP run on ZeroMQ's own thread, outside it; bench/sample_stream.py). On
+these machines that is dominated by page faults and system calls, not by encoding, so: samples
+and messages are encoded into buffers kept from one to the next (a fresh 256 KiB message costs
+~130 µs of page faults, a reused one ~3 µs), and while samples wait for the next tick the socket
+is read at those ticks only, not on every acknowledgement: while anything is queued or unacknowledged
+the I/O thread wakes once per ``max_delay_s`` (acks and requests wait that long at most), unless
+a caller waits for room or a flush; with nothing in flight it reads at once.
 """
 
 from __future__ import annotations
@@ -46,12 +55,15 @@ class ZmqSampleSender(SampleSender):
         self._unacked: dict[int, bytes] = {}  # seq -> encoded sample; insertion order = resend order
         self._outbox: deque[int] = deque()  # seqs not yet handed to ZeroMQ
         self._next_flush = 0.0  # monotonic time of the next timed flush (I/O thread only)
+        self._scratch = bytearray(64 * 1024)  # send()'s encoding buffer (under the lock)
+        self._frame = bytearray(1024 * 1024)  # the I/O thread's message buffer
         self._requests: deque[w.Request] = deque()
         self._req_expected = 1  # next request seq from the current trainer session
         self._trainer_session = ""
         self._welcomed = threading.Event()
         self._refused = ""  # the trainer refused our credentials: fatal, reported by send()/wait_connected()
         self._closing = False
+        self._waiters = 0  # callers blocked on acks (window full, flush): the socket is read at once then
         self._failures = 0  # handshake failures in a row
         self.stats = {"sent": 0, "resent": 0, "acked": 0, "messages": 0, "handshakes": 0, "requests": 0}
         self._waker = Waker()
@@ -64,11 +76,10 @@ class ZmqSampleSender(SampleSender):
     def send(self, sample: w.Sample, timeout: float | None = None) -> None:
         if not sample.generator:
             sample.generator = self.generator
-        data = w.encode(sample)
         timeout = self.config.send_timeout_s if timeout is None else timeout
         with self._cond:
             if len(self._unacked) >= self.config.window:
-                ok = self._cond.wait_for(
+                ok = self._wait_for_acks(
                     lambda: len(self._unacked) < self.config.window or self._refused or self._closing, timeout
                 )
                 if not ok:
@@ -77,13 +88,14 @@ class ZmqSampleSender(SampleSender):
                         f"{self.endpoint} for {timeout:.3g}s (window {self.config.window})"
                     )
             self._check_usable()
+            w.encode_into(sample, self._scratch)
             seq, self._next_seq = self._next_seq, self._next_seq + 1
-            self._unacked[seq] = data
+            self._unacked[seq] = bytes(self._scratch)
             self._outbox.append(seq)
-            n = len(self._outbox)
-        # No system call per sample: the I/O thread flushes every max_delay_s on its own, and is
-        # woken only for a full batch (or at once when batching is off).
-        if n >= self.config.max_batch or self.config.max_delay_s == 0:
+            n, idle = len(self._outbox), len(self._unacked) == 1
+        # No system call per sample: while streaming the I/O thread ticks every max_delay_s on its
+        # own; it is woken only out of idleness, for a full batch, or at once when batching is off.
+        if idle or n >= self.config.max_batch or self.config.max_delay_s == 0:
             self._waker.wake()
 
     def requests(self, timeout: float | None = 0.0) -> list[w.Request]:
@@ -112,9 +124,19 @@ class ZmqSampleSender(SampleSender):
 
     def flush(self, timeout: float) -> bool:
         """Wait until every sample is acknowledged; False after `timeout`."""
-        self._waker.wake()
         with self._cond:
-            return self._cond.wait_for(lambda: not self._unacked, timeout)
+            return self._wait_for_acks(lambda: not self._unacked, timeout)
+
+    def _wait_for_acks(self, predicate, timeout: float | None) -> bool:  # noqa: ANN001 - a condition
+        """Wait (holding the lock) for `predicate`, with the I/O thread reading acks at once meanwhile."""
+        if predicate():
+            return True
+        self._waiters += 1
+        self._waker.wake()
+        try:
+            return self._cond.wait_for(predicate, timeout)
+        finally:
+            self._waiters -= 1
 
     def close(self, flush_timeout: float = 5.0) -> None:
         if self._thread.is_alive():
@@ -144,12 +166,17 @@ class ZmqSampleSender(SampleSender):
         poller = zmq.Poller()
         for s in (sock, mon, self._waker.fileno()):
             poller.register(s, zmq.POLLIN)
+        reading = True
         try:
             while True:
                 with self._cond:
                     if self._closing:
                         return
                     wait_ms = self._flush_due_ms()
+                    ticking = wait_ms is not None and self._waiters == 0 and self.config.max_delay_s > 0
+                if reading == ticking:  # while ticking the socket is read at the ticks only
+                    reading = not ticking
+                    poller.modify(sock, zmq.POLLIN if reading else 0)
                 ready = dict(poller.poll(wait_ms))
                 if self._waker.fileno() in ready:
                     self._waker.drain()
@@ -158,7 +185,7 @@ class ZmqSampleSender(SampleSender):
                     if self._refused:  # stop knocking: the answer will not change
                         sock.disconnect(self.endpoint)
                         poller.unregister(mon)
-                if sock in ready:
+                if sock in ready or not reading:
                     self._on_messages(sock)
                 self._send_outbox(sock)
         except zmq.ZMQError as e:
@@ -173,23 +200,31 @@ class ZmqSampleSender(SampleSender):
             sock.close(0)
 
     def _flush_due_ms(self) -> int | None:
+        """How long the I/O thread may sleep: until the next tick while samples are in flight."""
         if len(self._outbox) >= self.config.max_batch:
             return 0
         if self.config.max_delay_s == 0:
             return None if not self._outbox else 0  # every send() wakes us
+        if not self._unacked:  # idle: the next send() wakes us
+            return None
         return max(0, int((self._next_flush - time.monotonic()) * 1000 + 0.999))  # the next tick
 
     def _send_outbox(self, sock: zmq.Socket) -> None:
         """Send full batches now, and everything waiting once per max_delay_s (a tick)."""
         now = time.monotonic()
-        tick = now >= self._next_flush
+        tick = now >= self._next_flush - 0.001  # poll() may wake a little early: no second wake for it
         if tick:
             self._next_flush = now + self.config.max_delay_s
+        due = len(self._outbox) if tick else 0  # what a tick sends: only what was queued when it came
         while True:
             with self._cond:
-                if not self._outbox or not (tick or len(self._outbox) >= self.config.max_batch):
+                if not self._outbox or not (due > 0 or len(self._outbox) >= self.config.max_batch):
                     return
-                seqs = [self._outbox.popleft() for _ in range(min(len(self._outbox), self.config.max_batch))]
+                # (Each send gives up the GIL, and a busy engine queues more meanwhile: chasing that
+                # with small messages would send a message per GIL handoff.)
+                take = min(len(self._outbox), self.config.max_batch)
+                due -= take
+                seqs = [self._outbox.popleft() for _ in range(take)]
                 datas = [self._unacked[s] for s in seqs if s in self._unacked]
                 seqs = [s for s in seqs if s in self._unacked]
             self._send_batch(sock, seqs, datas)
@@ -198,7 +233,8 @@ class ZmqSampleSender(SampleSender):
     def _send_batch(self, sock: zmq.Socket, seqs: list[int], datas: list[bytes]) -> None:
         if seqs:
             # Blocking is fine here: the window keeps the queue well under the high-water mark.
-            sock.send_multipart([w.SAMPLES, w.encode_batch(seqs, datas)])
+            w.message_into(w.SAMPLES, w.batch(seqs, datas), self._frame)
+            sock.send(self._frame)  # copied: the buffer is ours again at once
             self.stats["messages"] += 1
 
     def _on_monitor(self, sock: zmq.Socket, mon: zmq.Socket) -> None:
@@ -207,7 +243,7 @@ class ZmqSampleSender(SampleSender):
             if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._failures = 0
                 self.stats["handshakes"] += 1
-                sock.send_multipart([w.HELLO, w.encode(w.Hello(w.PROTOCOL, self.generator, self.session))])
+                sock.send(w.message(w.HELLO, w.Hello(w.PROTOCOL, self.generator, self.session)))
                 if self.stats["handshakes"] > 1:
                     self._resend_unacked(sock)
             elif ev == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -242,19 +278,21 @@ class ZmqSampleSender(SampleSender):
         self.stats["resent"] += len(items)
 
     def _on_messages(self, sock: zmq.Socket) -> None:
-        while sock.poll(0):
-            kind, *rest = sock.recv_multipart()
+        # Readiness from ZMQ_EVENTS, which keeps the GIL (poll(0) gives it up; a NOBLOCK recv raises
+        # zmq.Again at the end, which costs more than a message).
+        while sock.get(zmq.EVENTS) & zmq.POLLIN:
+            kind, body = w.split(sock.recv())
             if kind == w.ACK:
-                seqs = w.decode_seqs(rest[0])
+                seqs = w.decode_seqs(body)
                 with self._cond:
                     for s in seqs:
                         if self._unacked.pop(s, None) is not None:
                             self.stats["acked"] += 1
                     self._cond.notify_all()
             elif kind == w.REQUESTS:
-                self._on_requests(sock, *w.decode_batch(rest[0]))
+                self._on_requests(sock, *w.decode_batch(body))
             elif kind == w.WELCOME:
-                welcome = w.decode_welcome(rest[0])
+                welcome = w.decode_welcome(body)
                 with self._cond:
                     if welcome.session != self._trainer_session:  # a new trainer process: its seqs restart
                         self._trainer_session, self._req_expected = welcome.session, 1
@@ -272,4 +310,4 @@ class ZmqSampleSender(SampleSender):
                     self.stats["requests"] += 1
             upto = self._req_expected - 1
             self._cond.notify_all()
-        sock.send_multipart([w.REQUEST_ACK, w.encode(upto)])
+        sock.send(w.message(w.REQUEST_ACK, upto))
