@@ -135,8 +135,10 @@ class ElasticSource:
         layout = self.layout
         if new_group or layout is None or layout.membership() != membership(members):
             layout = self._plan(members)
-        proposal = {"version": version, "members": layout.incarnations, "transfer": layout.doc()}
-        self.rdv.propose_version(version, ["generator"], members=layout.incarnations, transfer=layout.doc())
+        # `source`: who sends (a far site's generators tell a relay at work from one that died).
+        transfer = {**layout.doc(), "source": self.rdv.member_id}
+        proposal = {"version": version, "members": layout.incarnations, "transfer": transfer}
+        self.rdv.propose_version(version, ["generator"], members=layout.incarnations, transfer=transfer)
         if on_proposed is not None:
             on_proposed(proposal)
         self._until(
