@@ -13,7 +13,6 @@ relay: after it proposed its site's layout, while the others join).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -35,6 +34,7 @@ from streamrl_cli.generator.main import GeneratorRole  # noqa: E402
 from streamrl_cli.generator.weights import RelayPath, WeightPath  # noqa: E402
 from streamrl_cli.roles.entry import load_spec  # noqa: E402
 from streamrl_cli.weights.broadcast import init_weight_group, receive_weights  # noqa: E402
+from streamrl_cli.weights.elastic import ElasticSource  # noqa: E402
 
 TRANSFER_TIMEOUT_S = 3.0  # the relay's: forming its group, each broadcast
 SYNC_TIMEOUT_S = 20.0  # the relay's: members to be ready; the members' own group timeout
@@ -105,22 +105,19 @@ class ReceivingEngine(GenerationEngine):
 
 class Peer(GeneratorRole):
     def make_weights(self, token: str) -> WeightPath:
-        return RelayPath(
-            self.spec, self.rank, self.engine, self.rdv, token, host="127.0.0.1",
+        source = ElasticSource(
+            self.rdv, backend="gloo", host="127.0.0.1",
             transfer_timeout_s=TRANSFER_TIMEOUT_S, sync_timeout_s=SYNC_TIMEOUT_S,
         )  # fmt: skip
+        return RelayPath(self.spec, self.rank, self.engine, self.rdv, token, source)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("spec", type=Path)
-    p.add_argument("rank", type=int)
-    p.add_argument("--die-when-joining", type=int, default=-1)
-    args = p.parse_args()
+    spec, rank, *options = sys.argv[1:]
+    die = int(options[1]) if options[:1] == ["--die-when-joining"] else -1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    spec = load_spec(args.spec)
-    role = Peer(spec, args.rank, engine=ReceivingEngine(args.die_when_joining))
+    role = Peer(load_spec(spec), int(rank), engine=ReceivingEngine(die))
     sys.exit(asyncio.run(role.run()))
 
 

@@ -20,32 +20,23 @@ import pytest
 import yaml
 from conftest import REPO
 from test_generator_role import wait_until
-from test_weights_elastic import digest, state
+from test_weights_elastic import Run, digest, state
 
 from streamrl_cli.launch.plan import RoleSpec
-from streamrl_cli.rendezvous import RendezvousClient, create_secret
 from streamrl_cli.trainer.publish import WeightPublisher
 from streamrl_cli.transport.dispatch import DispatchService
 from streamrl_cli.transport.samples import StreamConfig
-from streamrl_cli.weights.layout import eligible
 
-LEASE_S = 1.0
 SYNC_TIMEOUT_S = 60.0  # the trainer's wait for a version: far above what any test may take
 
 
-class FarSite:
-    """Rendezvous server, a trainer (sample receiver, WeightPublisher in relay mode), far-site peers."""
+class FarSite(Run):
+    """Rendezvous server, a trainer (sample receiver, WeightPublisher in relay mode), far-site peers;
+    Run's helpers, another trainer and other peers."""
 
     def __init__(self, root: Path):
-        self.root, self.run_dir = root, root / "run"
-        self.token = create_secret(self.run_dir)
-        self.server = subprocess.Popen(
-            [sys.executable, "-m", "streamrl_cli.rendezvous", "--run-dir", str(self.run_dir),
-             "--lease-s", str(LEASE_S)],
-            stderr=(root / "rendezvous.log").open("w"), cwd=REPO,
-        )  # fmt: skip
-        wait_until(lambda: (self.run_dir / "rendezvous.json").exists(), 30, "the rendezvous server")
-        self.rdv = RendezvousClient.from_run_dir(self.run_dir)
+        self.root = root
+        self.start_rendezvous(root)
         self.svc = DispatchService(StreamConfig(bind="tcp://127.0.0.1:0", max_delay_s=0.001), self.token)
         self.publisher = WeightPublisher(
             self.rdv, self.token, transport="relay", generator_workers=3, backend="gloo",
@@ -80,15 +71,8 @@ class FarSite:
         os.kill(self.peers[rank].pid, signal.SIGKILL)
         self.peers[rank].wait()
 
-    def eligible(self) -> list[str]:
-        return [m["member_id"] for m in eligible(self.rdv.members("generator"))]
-
     def states(self) -> dict[str, str]:
         return {m["member_id"]: m["state"] for m in self.rdv.members("generator")}
-
-    def got(self, rank: int) -> list[str]:
-        lines = (self.root / f"peer-{rank}.log").read_text().splitlines()
-        return [line for line in lines if line.startswith("GOT ")]
 
     def has(self, rank: int, version: int) -> bool:
         return f"GOT {version} {digest(state(version))}" in self.got(rank)
@@ -97,19 +81,8 @@ class FarSite:
         return self.publisher.publish(state(version), version).result(timeout=SYNC_TIMEOUT_S + 10)
 
     def close(self) -> None:
-        self.rdv.leave("done")
-        for p in self.peers.values():
-            if p.poll() is None:
-                try:
-                    p.wait(timeout=10)  # they finish when the trainer leaves
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        super().close()
         self.svc.close()
-        self.publisher.close()
-        self.rdv.close()
-        self.server.terminate()
-        self.server.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ from typing import Any
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.generator.engine import GenerationEngine, WeightSource
 from streamrl_cli.launch.plan import RoleSpec
-from streamrl_cli.weights.elastic import SYNC_TIMEOUT_S, TRANSFER_TIMEOUT_S, ElasticSource
+from streamrl_cli.weights.elastic import ElasticSource
 from streamrl_cli.weights.layout import GroupLayout, eligible, receiving_state
 
 log = logging.getLogger("streamrl.generator.weights")
@@ -146,18 +146,15 @@ class RelayPath(WeightPath):
         engine: GenerationEngine,
         rdv: Any,
         token: str,
-        *,
-        host: str | None = None,
-        transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
-        sync_timeout_s: float = SYNC_TIMEOUT_S,
+        source: ElasticSource | None = None,
     ):
         super().__init__(spec, rank, engine, rdv)
         self.token = token
         gpus = int(spec.settings.get("gpus_per_instance", 1))
-        self.source = ElasticSource(
-            rdv, backend="nccl" if gpus > 0 else "gloo", host=host or socket.gethostname(),
-            transfer_timeout_s=transfer_timeout_s, sync_timeout_s=sync_timeout_s,
-        )  # fmt: skip
+        # What we send with while we are the relay (tests pass one with short timeouts).
+        self.source = source or ElasticSource(
+            rdv, backend="nccl" if gpus > 0 else "gloo", host=socket.gethostname()
+        )
         self._own: set[str] = set()  # groups we proposed: those proposals come back to us as events
 
     def relay_id(self, members: list[dict[str, Any]]) -> str | None:

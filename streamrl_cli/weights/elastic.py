@@ -26,15 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 from streamrl_cli.weights import WeightTransferError
-from streamrl_cli.weights.layout import (
-    GroupLayout,
-    alive_members,
-    check_ready,
-    eligible,
-    membership,
-    plan_layout,
-    workers,
-)
+from streamrl_cli.weights import layout as wl
+from streamrl_cli.weights.layout import GroupLayout, eligible, membership, workers
 
 log = logging.getLogger("streamrl.weights.elastic")
 
@@ -175,7 +168,7 @@ class ElasticSource:
         self._drop_group()
         world = 1 + sum(workers(m) for m in members)
         self._store = host_weight_store(self.host, world, timeout_s=self.transfer_timeout_s)
-        self.layout = plan_layout(
+        self.layout = wl.plan_layout(
             members, group=secrets.token_hex(4), address=f"{self.host}:{self._store.port}",
             backend=self.backend, timeout_s=self.sync_timeout_s,
         )  # fmt: skip
@@ -196,7 +189,7 @@ class ElasticSource:
 
     @staticmethod
     def _ready(layout: GroupLayout, members: list[dict], version: int) -> bool | None:
-        ready, broken = check_ready(layout, members, version)
+        ready, broken = wl.check_ready(layout, members, version)
         if broken:
             raise MembershipChanged(f"{broken} before version {version} was sent")
         return ready or None
@@ -216,7 +209,7 @@ class ElasticSource:
         if versions["current"] is not None and versions["current"] >= version:
             return True
         layouts = [GroupLayout.from_proposal(p) for p in versions["pending"] if p["version"] == version]
-        if layouts and layouts[0] is not None and not alive_members(layouts[0], members):
+        if layouts and layouts[0] is not None and not wl.alive_members(layouts[0], members):
             raise MembershipChanged(f"every member of group {layouts[0].group} is gone")
         return None
 
