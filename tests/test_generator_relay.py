@@ -1,8 +1,9 @@
 """Generators at another site than the trainer: one copy crosses to the relay, which rebroadcasts.
 
-Two real generator processes (vLLM on CPU) with ``weight_transport: relay``: generator 0 fetches
-each version from the trainer's weight server (the data plane's relay) and hosts its site's
-broadcast group; generator 1 receives from it. The trainer is the harness of
+Two real generator processes (vLLM on CPU) with ``weight_transport: relay``: generator 0 (the
+relay: lowest rank) fetches each version from the trainer's weight server (the data plane's relay)
+and hosts its site's elastic broadcast group; generator 1 receives from it. Failures and failover
+are in test_weights_relay_elastic.py (engine-less generators, fast). The trainer is the harness of
 test_generator_role.py with a WeightServer instead of a broadcast group.
 """
 
@@ -33,9 +34,6 @@ def greedy_everywhere(harness, version: int) -> None:
 
 
 def test_one_copy_crosses_to_the_relay_which_serves_its_site(harness):
-    relay = {m["member_id"]: m for m in harness.rdv.members("generator")}["generator-0"]
-    host, _, port = relay["addresses"]["weights"].rpartition(":")  # the site's group, hosted by the relay
-    assert host and port.isdigit()
     for version in (1, 2):
         state = randomize(harness.hf, seed=20 + version)
         sent_before = harness.relay.stats["bytes"]
@@ -44,6 +42,11 @@ def test_one_copy_crosses_to_the_relay_which_serves_its_site(harness):
         harness.rdv.wait_for_version(version, timeout=120)
         # Exactly one copy of the weights left the trainer's site for this version.
         assert harness.relay.stats["bytes"] - sent_before == manifest.total
+        # generator-0 sent it to its site on a group it planned, named in its re-sent proposal.
+        resent = [e["data"] for e in harness.rdv.events(0, limit=10_000)["events"]
+                  if e["type"] == "version_proposed" and e["data"]["version"] == version]  # fmt: skip
+        assert resent[-1]["transfer"]["source"] == "generator-0"
+        assert set(resent[-1]["members"]) == {"generator-0", "generator-1"}
         greedy_everywhere(harness, version)
 
 

@@ -12,7 +12,6 @@ from streamrl_cli.generator.engine import Completion, GenerationResult
 from streamrl_cli.generator.main import GeneratorRole, engine_kwargs
 from streamrl_cli.generator.stream import Meter, to_engine_request, to_samples
 from streamrl_cli.generator.weights import (
-    RelayMemberPath,
     RelayPath,
     WeightPath,
     make_weight_path,
@@ -116,12 +115,20 @@ def test_weight_source_follows_the_trainer_or_the_recipe_layout():
         weight_source(spec(), 0, {"member_id": "trainer-0", "addresses": {}})
 
 
-def test_weight_path_by_site_and_rank():
-    # At the trainer's site everyone joins the trainer's group; at another site rank 0 is the relay.
+def test_weight_path_by_site_and_the_far_sites_relay_election():
+    # At the trainer's site everyone joins the trainer's group; at another site any generator may
+    # be the relay: the lowest-ranked one past start-up, as every one of them computes it.
     assert type(make_weight_path(spec(), 0, None, None, "t")) is WeightPath
-    relay = make_weight_path(spec(weight_transport="relay"), 0, None, None, "t")
-    assert type(relay) is RelayPath and relay.addresses()["weights"].endswith(f":{relay.port}")
-    assert type(make_weight_path(spec(weight_transport="relay"), 2, None, None, "t")) is RelayMemberPath
+    far = [make_weight_path(spec(weight_transport="relay"), r, None, None, "t") for r in (0, 2)]
+    assert all(type(p) is RelayPath and p.addresses() == {} for p in far)
+
+    def gen(rank: int, state: str = "alive", reported: str = "generating") -> dict:
+        return {"member_id": f"generator-{rank}", "role": "generator", "rank": rank, "state": state,
+                "reported_state": reported, "incarnation": 1}  # fmt: skip
+
+    assert far[1].relay_id([gen(2), gen(0)]) == "generator-0"
+    assert far[1].relay_id([gen(0, state="lost"), gen(2), gen(1, reported="starting")]) == "generator-2"
+    assert far[1].relay_id([gen(0, state="left")]) is None
     assert make_weight_path(spec(), 1, None, None, "t").addresses() == {}
     with pytest.raises(StreamRLError, match="unknown weight transport 'carrier-pigeon'"):
         GeneratorRole(spec(weight_transport="carrier-pigeon"), 0)

@@ -40,6 +40,16 @@ class Run:
     """Rendezvous server, a trainer with its WeightPublisher, engine-less generator processes."""
 
     def __init__(self, root: Path):
+        self.start_rendezvous(root)
+        self.rdv.register("trainer", 0)
+        self.rdv.start_heartbeat()
+        self.publisher = WeightPublisher(
+            self.rdv, self.token, transport="broadcast", generator_workers=3, backend="gloo",
+            host="127.0.0.1", transfer_timeout_s=TRANSFER_TIMEOUT_S, sync_timeout_s=30.0,
+        )  # fmt: skip
+        self.root, self.peers = root, {}
+
+    def start_rendezvous(self, root: Path) -> None:
         self.run_dir = root / "run"
         self.token = create_secret(self.run_dir)
         self.server = subprocess.Popen(
@@ -49,13 +59,6 @@ class Run:
         )  # fmt: skip
         wait_until(lambda: (self.run_dir / "rendezvous.json").exists(), 30, "the rendezvous server")
         self.rdv = RendezvousClient.from_run_dir(self.run_dir)
-        self.rdv.register("trainer", 0)
-        self.rdv.start_heartbeat()
-        self.publisher = WeightPublisher(
-            self.rdv, self.token, transport="broadcast", generator_workers=3, backend="gloo",
-            host="127.0.0.1", transfer_timeout_s=TRANSFER_TIMEOUT_S, sync_timeout_s=30.0,
-        )  # fmt: skip
-        self.root, self.peers = root, {}
 
     def start(self, rank: int, *extra: str) -> None:
         log = (self.root / f"peer-{rank}.log").open("w")

@@ -120,7 +120,7 @@ class GeneratorRole:
         self.rdv = RendezvousClient.from_run_dir(run_dir, tls_ca=self.spec.rendezvous_ca)
         self.token = token = read_secret(run_dir)
         try:
-            self.weights = make_weight_path(self.spec, self.rank, self.engine, self.rdv, token)
+            self.weights = self.make_weights(token)
             self.rdv.register(
                 "generator",
                 self.rank,
@@ -149,6 +149,10 @@ class GeneratorRole:
             return await self._serve(since)
         finally:
             await self._shutdown()
+
+    def make_weights(self, token: str) -> WeightPath:
+        """How weights reach us (the trainer's group, or our site's relay); tests tune its timeouts."""
+        return make_weight_path(self.spec, self.rank, self.engine, self.rdv, token)
 
     async def _connect(self) -> None:
         """Open the sample stream: the trainer's hello answer makes us a generator it dispatches to."""
@@ -220,8 +224,10 @@ class GeneratorRole:
             self.sender.send(s)
 
     async def _follow_events(self, since: int) -> None:
-        """Weight versions proposed for generators, and the trainer leaving (the run is over)."""
+        """Weight versions proposed for generators, the trainer leaving (the run is over), and generators
+        lost or leaving (at a far site, the relay may be gone: we may be the next)."""
         trainer_id = self.trainer["member_id"]
+        await self._deliver_orphaned()  # a version our site's lost relay left pending may be ours now
         while True:
             doc = await asyncio.to_thread(self.rdv.events, since, 10.0)
             since = doc["next_since"]
@@ -235,12 +241,21 @@ class GeneratorRole:
                     log.info("%s: the trainer left; finishing", self.member_id)
                     self._stop.set()
                     return
+                elif ev["type"] in ("member_lost", "member_left") and data["member_id"].startswith(
+                    "generator-"
+                ):
+                    await self._deliver_orphaned()
+
+    async def _deliver_orphaned(self) -> None:
+        proposal = await asyncio.to_thread(self.weights.orphaned)
+        if proposal is not None:
+            await self._update_weights(int(proposal["version"]), proposal)
 
     async def _update_weights(self, version: int, proposal: dict[str, Any]) -> None:
         if not self.weights.concerns_us(proposal):  # the group was planned without us: the next one
             log.info("%s: version %d goes to a group without us", self.member_id, version)
             return
-        grouped = "transfer" in proposal  # a group member must take part even if it has the version
+        grouped = self.weights.takes_part(proposal)  # a group member must, even if it has the version
         if grouped or version > self.engine.weight_version:
             self.rdv.set_status(state=f"loading weights v{version}")
             started = time.monotonic()

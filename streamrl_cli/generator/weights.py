@@ -15,13 +15,17 @@ the next one will. A failed transfer is not fatal: the trainer sends the version
 group; until then the engine serves the weights it has, or stays paused if the failure left them
 half loaded.
 
-At another site one copy crosses the inter-site link: generator rank 0 of that site is the
-*relay* — it fetches the version from the trainer's weight server (``addresses["relay"]``;
-chunked, checksummed, resumable: ``weights.relay``), then hosts its site's own broadcast group
-(published as its own ``addresses["weights"]``) and broadcasts to every worker there, its own
-engine's included. The other instances at that site receive from the relay exactly as they did
-from a trainer before groups were elastic: proposals without a layout, a group formed once, rank
-0 the source and instance r's workers at ranks ``1 + r * tp ...`` (:func:`weight_source`).
+At another site one copy crosses the inter-site link: the site's *relay* — its lowest-ranked
+generator past start-up, elected anew from the rendezvous' view whenever it is asked — fetches the
+version from the trainer's weight server (``addresses["relay"]``; chunked, checksummed, resumable:
+``weights.relay``) and is then the source of its site's elastic group (``weights.elastic``, the
+trainer's own logic): it re-proposes the trainer's pending version with its site's layout, and the
+other instances follow that layout exactly as above; its own engine's workers are ranks of the
+group it hosts. A member dying mid-transfer: the relay re-plans and sends once more; a late joiner
+is in the next version's group. When the relay is lost or leaves, the next lowest-ranked generator
+takes over: on that event (or at its own start) it delivers the newest pending version, unless a
+live relay already proposed it (``source`` in the proposal's transfer document); a version pending
+when the relay died goes only to the members that have not confirmed it.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from typing import Any
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.generator.engine import GenerationEngine, WeightSource
 from streamrl_cli.launch.plan import RoleSpec
-from streamrl_cli.weights.layout import GroupLayout, receiving_state
+from streamrl_cli.weights.elastic import ElasticSource
+from streamrl_cli.weights.layout import GroupLayout, eligible, receiving_state
 
 log = logging.getLogger("streamrl.generator.weights")
 
@@ -44,7 +49,7 @@ NOT_PUBLISHED_WAIT_S = 60.0  # a relay asking for a version the trainer has not 
 
 def weight_source(spec: RoleSpec, rank: int, source: dict[str, Any]) -> WeightSource:
     """Where this instance's workers join `source`'s fixed broadcast group (`source`: a member record);
-    for proposals without a layout (the relay's group)."""
+    for proposals without a layout (a trainer that hosts one fixed group)."""
     address = source.get("addresses", {}).get("weights")
     if not address:
         raise StreamRLError(
@@ -62,6 +67,15 @@ def weight_source(spec: RoleSpec, rank: int, source: dict[str, Any]) -> WeightSo
         first_rank=1 + rank * tp,
         backend=group.get("backend", "nccl" if gpus > 0 else "gloo"),
     )
+
+
+def _store_listening(host: str, port: int) -> None:
+    """Fail now if the group's source is gone: joining a store nobody listens on retries for ~2.5 times
+    the group timeout (minutes), while its source dying is what a relay's failover is about."""
+    try:
+        socket.create_connection((host, port), timeout=5.0).close()
+    except OSError as e:
+        raise StreamRLError(f"the weight group's store at {host}:{port} is gone: {e}") from None
 
 
 class WeightPath:
@@ -82,6 +96,15 @@ class WeightPath:
         layout = GroupLayout.from_proposal(proposal)
         return layout is None or layout.source(self.member_id, self.rdv.incarnation) is not None
 
+    def takes_part(self, proposal: dict[str, Any]) -> bool:
+        """Whether `update` runs even when the engine serves the version already (a group member takes
+        its rank), its failure then not being fatal (the source sends it again)."""
+        return GroupLayout.from_proposal(proposal) is not None
+
+    def orphaned(self) -> dict[str, Any] | None:
+        """A pending version this instance must deliver itself, as a proposal (after a loss, at start)."""
+        return None
+
     async def update(self, version: int, proposal: dict[str, Any] | None = None) -> dict[str, Any]:
         """Receive `version` (or newer, if the source moved on) into the engine; returns its stats.
         `proposal`: the ``version_proposed`` event's data, whose layout says where to join."""
@@ -96,6 +119,7 @@ class WeightPath:
         try:
             self.rdv.set_status(state=receiving_state(version, layout.group))
             await asyncio.to_thread(self.rdv.heartbeat)  # now, not at the next beat: everyone waits for it
+            await asyncio.to_thread(_store_listening, place["host"], place["port"])
         except BaseException:
             await self.engine.resume()
             raise
@@ -112,45 +136,107 @@ class WeightPath:
         raise StreamRLError(f"the weight source {self.source_role}-{self.source_rank} is not alive")
 
 
-class RelayMemberPath(WeightPath):
-    """At a far site: weights from the relay's broadcast group (generator rank 0 of the site)."""
-
-    source_role, source_rank = "generator", 0
-
-
 class RelayPath(WeightPath):
-    """At a far site, generator rank 0: fetch across sites, then be the site's broadcast source."""
+    """At a far site: follow the site's relay's layouts, or be the relay (fetch across, then the source)."""
 
-    def __init__(self, spec: RoleSpec, rank: int, engine: GenerationEngine, rdv: Any, token: str):
+    def __init__(
+        self,
+        spec: RoleSpec,
+        rank: int,
+        engine: GenerationEngine,
+        rdv: Any,
+        token: str,
+        source: ElasticSource | None = None,
+    ):
         super().__init__(spec, rank, engine, rdv)
         self.token = token
-        self.host = socket.gethostname()
-        with socket.socket() as s:  # the group's store port, published before the group exists
-            s.bind(("", 0))
-            self.port = s.getsockname()[1]
-        self.group: Any = None
+        gpus = int(spec.settings.get("gpus_per_instance", 1))
+        # What we send with while we are the relay (tests pass one with short timeouts).
+        self.source = source or ElasticSource(
+            rdv, backend="nccl" if gpus > 0 else "gloo", host=socket.gethostname()
+        )
+        self._own: set[str] = set()  # groups we proposed: those proposals come back to us as events
 
-    def addresses(self) -> dict[str, str]:
-        return {"weights": f"{self.host}:{self.port}"}
+    def relay_id(self, members: list[dict[str, Any]]) -> str | None:
+        """The site's relay: its lowest-ranked generator past start-up (every member computes the same)."""
+        up = eligible(m for m in members if m["role"] == "generator")
+        return up[0]["member_id"] if up else None
+
+    def concerns_us(self, proposal: dict[str, Any]) -> bool:
+        layout = GroupLayout.from_proposal(proposal)
+        if layout is None:  # the trainer's proposal: the relay's to deliver
+            return self.relay_id(self.rdv.members("generator")) == self.member_id
+        if layout.group in self._own or layout.source(self.member_id, self.rdv.incarnation) is None:
+            return False
+        # Only the latest layout of a version: an older one's group was given up already.
+        pending = {p["version"]: p for p in self.rdv.versions()["pending"]}.get(proposal["version"])
+        latest = GroupLayout.from_proposal(pending) if pending else None
+        return latest is not None and latest.group == layout.group
+
+    def takes_part(self, proposal: dict[str, Any]) -> bool:
+        return True  # a relay delivers to the others even when its own engine has the version
+
+    def orphaned(self) -> dict[str, Any] | None:
+        """The newest pending version if we are the relay and no live relay sends it (ours died)."""
+        members = self.rdv.members("generator")
+        if self.relay_id(members) != self.member_id:
+            return None
+        pending = [p for p in self.rdv.versions()["pending"] if "generator" in p["required_roles"]]
+        if not pending:
+            return None
+        newest = max(pending, key=lambda p: p["version"])
+        source = (newest.get("transfer") or {}).get("source")
+        if source is not None and (
+            source == self.member_id or source in {m["member_id"] for m in eligible(members)}
+        ):
+            return None  # ours (done or under way), or a live relay's
+        log.info(
+            "%s: taking over as relay for version %d (from %s)", self.member_id, newest["version"], source
+        )
+        return {"version": newest["version"], "required_roles": newest["required_roles"]}
 
     async def update(self, version: int, proposal: dict[str, Any] | None = None) -> dict[str, Any]:
+        if GroupLayout.from_proposal(proposal or {}) is not None:
+            return await super().update(version, proposal)  # a member of the relay's group
         trainer = await asyncio.to_thread(self._trainer)
         fetched = await asyncio.to_thread(self._fetch, trainer["addresses"]["relay"], version)
-        me = {"member_id": f"generator-{self.rank}", "addresses": self.addresses(), "info": {}}
-        source = weight_source(self.spec, self.rank, me)
-        # Our own workers are ranks of the group we host: send and receive run together.
+        loop = asyncio.get_running_loop()
+        ours: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+        def proposed(p: dict[str, Any]) -> None:  # in the sender's thread
+            layout = GroupLayout.from_proposal(p)
+            self._own.add(layout.group)
+            if layout.source(self.member_id, self.rdv.incarnation) is not None:
+                loop.call_soon_threadsafe(ours.put_nowait, p)
+
+        # Our own workers are ranks of the group we host: for each layout that names us, they
+        # receive while the sender sends; a failed try is sent again on a new group.
         send = asyncio.create_task(
-            asyncio.to_thread(self._broadcast, source, fetched.tensors, fetched.version)
+            asyncio.to_thread(
+                self.source.broadcast_version,
+                fetched.tensors,
+                version,
+                sent_as=fetched.version,
+                confirm=False,
+                on_proposed=proposed,
+            )
         )
-        try:
-            stats = await self.engine.update_weights(fetched.version, source)
-        finally:
-            sent = await send
+        stats: dict[str, Any] = {}
+        while True:
+            nxt = asyncio.create_task(ours.get())
+            await asyncio.wait({send, nxt}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                nxt.cancel()
+                break
+            try:
+                stats = await super().update(version, nxt.result())
+            except Exception as e:  # noqa: BLE001 - the sender fails too and tries a new group
+                log.warning("%s: our own engine missed version %d: %s", self.member_id, version, e)
+        sent = send.result()  # raises when every try failed
         return {**stats, "relay": {**fetched.stats, "broadcast": sent}}
 
     def close(self) -> None:
-        if self.group is not None:
-            self.group.close()
+        self.source.close()
 
     def _trainer(self) -> dict[str, Any]:
         for m in self.rdv.members("trainer"):
@@ -177,28 +263,11 @@ class RelayPath(WeightPath):
                 else:
                     time.sleep(0.2)  # proposed before published: it comes
 
-    def _broadcast(self, source: WeightSource, tensors: dict, version: int) -> dict[str, float]:
-        from streamrl_cli.weights.broadcast import BroadcastSender, init_weight_group
-
-        if self.group is None:
-            self.group = init_weight_group(
-                f"{self.host}:{self.port}",
-                0,
-                source.world_size,
-                backend=source.backend,
-                timeout_s=source.timeout_s,
-            )
-        return BroadcastSender(self.group).send(tensors, version)
-
 
 def make_weight_path(spec: RoleSpec, rank: int, engine: GenerationEngine, rdv: Any, token: str) -> WeightPath:
-    """The path for this instance: the trainer's group, the relay role, or the relay's group."""
+    """The path for this instance: the trainer's group, or its site's relay (which may become us)."""
     if spec.weight_transport == "broadcast":
         return WeightPath(spec, rank, engine, rdv)
     if spec.weight_transport == "relay":
-        return (
-            RelayPath(spec, rank, engine, rdv, token)
-            if rank == 0
-            else RelayMemberPath(spec, rank, engine, rdv)
-        )
+        return RelayPath(spec, rank, engine, rdv, token)
     raise StreamRLError(f"generator: unknown weight transport {spec.weight_transport!r} (broadcast or relay)")
