@@ -111,9 +111,11 @@ def generator(address: str, args: argparse.Namespace, q: mp.Queue) -> None:
     base = template(args.tokens)
     sender = make_sender(StreamConfig(), address=address, token=TOKEN, generator="generator-0")
     sender.wait_connected(30)
-    pin(None, 1)  # the sender's and ZeroMQ's threads ...
-    pin(threading.get_native_id(), 0)  # ... and the engine's own core
     io_tid = sender._thread.native_id  # the sender's I/O thread (a Python thread)
+    pin(None, 1)  # ZeroMQ's threads (and the sender's I/O thread with --placement split) ...
+    pin(threading.get_native_id(), 0)  # ... and the engine's own core
+    if args.placement == "gil-core":
+        pin(io_tid, 0)
     timer = min(timeit.repeat(time.thread_time_ns, number=10_000, repeat=5)) / 10_000 * 1e9  # ns per call
     n = int(args.rate * args.seconds)
     res: dict = {"alone": [], "streaming": []}
@@ -211,6 +213,11 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=1000.0, help="samples/s the engine makes")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--flat", type=int, default=20000, help="samples sent flat out at the end")
+    p.add_argument(
+        "--placement", choices=("gil-core", "split"), default="split",
+        help="gil-core: the sender's I/O thread on the engine's core (they share the GIL anyway); "
+        "split: on the other core with ZeroMQ's threads and the trainer",
+    )  # fmt: skip
     args = p.parse_args()
     console = Console(width=120)
     pin(None, 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 STREAMRL = [sys.executable, "-m", "streamrl_cli.cli"]
+
+# Tests press Ctrl-C (SIGINT) on the processes they start. A shell starts a background command
+# (`bash .ci/run &`) with SIGINT ignored, and an ignored signal stays ignored in every child, so
+# those processes would never see it: take the default handler back, for this process and its
+# children (exec resets a handled signal to the default; only an ignored one is inherited).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)

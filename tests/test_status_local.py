@@ -71,10 +71,28 @@ def test_status_table_and_watch_in_a_terminal(held_run):
             except OSError:
                 break
     os.kill(pid, signal.SIGINT)
-    _, status = os.waitpid(pid, 0)
+    status = _drain_until_exit(pid, fd, timeout=30)
     assert screen.count(b"generator (cluster") >= 3, "--watch did not refresh"
     assert b"\x1b[" in screen  # redrawn in place with terminal control sequences
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _drain_until_exit(pid: int, fd: int, timeout: float) -> int:
+    """Keep reading the terminal until the child exits: one blocked writing to a full terminal (it
+    redraws on the way out) would never see its exit, and waitpid would wait for ever."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if select.select([fd], [], [], 0.2)[0]:
+            try:
+                os.read(fd, 65536)
+            except OSError:  # EIO: the child closed its end; waitpid will see it
+                pass
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"streamrl status --watch did not exit within {timeout}s of Ctrl-C")
 
 
 def _self_signed(tmp_path):
