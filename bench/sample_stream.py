@@ -6,18 +6,24 @@ A spawned process plays one generator whose engine thread is busy all the time, 
 engine's main thread is on a GPU node: each sample costs it 1/``--rate`` s of pure-Python work
 (output processing, scheduling) before it makes the sample (fresh lists of 1K token ids below
 152K, the Qwen2.5 vocabulary, and float log-probs) and hands it to ``ZmqSampleSender``; a
-``ZmqSampleReceiver`` in this process (the trainer) takes every sample. The engine thread is
-pinned to core 0, every other thread of both processes to core 1, so what slows the engine is the
-GIL, not a lost core (a GPU node has cores to spare; this VM has two).
+``ZmqSampleReceiver`` in this process (the trainer) takes every sample. ``--placement``:
+``gil-core`` (default) pins the engine and the sender's Python I/O thread to core 0 (they share the
+GIL, so they never run at once anyway) and ZeroMQ's threads and the trainer to core 1: what slows
+the engine is then the streaming work itself and the GIL, not a core lost to the trainer, as on a
+GPU node with cores to spare (this VM has two); ``split`` puts the sender's I/O thread on core 1
+too, which makes it read every sample across cores (on this VM that doubles its cost); ``os`` pins
+nothing (then the trainer's threads take turns on the engine's core, and wall times say little).
 
 Phases, interleaved ``--reps`` times: the engine alone, then the engine streaming. Per streaming
 phase, the CPU per sample that holds the GIL — inside ``send()`` on the engine's thread (timed
-around each call, the timer's own cost taken off) and in the sender's Python I/O thread (from
+around each call, the timer's own cost taken off) and in every other Python thread (from
 ``/proc/self/task/*/schedstat``) — against the budget of one sample at that rate (1 ms: the
 generation time it is added to; target < 1%); ZeroMQ's I/O thread (CURVE encryption, TCP; outside
 the GIL) alongside; and the engine's wall time against the phase without streaming (the literal
-"adds to generation time", noisy on a shared VM). Then flat out: end-to-end throughput with
-acknowledgements and back-pressure.
+"adds to generation time", noisy on a shared VM). Then a control, as many interleaved pairs again:
+the engine alone against the engine burning, per sample, exactly the CPU streaming took and doing
+nothing else — on this VM a small CPU addition shows as several times its size in wall time, and the
+control says how much. Then flat out: end-to-end throughput with acknowledgements and back-pressure.
 
 Baselines, in the same run: the budget above, msgspec encoding alone, and the floor of the
 transport itself — the same encoded bytes pushed flat out through a bare ZeroMQ PUSH/PULL pair
@@ -81,6 +87,13 @@ def zmq_threads() -> list[int]:
     return out
 
 
+def python_threads_ns(engine: int) -> int:
+    """CPU of every Python thread of this process but the engine's: the sender's I/O thread, and
+    pyzmq's garbage collector thread, which lets go of messages sent without a copy."""
+    zmq_tids = set(zmq_threads())
+    return sum(thread_ns(int(t)) for t in os.listdir("/proc/self/task") if int(t) not in zmq_tids | {engine})
+
+
 def burn(iterations: int) -> int:
     """Pure-Python work holding the GIL: the engine's own per-sample cost."""
     x = 0
@@ -112,13 +125,15 @@ def generator(address: str, args: argparse.Namespace, q: mp.Queue) -> None:
     sender = make_sender(StreamConfig(), address=address, token=TOKEN, generator="generator-0")
     sender.wait_connected(30)
     io_tid = sender._thread.native_id  # the sender's I/O thread (a Python thread)
-    pin(None, 1)  # ZeroMQ's threads (and the sender's I/O thread with --placement split) ...
-    pin(threading.get_native_id(), 0)  # ... and the engine's own core
+    engine = threading.get_native_id()
+    if args.placement != "os":
+        pin(None, 1)  # ZeroMQ's threads (and the sender's I/O thread with --placement split) ...
+        pin(threading.get_native_id(), 0)  # ... and the engine's own core
     if args.placement == "gil-core":
         pin(io_tid, 0)
     timer = min(timeit.repeat(time.thread_time_ns, number=10_000, repeat=5)) / 10_000 * 1e9  # ns per call
     n = int(args.rate * args.seconds)
-    res: dict = {"alone": [], "streaming": []}
+    res: dict = {"alone": [], "streaming": [], "alone2": [], "control": []}
 
     def make(phase: str, i: int) -> Sample:
         # A fresh sample, as an engine hands over: new lists, the data hot in cache.
@@ -134,32 +149,41 @@ def generator(address: str, args: argparse.Namespace, q: mp.Queue) -> None:
     for i in range(200):
         make("cal", i)
     work = max(1, int(work * (1 - (time.perf_counter() - t0) / 200 * args.rate)))  # making it counts too
-    for rep in range(args.reps):
-        for phase in ("alone", "streaming"):
-            zmq_tids = zmq_threads()
-            io0, z0 = thread_ns(io_tid), sum(thread_ns(t) for t in zmq_tids)
-            in_send = 0
-            t_start = time.perf_counter()
-            for i in range(n):
-                burn(work)
-                s = make(f"{phase}{rep}", i)
-                if phase == "streaming":
-                    c = time.thread_time_ns()
-                    sender.send(s, timeout=60)
-                    in_send += time.thread_time_ns() - c
-            wall = time.perf_counter() - t_start
-            sender.flush(60)
-            res[phase].append(
-                {
-                    "wall": wall,
-                    "send_us": max(0.0, in_send / n - timer) / 1e3,
-                    "io_us": (thread_ns(io_tid) - io0) / n / 1e3,
-                    "zmq_us": (sum(thread_ns(t) for t in zmq_tids) - z0) / n / 1e3,
-                }
-            )
+    extra = 0  # the control's burn per sample: as much CPU as streaming took (known after its phases)
+    for pair in (("alone", "streaming"), ("alone2", "control")):
+        if pair[1] == "control":
+            gil = statistics.median(r["send_us"] + r["io_us"] for r in res["streaming"])
+            extra = max(1, int(work * gil * args.rate / 1e6))
+        for rep in range(args.reps):
+            for phase in pair if rep % 2 == 0 else pair[::-1]:  # ABBA: drift cancels
+                zmq_tids = zmq_threads()
+                io0, z0 = python_threads_ns(engine), sum(thread_ns(t) for t in zmq_tids)
+                in_send = 0
+                t_start = time.perf_counter()
+                for i in range(n):
+                    burn(work)
+                    s = make(f"{phase}{rep}", i)
+                    if phase == "streaming":
+                        c = time.thread_time_ns()
+                        sender.send(s, timeout=60)
+                        in_send += time.thread_time_ns() - c
+                    elif phase == "control":
+                        c = time.thread_time_ns()
+                        burn(extra)
+                        in_send += time.thread_time_ns() - c
+                wall = time.perf_counter() - t_start
+                sender.flush(60)
+                res[phase].append(
+                    {
+                        "wall": wall,
+                        "send_us": max(0.0, in_send / n - timer) / 1e3,
+                        "io_us": (python_threads_ns(engine) - io0) / n / 1e3,
+                        "zmq_us": (sum(thread_ns(t) for t in zmq_tids) - z0) / n / 1e3,
+                    }
+                )
     pin(None, 0)
     zmq_tids = zmq_threads()
-    io0, z0, c0 = thread_ns(io_tid), sum(thread_ns(t) for t in zmq_tids), time.thread_time()
+    io0, z0, c0 = python_threads_ns(engine), sum(thread_ns(t) for t in zmq_tids), time.thread_time()
     samples = [make("flat", i) for i in range(args.flat)]
     c_make = time.thread_time() - c0
     c0 = time.thread_time()
@@ -169,7 +193,7 @@ def generator(address: str, args: argparse.Namespace, q: mp.Queue) -> None:
     res["flat_us"] = (
         (
             (time.thread_time() - c0)
-            + (thread_ns(io_tid) - io0) / 1e9
+            + (python_threads_ns(engine) - io0) / 1e9
             + (sum(thread_ns(t) for t in zmq_tids) - z0) / 1e9
         )
         / args.flat
@@ -214,16 +238,17 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--flat", type=int, default=20000, help="samples sent flat out at the end")
     p.add_argument(
-        "--placement", choices=("gil-core", "split"), default="split",
+        "--placement", choices=("gil-core", "split", "os"), default="gil-core",
         help="gil-core: the sender's I/O thread on the engine's core (they share the GIL anyway); "
-        "split: on the other core with ZeroMQ's threads and the trainer",
+        "split: on the other core with ZeroMQ's threads and the trainer; os: no pinning at all",
     )  # fmt: skip
     args = p.parse_args()
     console = Console(width=120)
-    pin(None, 1)
+    if args.placement != "os":
+        pin(None, 1)
     receiver = make_receiver(StreamConfig(bind="tcp://127.0.0.1:0"), token=TOKEN)
     latencies, arrivals = [], []
-    total = int(args.rate * args.seconds) * args.reps + args.flat
+    total = int(args.rate * args.seconds) * args.reps + args.flat  # (the control phases send nothing)
 
     def consume() -> None:
         for _ in range(total):
@@ -236,7 +261,8 @@ def main() -> None:
 
     consumer = threading.Thread(target=consume, daemon=True)
     consumer.start()
-    pin(None, 1)
+    if args.placement != "os":
+        pin(None, 1)
     q = mp.get_context("spawn").Queue()
     proc = mp.get_context("spawn").Process(target=generator, args=(receiver.address, args, q))
     with console.status(f"{args.reps} × 2 phases of {args.seconds:.0f} s, then {args.flat} samples flat out"):
@@ -251,7 +277,7 @@ def main() -> None:
     alone, streaming = res["alone"], res["streaming"]
     t = Table(title=f"{args.tokens}-token samples ({res['size'] / 1024:.1f} KiB) at {args.rate:.0f}/s, "
                     f"{args.reps} interleaved repetitions")  # fmt: skip
-    for col in ("rep", "engine alone s", "engine streaming s", "wall +%", "send() µs", "I/O thread µs",
+    for col in ("rep", "engine alone s", "engine streaming s", "wall +%", "send() µs", "I/O + gc threads µs",
                 "GIL µs / sample", "ZeroMQ thread µs"):  # fmt: skip
         t.add_column(col, justify="right")
     gil = [r["send_us"] + r["io_us"] for r in streaming]
@@ -266,8 +292,18 @@ def main() -> None:
               f"{med['send_us']:.2f}", f"{med['io_us']:.2f}", f"{gil_med:.2f}", f"{med['zmq_us']:.2f}",
               style="bold")  # fmt: skip
     console.print(t)
+    control = [b["wall"] / a["wall"] - 1 for a, b in zip(res["alone2"], res["control"], strict=True)]
+    control_cpu = statistics.median(r["send_us"] for r in res["control"])
+    control_med = statistics.median(control)
     console.print(
-        f"GIL-side cost per sample (send() + the sender's I/O thread): {gil_med:.2f} µs = "
+        f"control, {args.reps} more interleaved pairs: the engine burning {control_cpu:.2f} µs more per "
+        f"sample (the streaming phases' GIL cost) and nothing else: wall {control_med:+.2%} (per pair: "
+        + ", ".join(f"{c:+.1%}" for c in control)
+        + f"); streaming: {wall_med:+.2%}. A wall overhead like the control's is the CPU cost itself; "
+        "more would be GIL handoffs and cache pollution."
+    )
+    console.print(
+        f"GIL-side cost per sample (send() + the other Python threads): {gil_med:.2f} µs = "
         f"{gil_med / budget_us:.2%} of one sample's {budget_us:.0f} µs (target < {TARGET:.0%}); "
         f"with ZeroMQ's thread (other core, no GIL): {(gil_med + med['zmq_us']) / budget_us:.2%}"
     )
@@ -294,6 +330,7 @@ def main() -> None:
         "target": TARGET,
         "all_threads_ratio": round((gil_med + med["zmq_us"]) / budget_us, 4),
         "wall_overhead": round(wall_med, 4),
+        "wall_overhead_control_same_cpu": round(control_med, 4),
     }
     print(json.dumps(record), flush=True)
 

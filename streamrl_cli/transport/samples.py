@@ -31,8 +31,11 @@ class StreamConfig:
     window: int = 256  # unacknowledged samples a sender may hold; send() blocks beyond (back-pressure)
     queue: int = 1024  # received samples buffered for the trainer; beyond, the receiver stops reading
     max_batch: int = 64  # samples coalesced into one message
-    max_delay_s: float = 0.02  # how long a sample may wait for others to share its message (amortizes
-    # per-message costs; 20 ms is nothing next to the seconds a sample takes to generate)
+    # How long a sample may wait for others to share its message: each message and each wake-up of the
+    # sender's I/O thread costs GIL handoffs with the engine's thread (bench/sample_stream.py: 50 ms
+    # keeps streaming under 1% of a busy engine's time; 20 ms did not), and 50 ms is nothing next to
+    # the seconds a sample takes to generate.
+    max_delay_s: float = 0.05
     send_timeout_s: float = 600.0  # default time send() waits for window room before raising
 
     def __post_init__(self) -> None:

@@ -89,11 +89,11 @@ def message(kind: bytes, body: Any) -> bytes:
     return kind + _enc.encode(body)
 
 
-def message_into(kind: bytes, body: Any, buffer: bytearray) -> None:
-    """:func:`message` into `buffer` (resized to fit; its allocation is kept for the next one: a
-    fresh 256 KiB frame costs ~130 µs of page faults here, a reused one ~3 µs)."""
-    _enc.encode_into(body, buffer, 1)
-    buffer[0] = kind[0]
+def message_frame(kind: bytes, body: Any) -> bytearray:
+    """:func:`message` in one allocation (no concatenation, so no second copy of a large body)."""
+    frame = bytearray(kind)
+    _enc.encode_into(body, frame, 1)
+    return frame
 
 
 def split(frame: bytes) -> tuple[bytes, memoryview]:

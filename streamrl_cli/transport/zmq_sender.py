@@ -10,12 +10,14 @@ trainer stops acknowledging, ``send`` blocks, then raises :class:`BackpressureTi
 
 What streaming adds to generation is what holds the GIL per sample, on the engine's thread and on
 the I/O thread (CURVE and TCP run on ZeroMQ's own thread, outside it; bench/sample_stream.py). On
-these machines that is dominated by page faults and system calls, not by encoding, so: samples
-and messages are encoded into buffers kept from one to the next (a fresh 256 KiB message costs
-~130 µs of page faults, a reused one ~3 µs), and while samples wait for the next tick the socket
-is read at those ticks only, not on every acknowledgement: while anything is queued or unacknowledged
-the I/O thread wakes once per ``max_delay_s`` (acks and requests wait that long at most), unless
-a caller waits for room or a flush; with nothing in flight it reads at once.
+these machines that is dominated by memory traffic and system calls, not by encoding, so: a sample
+is encoded while its data is hot, on the engine's core; a message is encoded once into a frame that
+ZeroMQ sends without a copy; and while anything is queued or unacknowledged the I/O thread wakes once
+per ``max_delay_s`` and reads the socket then, not on every acknowledgement (acks and requests wait
+that long at most), unless a caller waits for room or a flush; with nothing in flight it reads at
+once. Where the OS runs the I/O thread matters too: on the engine's core (they share the GIL, so
+they never run at once anyway) it reads each sample from that core's cache; on another core it pays
+twice as much here (the benchmark's ``--placement split``).
 """
 
 from __future__ import annotations
@@ -56,7 +58,6 @@ class ZmqSampleSender(SampleSender):
         self._outbox: deque[int] = deque()  # seqs not yet handed to ZeroMQ
         self._next_flush = 0.0  # monotonic time of the next timed flush (I/O thread only)
         self._scratch = bytearray(64 * 1024)  # send()'s encoding buffer (under the lock)
-        self._frame = bytearray(1024 * 1024)  # the I/O thread's message buffer
         self._requests: deque[w.Request] = deque()
         self._req_expected = 1  # next request seq from the current trainer session
         self._trainer_session = ""
@@ -233,8 +234,9 @@ class ZmqSampleSender(SampleSender):
     def _send_batch(self, sock: zmq.Socket, seqs: list[int], datas: list[bytes]) -> None:
         if seqs:
             # Blocking is fine here: the window keeps the queue well under the high-water mark.
-            w.message_into(w.SAMPLES, w.batch(seqs, datas), self._frame)
-            sock.send(self._frame)  # copied: the buffer is ours again at once
+            # Without a copy: ZeroMQ's thread reads the frame where the encoder wrote it (pyzmq lets
+            # go of it afterwards; its garbage collector thread is counted in the benchmark).
+            sock.send(w.message_frame(w.SAMPLES, w.batch(seqs, datas)), copy=False)
             self.stats["messages"] += 1
 
     def _on_monitor(self, sock: zmq.Socket, mon: zmq.Socket) -> None:
