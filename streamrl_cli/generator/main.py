@@ -62,7 +62,7 @@ def main(spec: RoleSpec, rank: int) -> int:
 
 
 def engine_kwargs(spec: RoleSpec) -> dict[str, Any]:
-    """Engine settings from the recipe: the model, its dtype, the longest prompt + output."""
+    """Engine settings from the recipe: the model, its dtype, the longest prompt + output, the batch bound."""
     path = os.path.expanduser(spec.model["path"])
     dtype = spec.model.get("dtype")
     return {
@@ -71,6 +71,7 @@ def engine_kwargs(spec: RoleSpec) -> dict[str, Any]:
         "max_model_len": int(spec.task["max_prompt_len"]) + int(spec.task["max_output_len"]),
         "tensor_parallel": int(spec.settings.get("tensor_parallel", 1)),
         "seed": int(spec.train.get("seed", 0)),
+        "max_num_seqs": int(spec.settings.get("max_num_seqs", 64)),
     }
 
 
