@@ -38,15 +38,13 @@ import argparse
 import dataclasses
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-from rl_modes import run_local  # noqa: E402 - bench/ is the script's directory
+from rl_modes import run_local, run_streamrl  # noqa: E402 - bench/ is the script's directory
 
 from streamrl_cli.metrics.read import read_iterations
 
@@ -93,25 +91,8 @@ def fit_learned(tmp: Path, base: dict, overrides: list[str]) -> Path:
     fit.write_text(
         "".join(json.dumps({"prompt_id": p, "length": max(base["lengths"][p])}) + "\n" for p in train)
     )
-    streamrl = str(Path(sys.executable).with_name("streamrl"))
-    cmd = [
-        streamrl,
-        "rank",
-        "local",
-        *overrides,
-        "skewness.ranker=learned",
-        "--fit",
-        str(fit),
-        "--out",
-        str(out),
-    ]
-    started = time.monotonic()
-    with console.status(f"fitting the learned ranker on {len(train)} warm-up lengths ..."):
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        console.print(done.stdout[-3000:], done.stderr[-3000:], markup=False)
-        raise SystemExit(f"streamrl rank failed ({done.returncode})")
-    console.print(f"ranker fit + scoring: done in {time.monotonic() - started:.0f} s ({len(train)} pairs)")
+    args = ["rank", "local", *overrides, "skewness.ranker=learned", "--fit", str(fit), "--out", str(out)]
+    run_streamrl(f"fitting the learned ranker on {len(train)} warm-up lengths", args)
     return out
 
 
