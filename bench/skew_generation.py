@@ -20,6 +20,10 @@ every run with the same seed, prompts and settings:
                          baseline run realised for each prompt (the group's longest sample: a group
                          holds its places until then and comes back as one)
 
+    random + LPT         diagnostic: the baseline's random dispatch (same seed: the same instance for
+                         every prompt), LPT inside each instance with the true lengths, no Algorithm 2:
+                         tells the two halves of the method apart
+
 The table checks the oracle: its spearman (scores vs lengths realised in its own run) must be ~1 and
 its outputs identical to the baseline's, or it is no oracle. Generation time = first dispatch to last
 sample of an iteration; the first `--skip` iterations are left out (engines warming up).
@@ -52,6 +56,7 @@ console = Console(width=160)
 BASE = "random + FIFO"
 RANKER = "ranker + skew + LPT"
 ORACLE = "oracle"
+LPT_ONLY = "random + LPT (true lengths)"  # diagnostic: in-instance order alone, no Algorithm 2
 SKEW = ["skewness.dispatch=skewness-aware", "skewness.schedule=lpt"]
 TARGETS = {RANKER: 0.85, ORACLE: 0.75}
 PAPER = "paper (normalised generation time): ranker 0.785–0.90, true lengths 0.67–0.81"
@@ -73,11 +78,13 @@ def common(iterations: int, bound: int) -> list[str]:
 def summarise(run_dir: Path, skip: int) -> dict:
     recs = read_iterations(run_dir)
     measured = [r for r in recs if r["iteration"] >= skip]
+    split = [r for r in measured if "dispatch/long_instances" in r]  # Algorithm 2's (N_long, N_regular)
     return {
         "generation_s": statistics.fmean(r["t/generation"] for r in measured),
         "recall20": statistics.fmean(r.get("ranker/recall@20") or float("nan") for r in measured),
         "spearman": statistics.fmean(r.get("ranker/spearman") or float("nan") for r in measured),
         "digests": [r["data/digest"] for r in measured],
+        "split": sorted({(r["dispatch/long_instances"], r["dispatch/regular_instances"]) for r in split}),
         "lengths": {p: v for r in recs for p, v in r["lengths/by_prompt"].items()},  # sample lengths
         "measured": {p for r in measured for p in r["lengths/by_prompt"]},
         "warmup": {p for r in recs if r["iteration"] < skip for p in r["lengths/by_prompt"]},
@@ -104,15 +111,17 @@ def real(iterations: int, skip: int, bound: int) -> dict[str, dict]:
         fifo = ["skewness.dispatch=random", "skewness.schedule=fifo", "skewness.ranker=none"]
         out[BASE] = summarise(run_local(BASE, tmp / "base", [*base_args, *fifo]), skip)
         learned = fit_learned(tmp, out[BASE], base_args)
-        out[RANKER] = summarise(
-            run_local(RANKER, tmp / "ranker", [*base_args, *SKEW, "skewness.ranker=learned", NO_REFRESH,
-                                               f"skewness.cache={learned}"]), skip)  # fmt: skip
         truth = tmp / "realised.json"
         scores = {p: max(v) for p, v in out[BASE]["lengths"].items()}
         truth.write_text(json.dumps({"meta": {"from": "the random + FIFO run's outputs"}, "scores": scores}))
-        out[ORACLE] = summarise(
-            run_local(ORACLE, tmp / "oracle", [*base_args, *SKEW, "skewness.ranker=oracle",
-                                               f"skewness.cache={truth}"]), skip)  # fmt: skip
+        systems = {
+            RANKER: [*SKEW, "skewness.ranker=learned", NO_REFRESH, f"skewness.cache={learned}"],
+            ORACLE: [*SKEW, "skewness.ranker=oracle", f"skewness.cache={truth}"],
+            LPT_ONLY: ["skewness.dispatch=random", "skewness.schedule=lpt", "skewness.ranker=oracle",
+                       f"skewness.cache={truth}"],
+        }  # fmt: skip
+        for k, (name, extra) in enumerate(systems.items()):
+            out[name] = summarise(run_local(name, tmp / str(k), [*base_args, *extra]), skip)
     for r in out.values():  # the same outputs as the baseline, prompt by prompt (sample lengths)
         same = [p for p in r["measured"] if r["lengths"].get(p) == out[BASE]["lengths"].get(p)]
         r["identical"] = len(same) / max(1, len(r["measured"]))
@@ -163,17 +172,20 @@ def main() -> None:
         title="generation time per iteration, normalised to random dispatch + FIFO; CPU: 2 instances, "
         f"{per_instance} sequences each per iteration, at most {args.bound} running at once (every system)"
     )
-    for col in ("system", "CPU bound", "CPU pipeline s", "normalised", "target", "recall@20", "spearman",
-                "same outputs", *(f"sim 7B, 32 inst, BS≤{b}" for b in SIM_BATCHES)):  # fmt: skip
+    columns = ("system", "CPU bound", "split long/reg", "CPU pipeline s", "normalised", "target", "recall@20",
+               "spearman", "same outputs", *(f"sim 7B, 32 inst, BS≤{b}" for b in SIM_BATCHES))  # fmt: skip
+    for col in columns:
         table.add_column(col, justify="right")
     for name, r in res.items():
         norm = r["generation_s"] / base
         target = TARGETS.get(name)
         table.add_row(
-            name, f"≤{args.bound} seqs", f"{r['generation_s']:.2f}", f"{norm:.3f}",
+            name, f"≤{args.bound} seqs", ", ".join(f"{a}/{b}" for a, b in r["split"]) or "-",
+            f"{r['generation_s']:.2f}", f"{norm:.3f}",
             (f"≤ {target}" + (" met" if norm <= target else " NOT met")) if target else "-",
             f"{r['recall20']:.2f}", f"{r['spearman']:.2f}", f"{100 * r['identical']:.0f}%",
-            *(f"{sim[b][name]:.0f} s = {sim[b][name] / sim[b][BASE]:.3f}" for b in SIM_BATCHES),
+            *(f"{sim[b][name]:.0f} s = {sim[b][name] / sim[b][BASE]:.3f}" if name in sim[b] else "-"
+              for b in SIM_BATCHES),
         )  # fmt: skip
     console.print(table)
     same = len({tuple(r["digests"]) for r in res.values()}) == 1
@@ -201,6 +213,7 @@ def main() -> None:
                 "ranker_spearman": round(res[RANKER]["spearman"], 3),
                 "oracle_spearman": round(res[ORACLE]["spearman"], 3),
                 "oracle_identical_outputs": round(res[ORACLE]["identical"], 3),
+                "random_lpt_ratio": round(res[LPT_ONLY]["generation_s"] / base, 3),
                 **{
                     f"sim_bs{b}_{key}_ratio": round(sim[b][name] / sim[b][BASE], 3)
                     for b in SIM_BATCHES
