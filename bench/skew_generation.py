@@ -33,7 +33,7 @@ the paper's length distribution (mode ~2K, tail to 20K), 32 instances, 1,024 pro
 running batch bounded at 16 (what the KV cache allows for 20K-token samples of a 7B) and at 64;
 the ranker is the true length scrambled to the paper's recall, the oracle has no noise.
 
-    .venv/bin/python bench/skew_generation.py [--iterations 8] [--skip 3] [--bound 16]
+    .venv/bin/python bench/skew_generation.py [--iterations 16] [--skip 4] [--bound 16]
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -76,14 +77,17 @@ def common(iterations: int, bound: int) -> list[str]:
 
 
 def summarise(run_dir: Path, skip: int) -> dict:
+    load = os.getloadavg()[0]  # the run's own processes count too; far above ~4: something else ran
     recs = read_iterations(run_dir)
     measured = [r for r in recs if r["iteration"] >= skip]
     split = [r for r in measured if "dispatch/long_instances" in r]  # Algorithm 2's (N_long, N_regular)
     return {
         "generation_s": statistics.fmean(r["t/generation"] for r in measured),
+        "quartiles": statistics.quantiles([r["t/generation"] for r in measured], n=4),
         "recall20": statistics.fmean(r.get("ranker/recall@20") or float("nan") for r in measured),
         "spearman": statistics.fmean(r.get("ranker/spearman") or float("nan") for r in measured),
         "digests": [r["data/digest"] for r in measured],
+        "load": load,
         "split": sorted({(r["dispatch/long_instances"], r["dispatch/regular_instances"]) for r in split}),
         "lengths": {p: v for r in recs for p, v in r["lengths/by_prompt"].items()},  # sample lengths
         "measured": {p for r in measured for p in r["lengths/by_prompt"]},
@@ -159,8 +163,8 @@ def simulated() -> dict[int, dict[str, float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iterations", type=int, default=8)
-    ap.add_argument("--skip", type=int, default=3)
+    ap.add_argument("--iterations", type=int, default=16)
+    ap.add_argument("--skip", type=int, default=4)
     ap.add_argument("--bound", type=int, default=16, help="sequences one generator instance runs at once")
     args = ap.parse_args()
     started = time.monotonic()
@@ -172,8 +176,9 @@ def main() -> None:
         title="generation time per iteration, normalised to random dispatch + FIFO; CPU: 2 instances, "
         f"{per_instance} sequences each per iteration, at most {args.bound} running at once (every system)"
     )
-    columns = ("system", "CPU bound", "split long/reg", "CPU pipeline s", "normalised", "target", "recall@20",
-               "spearman", "same outputs", *(f"sim 7B, 32 inst, BS≤{b}" for b in SIM_BATCHES))  # fmt: skip
+    columns = ("system", "CPU bound", "split long/reg", "CPU s, mean", "median [IQR]", "normalised", "target",
+               "recall@20", "spearman", "same outputs",
+               *(f"sim 7B, 32 inst, BS≤{b}" for b in SIM_BATCHES))  # fmt: skip
     for col in columns:
         table.add_column(col, justify="right")
     for name, r in res.items():
@@ -181,7 +186,7 @@ def main() -> None:
         target = TARGETS.get(name)
         table.add_row(
             name, f"≤{args.bound} seqs", ", ".join(f"{a}/{b}" for a, b in r["split"]) or "-",
-            f"{r['generation_s']:.2f}", f"{norm:.3f}",
+            f"{r['generation_s']:.2f}", "{1:.2f} [{0:.2f}–{2:.2f}]".format(*r["quartiles"]), f"{norm:.3f}",
             (f"≤ {target}" + (" met" if norm <= target else " NOT met")) if target else "-",
             f"{r['recall20']:.2f}", f"{r['spearman']:.2f}", f"{100 * r['identical']:.0f}%",
             *(f"{sim[b][name]:.0f} s = {sim[b][name] / sim[b][BASE]:.3f}" if name in sim[b] else "-"
@@ -189,11 +194,13 @@ def main() -> None:
         )  # fmt: skip
     console.print(table)
     same = len({tuple(r["digests"]) for r in res.values()}) == 1
+    loads = ", ".join(f"{r['load']:.1f}" for r in res.values())
     oracle_ok = res[ORACLE]["spearman"] > 0.99 and res[ORACLE]["identical"] == 1.0
     console.print(
         f"same prompts in every run: {'yes' if same else 'NO'}; oracle scores = its realised lengths: "
-        f"{'yes' if oracle_ok else 'NO'}; recall@20 / spearman: predicted vs realised longest sample of "
-        f"each group; {PAPER}; total {time.monotonic() - started:.0f} s",
+        f"{'yes' if oracle_ok else 'NO'}; host load (1 min) after each run: "
+        f"{loads}; recall@20 / spearman: predicted vs realised longest sample of each group; {PAPER}; "
+        f"total {time.monotonic() - started:.0f} s",
         markup=False,
     )
     ranker = res[RANKER]["generation_s"]
