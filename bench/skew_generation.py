@@ -53,7 +53,7 @@ from rl_modes import run_local, run_streamrl  # noqa: E402 - bench/ is the scrip
 
 from streamrl_cli.metrics.read import read_iterations
 
-console = Console(width=160)
+console = Console(width=190)
 BASE = "random + FIFO"
 RANKER = "ranker + skew + LPT"
 ORACLE = "oracle"
