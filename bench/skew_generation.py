@@ -15,7 +15,8 @@ every run with the same seed, prompts and settings:
     random + FIFO        skewness.dispatch=random, schedule=fifo, no ranker (run first)
     ranker + skew + LPT  dispatch=skewness-aware, schedule=lpt, ranker=learned, fitted offline
                          (`streamrl rank --fit`) on the lengths the baseline produced in its first
-                         `--skip` iterations, prompts disjoint from the measured ones
+                         `--skip` iterations, prompts disjoint from the measured ones; no online
+                         refreshes (the policy is fixed; they would only take CPU from the generators)
     oracle               the same with the true lengths: ranker=oracle with skewness.cache = what the
                          baseline run realised for each prompt (the group's longest sample: a group
                          holds its places until then and comes back as one)
