@@ -38,17 +38,21 @@ TARGETS = {"sync-stream": 1.2, "async": 1.5}
 console = Console(width=140)
 
 
-def run_local(label: str, root: Path, overrides: list[str]) -> Path:
-    """One `streamrl run local` with `overrides` under `root`, with a spinner; its run directory."""
+def run_streamrl(label: str, args: list[str]) -> None:
+    """One `streamrl ARGS` with a spinner; its output is printed only if it fails."""
     streamrl = str(Path(sys.executable).with_name("streamrl"))
-    cmd = [streamrl, "run", "local", "train.checkpoint_every=0", *overrides, "--root", str(root)]
     started = time.monotonic()
     with console.status(f"{label}: running ..."):
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        out = subprocess.run([streamrl, *args], capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         console.print(out.stdout[-3000:], out.stderr[-3000:], markup=False)
-        raise SystemExit(f"{label}: streamrl run failed ({out.returncode})")
+        raise SystemExit(f"{label}: streamrl {args[0]} failed ({out.returncode})")
     console.print(f"{label}: done in {time.monotonic() - started:.0f} s")
+
+
+def run_local(label: str, root: Path, overrides: list[str]) -> Path:
+    """One `streamrl run local` with `overrides` under `root`, with a spinner; its run directory."""
+    run_streamrl(label, ["run", "local", "train.checkpoint_every=0", *overrides, "--root", str(root)])
     (run_dir,) = root.iterdir()
     return run_dir
 

@@ -60,6 +60,13 @@ MISTAKES = [
     ("adding a key that exists", "", ["+train.iterations=3"], ["already exists"]),
     ("deleting a key that does not exist", "", ["~train.foo"], ["cannot delete", "train.foo"]),
     ("GRPO with a group of one", "", ["algorithm.group_size=1"], ["algorithm.group_size", "group_size ≥ 2"]),
+    ("negative learning rate", "", ["algorithm.lr=-1e-6"], ["algorithm.lr", "must be ≥ 0"]),
+    (
+        "a generator that runs no sequence",
+        "",
+        ["roles.generator.max_num_seqs=0"],
+        ["roles.generator.max_num_seqs", "at least 1 sequence"],
+    ),
     (
         "TLS certificate without its key",
         "",

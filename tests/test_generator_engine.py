@@ -151,6 +151,32 @@ def test_greedy_output_matches_transformers(loop, engine, hf):
 
 
 @pytest.mark.slow
+def test_seeded_requests_repeat_their_samples_whatever_the_batch(loop, engine):
+    # train.reproducible_sampling rests on this: a group alone or among others, and its sample k
+    # re-generated alone with seed + k (vLLM's seed of a request's k-th sample), give the same tokens.
+    from streamrl_cli.trainer.pipeline import sample_seed
+
+    seed = sample_seed(0, "p/1", 0)
+
+    def req(rid, prompt, n=4, s=seed):
+        return GenerationRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=SamplingSpec(n=n, max_tokens=24, seed=s)
+        )
+
+    def tokens(results, rid):
+        return [c.token_ids for c in next(r for r in results if r.request_id == rid).completions]
+
+    alone = tokens(loop.run_until_complete(collect(engine, [req("a", [9, 8, 7])])), "a")
+    crowd = [req(f"o{i}", list(range(i, i + 5)), s=None) for i in range(6)]
+    busy = tokens(
+        loop.run_until_complete(collect(engine, [*crowd[:3], req("b", [9, 8, 7]), *crowd[3:]])), "b"
+    )
+    third = tokens(loop.run_until_complete(collect(engine, [req("c", [9, 8, 7], n=1, s=seed + 2)])), "c")
+    assert alone == busy and third == [alone[2]]
+    assert len({tuple(t) for t in alone}) > 1  # the samples differ from each other
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.7, 1.6])
 def test_behaviour_logprobs_are_of_the_tempered_distribution(loop, engine, hf, temperature):
     prompt = list(range(40, 60))

@@ -9,7 +9,7 @@ import pytest
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.generator.engine import Completion, GenerationResult
-from streamrl_cli.generator.main import GeneratorRole, engine_kwargs
+from streamrl_cli.generator.main import GeneratorRole, cpu_binding, engine_kwargs
 from streamrl_cli.generator.stream import Meter, to_engine_request, to_samples
 from streamrl_cli.generator.weights import (
     RelayPath,
@@ -102,6 +102,14 @@ def test_engine_settings_come_from_the_recipe():
     assert (kw["dtype"], kw["max_model_len"], kw["tensor_parallel"], kw["seed"]) == ("bfloat16", 400, 2, 5)
     cpu = spec(settings={"engine": "vllm", "tensor_parallel": 1, "gpus_per_instance": 0})
     assert engine_kwargs(cpu)["dtype"] is None  # the engine picks float32 on CPUs
+    assert kw["cpu_cores"] is None  # GPUs: no CPU binding
+
+
+def test_cpu_instances_on_one_host_get_their_own_cores():
+    # vLLM's auto binding would put every instance's worker on core 0 of a 2-core host
+    assert [cpu_binding(r, [0, 1]) for r in range(3)] == ["0", "1", "0"]
+    assert cpu_binding(1, [4, 5, 6]) == "5"
+    assert cpu_binding(1, [3]) is None  # one core: nothing to spread, vLLM decides
 
 
 def test_weight_source_follows_the_trainer_or_the_recipe_layout():

@@ -82,3 +82,16 @@ def test_unknown_recipe_suggests_close_names():
     with pytest.raises(RecipeError) as e:
         load("locl")
     assert "did you mean local" in str(e.value).lower()
+
+
+def test_a_fixed_policy_and_the_generators_batch_bound_reach_the_roles(tmp_path):
+    # lr 0 keeps the policy fixed (generation benchmarks); the trainer bounds its dispatch by the
+    # generators' max_num_seqs, which the generators hand to their engine.
+    from streamrl_cli.generator.main import engine_kwargs
+    from streamrl_cli.recipe.checks import check
+
+    r = load("local", ["algorithm.lr=0", "roles.generator.max_num_seqs=12"]).recipe
+    assert not check(r)
+    specs = plan.role_specs(r, tmp_path)
+    assert specs["trainer"].generator_max_seqs == 12
+    assert engine_kwargs(specs["generator"])["max_num_seqs"] == 12

@@ -14,7 +14,7 @@ from collections import deque
 import pytest
 
 from streamrl_cli.tasks import Prompt, Task
-from streamrl_cli.trainer.pipeline import Pipeline, PipelineConfig
+from streamrl_cli.trainer.pipeline import Pipeline, PipelineConfig, sample_seed
 from streamrl_cli.transport.wire import Sample
 
 
@@ -231,5 +231,35 @@ def test_skewness_settings_reach_the_requests_and_the_ranker_learns(dispatch, sc
         assert "dispatch/long_instances" in records[0]
     else:
         assert {r.priority for r in first} == {0}
+        # random + FIFO runs under the same bound as Algorithm 2 may use: the engines' max_num_seqs
+        assert {r.batch_limit for r in gens.requests} == {cfg.engine_max_seqs}
     assert len(ranker.updates) == 2 and ranker.updates[0][0] == 4  # one update per iteration
+    # sample i has i + 1 tokens: the group's time is its longest sample's, 2, not the mean 1.5
+    assert ranker.updates[0][1] == [2, 2, 2, 2]
+    assert records[0]["lengths/by_prompt"] == {f"c/{i}": [1, 2] for i in range(4)}
     assert "ranker/recall@20" in records[0] and "ranker/spearman" in records[0]
+
+
+@pytest.mark.parametrize("reproducible", [True, False])
+def test_reproducible_sampling_seeds_each_sample_from_the_prompt(reproducible):
+    events: list = []
+    gens = PlacingGenerators(events)
+    cfg = PipelineConfig(mode="baseline", group_size=2, global_batch=4, micro_batch=2, dispatch="random",
+                         seed=3, reproducible=reproducible)  # fmt: skip
+    task = CountTask(4)  # 4 prompts: iteration 1 draws the same ones again
+    pipe = Pipeline(
+        cfg, task=task, sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],
+        detokenize=lambda ids: "x" * len(ids), svc=gens, driver=Driver(events),
+        publisher=Publisher(events, gens), on_record=[].append, clock=Clock(),
+    )  # fmt: skip
+    pipe.run(0, 2, 0)
+    seeds = [r.sampling.get("seed") for r in gens.requests]
+    if not reproducible:
+        assert seeds == [None] * 8
+        return
+    # the same prompt, the same seed in every iteration; different prompts, different seeds
+    assert seeds[:4] == seeds[4:] == [sample_seed(3, f"c/{i}", 0) for i in range(4)]
+    assert len(set(seeds[:4])) == 4
+    # vLLM gives the k-th sample of a request seed + k: a lone re-dispatch of sample 1 matches it
+    assert sample_seed(3, "c/0", 1) == sample_seed(3, "c/0", 0) + 1
+    assert sample_seed(4, "c/0", 0) != sample_seed(3, "c/0", 0)

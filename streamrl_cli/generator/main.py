@@ -61,17 +61,31 @@ def main(spec: RoleSpec, rank: int) -> int:
     return asyncio.run(GeneratorRole(spec, rank).run())
 
 
-def engine_kwargs(spec: RoleSpec) -> dict[str, Any]:
-    """Engine settings from the recipe: the model, its dtype, the longest prompt + output."""
+def engine_kwargs(spec: RoleSpec, rank: int = 0) -> dict[str, Any]:
+    """Engine settings from the recipe: the model, its dtype, the longest prompt + output, the batch bound,
+    and on CPUs the core this instance's worker runs on."""
     path = os.path.expanduser(spec.model["path"])
     dtype = spec.model.get("dtype")
+    cpu = spec.settings.get("gpus_per_instance", 1) == 0 and int(spec.settings.get("tensor_parallel", 1)) == 1
     return {
         "model": path,
         "dtype": None if spec.settings.get("gpus_per_instance", 1) == 0 else dtype,  # CPU: float32
         "max_model_len": int(spec.task["max_prompt_len"]) + int(spec.task["max_output_len"]),
         "tensor_parallel": int(spec.settings.get("tensor_parallel", 1)),
         "seed": int(spec.train.get("seed", 0)),
+        "max_num_seqs": int(spec.settings.get("max_num_seqs", 64)),
+        "cpu_cores": cpu_binding(rank, sorted(os.sched_getaffinity(0))) if cpu else None,
     }
+
+
+def cpu_binding(rank: int, cores: list[int]) -> str | None:
+    """The core for the worker of CPU instance `rank` (VLLM_CPU_OMP_THREADS_BIND), round-robin over `cores`.
+
+    vLLM's automatic binding keeps one core for its scheduler and binds the worker to the rest: every
+    instance on a 2-core host then decodes on core 0, and whichever runs second is several times
+    slower. None (vLLM's choice) when there is one core only.
+    """
+    return str(cores[rank % len(cores)]) if len(cores) > 1 else None
 
 
 def ensure_model(spec: RoleSpec) -> None:
@@ -91,7 +105,7 @@ class GeneratorRole:
             )
         self.spec, self.rank = spec, rank
         self.member_id = f"generator-{rank}"
-        self.engine = engine or make_engine(spec.settings.get("engine", "vllm"), **engine_kwargs(spec))
+        self.engine = engine or make_engine(spec.settings.get("engine", "vllm"), **engine_kwargs(spec, rank))
         self.meter = Meter(time.time())
         self.defaults = {"max_tokens": int(spec.task["max_output_len"]), "temperature": 1.0}
         self._stop = asyncio.Event()

@@ -56,6 +56,7 @@ class VLLMEngine(GenerationEngine):
         enforce_eager: bool | None = None,  # None: eager on CPU, CUDA graphs on GPU
         gpu_memory_utilization: float = 0.85,
         cpu_kv_cache_gib: int = 1,
+        cpu_cores: str | None = None,  # CPU: VLLM_CPU_OMP_THREADS_BIND of the worker (None: vLLM's "auto")
         extra_engine_args: dict[str, Any] | None = None,
     ):
         self.model = model
@@ -70,6 +71,7 @@ class VLLMEngine(GenerationEngine):
             **(extra_engine_args or {}),
         )
         self._cpu_kv_cache_gib = cpu_kv_cache_gib
+        self._cpu_cores = cpu_cores
         self._llm: Any = None
         self._running: set[str] = set()
         self._update_lock = asyncio.Lock()
@@ -86,6 +88,8 @@ class VLLMEngine(GenerationEngine):
         if self.on_cpu:
             # Read by the worker process when it sizes its KV cache; must be set before the spawn.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self._cpu_kv_cache_gib))
+            if self._cpu_cores is not None:  # a binding set by hand wins
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", self._cpu_cores)
             args["dtype"] = args["dtype"] or "float32"
             args["enforce_eager"] = True if args["enforce_eager"] is None else args["enforce_eager"]
         else:

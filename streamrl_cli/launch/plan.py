@@ -38,6 +38,7 @@ class RoleSpec:
     task: dict = field(default_factory=dict)
     train: dict = field(default_factory=dict)
     skewness: dict = field(default_factory=dict)
+    generator_max_seqs: int = 64  # roles.generator.max_num_seqs: the trainer bounds its dispatch by it
 
 
 @dataclass(kw_only=True)
@@ -89,6 +90,7 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
         task=dataclasses.asdict(r.task),
         train=dataclasses.asdict(r.train),
         skewness=dataclasses.asdict(r.skewness),
+        generator_max_seqs=g.max_num_seqs,
     )
     specs = {
         "trainer": RoleSpec(

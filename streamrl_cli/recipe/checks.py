@@ -154,6 +154,11 @@ def _generator(r: Recipe) -> Iterator[Problem]:
     if g.instances < 1:
         yield "roles.generator.instances", f"must be at least 1, got {g.instances}"
     yield from _gpus_fit(g, "generator", "gpus_per_instance", c, gpus_avail, "per instance (on one node)")
+    if g.max_num_seqs < 1:
+        yield (
+            "roles.generator.max_num_seqs",
+            f"an instance must run at least 1 sequence, got {g.max_num_seqs}",
+        )
     if g.tensor_parallel < 1:
         yield "roles.generator.tensor_parallel", f"must be at least 1, got {g.tensor_parallel}"
     elif g.gpus_per_instance > 0 and g.gpus_per_instance % g.tensor_parallel:
@@ -252,9 +257,10 @@ def _workload(r: Recipe) -> Iterator[Problem]:
 
 def _training(r: Recipe) -> Iterator[Problem]:
     a, t = r.algorithm, r.train
-    for key in ("lr", "critic_lr"):
-        if getattr(a, key) <= 0:
-            yield f"algorithm.{key}", f"must be positive, got {getattr(a, key)}"
+    if a.lr < 0:
+        yield "algorithm.lr", f"must be ≥ 0 (0 keeps the policy fixed), got {a.lr}"
+    if a.critic_lr <= 0:
+        yield "algorithm.critic_lr", f"must be positive, got {a.critic_lr}"
     if a.clip_ratio <= 0 or (a.clip_ratio_high is not None and a.clip_ratio_high <= 0):
         yield "algorithm.clip_ratio", "clip ratios must be positive"
     if a.temperature <= 0:

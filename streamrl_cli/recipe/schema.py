@@ -91,6 +91,9 @@ class GeneratorConfig(RoleJobConfig):
     gpus_per_instance: int = 1  # GPUs per instance (on one node)
     tensor_parallel: int = 1  # TP degree inside an instance; must divide gpus_per_instance
     max_running: int | None = None  # array throttle (`%N`); null: all at once
+    # Sequences one instance runs at once (vLLM's max_num_seqs): the bound of its admission queue for
+    # every dispatch (random + FIFO runs exactly this many; Algorithm 2 picks batch sizes up to it).
+    max_num_seqs: int = 64
     engine: str = choices(*ENGINES, default="vllm")  # inference engine
     program: str = "streamrl_cli.generator.main:main"  # `module:function` each instance runs
 
@@ -145,7 +148,7 @@ class AlgorithmConfig:
     kl_coef: float = 0.001  # KL penalty against the reference model
     clip_ratio: float = 0.2  # PPO-style ratio clipping (both sides unless clip_ratio_high is set)
     clip_ratio_high: float | None = None  # upper clip (DAPO's clip-higher); null: clip_ratio
-    lr: float = 1e-6  # actor learning rate
+    lr: float = 1e-6  # actor learning rate (0: the policy stays fixed, for generation benchmarks)
     critic_lr: float = 1e-5  # PPO: critic learning rate
     weight_decay: float = 0.0  # AdamW weight decay of actor and critic
     max_grad_norm: float = 1.0  # gradient clipping (0: off)
@@ -191,6 +194,9 @@ class TrainConfig:
     micro_batch: int = 4  # samples per forward/backward
     iterations: int = 10  # RL iterations
     seed: int = 0  # seed of data order and sampling
+    # Seed every request from `seed`, the prompt id and the sample index: the same prompt gives the
+    # same outputs under the same weights whatever the batching and order (benchmarks, debugging).
+    reproducible_sampling: bool = False
     checkpoint_every: int = 5  # iterations between checkpoints (0: only the last one)
     keep_checkpoints: int = 2  # checkpoints kept (older ones are deleted)
     loggers: list[str] = field(default_factory=list)  # extra metric sinks: tensorboard, wandb
@@ -218,7 +224,8 @@ class SkewnessConfig:
     dispatch: str = choices(*SKEW_DISPATCH, default="random")  # prompts to instances: random or Algorithm 2
     schedule: str = choices(*SKEW_SCHEDULE, default="fifo")  # order inside an instance: FIFO or longest first
     # Output-length ranker: learned (a small LM fine-tuned online), history (per-prompt statistics,
-    # learned for unseen prompts), oracle (the task's true lengths, for evaluation), none.
+    # learned for unseen prompts), oracle (the task's ideal lengths, for evaluation; with a `cache` of
+    # the lengths a fixed policy realised, reproducible_sampling on, the true oracle), none.
     ranker: str = choices(*RANKERS, default="none")
     ranker_model: str | None = None  # base model of the learned ranker (null: the policy's model.path)
     long_tail: float = 0.2  # α: share of prompts (by predicted length) treated as the long tail

@@ -197,7 +197,8 @@ class TrainerRole:
             max_staleness=int(a["max_staleness"]), max_output_len=int(task_cfg["max_output_len"]),
             temperature=float(a.get("temperature", 1.0)), grpo_std_norm=bool(a.get("grpo_std_norm", True)),
             seed=seed, dispatch=skew.get("dispatch", "random"), schedule=skew.get("schedule", "fifo"),
-            long_tail=float(skew.get("long_tail", 0.2)),
+            long_tail=float(skew.get("long_tail", 0.2)), engine_max_seqs=self.spec.generator_max_seqs,
+            reproducible=bool(t.get("reproducible_sampling", False)),
         )  # fmt: skip
         ranker = self._ranker(task, seed)
         sinks = self._sinks()

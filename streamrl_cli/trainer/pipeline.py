@@ -61,6 +61,7 @@ class PipelineConfig:
     schedule: str = "fifo"  # fifo or lpt (longest predicted first, inside each instance)
     long_tail: float = 0.2  # α of Algorithm 2
     engine_max_seqs: int = 64  # sequences a generator's engine runs at once at most (its max_num_seqs)
+    reproducible: bool = False  # seed each request from (seed, prompt id, sample index)
 
     @property
     def ahead(self) -> int:
@@ -81,7 +82,8 @@ class Batch:
     done_groups: int = 0
     retries: int = 0
     predicted: dict[str, float] = field(default_factory=dict)  # request prompt id -> predicted length
-    observed: dict[str, float] = field(default_factory=dict)  # request prompt id -> mean output length
+    observed: dict[str, float] = field(default_factory=dict)  # request prompt id -> longest output
+    lengths: dict[str, list[int]] = field(default_factory=dict)  # task prompt id -> lengths by sample index
     plan: dict[str, Any] = field(default_factory=dict)  # the dispatch decision, for the record
 
 
@@ -163,7 +165,7 @@ class Pipeline:
         for k, (p, rid) in enumerate(zip(prompts, rids, strict=True)):
             tokens = self.tokenize(p.text)
             batch.prompts[rid] = (p, tokens)
-            req = self._request(rid, tokens, list(range(self.cfg.group_size)))
+            req = self._request(rid, tokens, list(range(self.cfg.group_size)), seed_key=p.prompt_id)
             if placement is not None:
                 req.priority, req.target, req.batch_limit = placement[k]
             requests.append(req)
@@ -198,16 +200,26 @@ class Pipeline:
         else:
             priorities = [self.priority_base] * len(prompts)  # ties: arrival order
         self.priority_base += len(prompts)
-        # With LPT every instance needs a limit, or vLLM admits everything at once and order is moot.
-        limit = cfg.engine_max_seqs if cfg.schedule == "lpt" else 0
+        # Every dispatch runs under the same bound in the generators' admission queues (a group is
+        # admitted whole and holds its places until its longest sample ends), so that random + FIFO
+        # and Algorithm 2 + LPT are compared at equal batch room; without one, LPT's order is moot.
         return [
-            (priorities[k], plan.assignment[k], plan.batch_limit(k) or limit) for k in range(len(prompts))
+            (priorities[k], plan.assignment[k], plan.batch_limit(k) or cfg.engine_max_seqs)
+            for k in range(len(prompts))
         ]
 
-    def _request(self, rid: str, tokens: list[int], indices: list[int], *, group: str = "") -> Request:
+    def _request(
+        self, rid: str, tokens: list[int], indices: list[int], *, group: str = "", seed_key: str = ""
+    ) -> Request:
+        sampling: dict[str, Any] = {
+            "temperature": self.cfg.temperature,
+            "max_tokens": self.cfg.max_output_len,
+        }
+        if self.cfg.reproducible:
+            sampling["seed"] = sample_seed(self.cfg.seed, seed_key, indices[0])
         return Request(
             prompt_id=rid, prompt_token_ids=tokens, sample_indices=indices, group_id=group or rid,
-            sampling={"temperature": self.cfg.temperature, "max_tokens": self.cfg.max_output_len},
+            sampling=sampling,
         )  # fmt: skip
 
     def _iteration(self, i: int, started: float) -> dict[str, Any]:
@@ -281,7 +293,9 @@ class Pipeline:
             batch.retries += 1
             rid = f"{group}#r{batch.retries}"
             batch.prompts[rid] = batch.prompts[group]
-            self.svc.submit([self._request(rid, batch.prompts[group][1], [sample.sample_index], group=group)])
+            prompt, tokens = batch.prompts[group]
+            retry = self._request(rid, tokens, [sample.sample_index], group=group, seed_key=prompt.prompt_id)
+            self.svc.submit([retry])
             return
         batch.last_sample_at = self.clock()
         for r in batch.collector.add(sample):
@@ -294,7 +308,12 @@ class Pipeline:
         prompt, tokens = batch.prompts[key]
         lengths = [len(s.token_ids) for s in samples]
         self.recent_lengths.extend(lengths)
-        batch.observed[key] = sum(lengths) / len(lengths)
+        # A group is admitted whole and comes back when its longest sample ends: that is its
+        # processing time, so it is what the ranker learns, and is judged on.
+        batch.observed[key] = max(lengths)
+        batch.lengths[prompt.prompt_id] = [
+            len(s.token_ids) for s in sorted(samples, key=lambda s: s.sample_index)
+        ]
         texts = [self.detokenize(s.token_ids) for s in samples]
         rewards = [float(r) for r in self.task.reward([prompt] * len(samples), texts)]
         batch.done_groups += 1
@@ -379,6 +398,8 @@ class Pipeline:
                 "\n".join(p.prompt_id for k, (p, _) in batch.prompts.items() if "#r" not in k).encode()
             ),
             "micro_batches": len(train_spans),
+            # What each prompt produced (`streamrl rank --fit` input; the benchmark's true oracle).
+            "lengths/by_prompt": batch.lengths,
             "timeline": {
                 "start": started,
                 "end": end,
@@ -424,3 +445,13 @@ def _covered(spans: list[list[float]], start: float, end: float) -> float:
     if cur_b is not None:
         total += cur_b - cur_a
     return total
+
+
+def sample_seed(seed: int, prompt_id: str, index: int) -> int:
+    """The sampling seed of a request whose first sample is `index` (train.reproducible_sampling).
+
+    vLLM seeds the k-th sample of a request with n > 1 by ``seed + k``, so sample k of a prompt
+    always gets base + k, whether it is generated with its group or alone (a re-dispatch).
+    """
+    base = xxhash.xxh64_intdigest(f"{seed}/{prompt_id}".encode()) >> 16  # 48 bits: room to add indices
+    return base + index
