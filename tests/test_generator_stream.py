@@ -107,9 +107,14 @@ def test_engine_settings_come_from_the_recipe():
 
 def test_cpu_instances_on_one_host_get_their_own_cores():
     # vLLM's auto binding would put every instance's worker on core 0 of a 2-core host
-    assert [cpu_binding(r, [0, 1]) for r in range(3)] == ["0", "1", "0"]
-    assert cpu_binding(1, [4, 5, 6]) == "5"
-    assert cpu_binding(1, [3]) is None  # one core: nothing to spread, vLLM decides
+    # a local run on a 2-core host: one core each (round-robin past two instances)
+    assert [cpu_binding(r, 2, [0, 1], 2) for r in range(2)] == ["0", "1"]
+    assert [cpu_binding(r, 3, [0, 1], 2) for r in range(3)] == ["0", "1", "0"]
+    # two share eight evenly; a lone instance is left to vLLM (it keeps a core for its scheduler)
+    assert [cpu_binding(r, 2, list(range(8)), 8) for r in range(2)] == ["0,1,2,3", "4,5,6,7"]
+    assert cpu_binding(0, 1, list(range(8)), 8) is None
+    assert cpu_binding(1, 2, [3], 1) is None  # one core: nothing to spread, vLLM decides
+    assert cpu_binding(1, 4, [4, 5], 16) is None  # confined by its scheduler (a SLURM task): vLLM decides
 
 
 def test_weight_source_follows_the_trainer_or_the_recipe_layout():

@@ -74,18 +74,28 @@ def engine_kwargs(spec: RoleSpec, rank: int = 0) -> dict[str, Any]:
         "tensor_parallel": int(spec.settings.get("tensor_parallel", 1)),
         "seed": int(spec.train.get("seed", 0)),
         "max_num_seqs": int(spec.settings.get("max_num_seqs", 64)),
-        "cpu_cores": cpu_binding(rank, sorted(os.sched_getaffinity(0))) if cpu else None,
+        "cpu_cores": cpu_binding(rank, spec.world, sorted(os.sched_getaffinity(0)), os.cpu_count() or 1)
+        if cpu
+        else None,
     }
 
 
-def cpu_binding(rank: int, cores: list[int]) -> str | None:
-    """The core for the worker of CPU instance `rank` (VLLM_CPU_OMP_THREADS_BIND), round-robin over `cores`.
+def cpu_binding(rank: int, instances: int, cores: list[int], host_cores: int) -> str | None:
+    """The cores for the worker of CPU instance `rank` of `instances` (VLLM_CPU_OMP_THREADS_BIND).
 
     vLLM's automatic binding keeps one core for its scheduler and binds the worker to the rest: every
     instance on a 2-core host then decodes on core 0, and whichever runs second is several times
-    slower. None (vLLM's choice) when there is one core only.
+    slower. So when nothing confined this process (`cores`, its affinity, is the whole host: the
+    instances of a local run share it), each instance gets its own share of the cores, round-robin
+    when there are more instances than cores. A lone instance, a process already confined (a SLURM
+    task given its own CPUs) or one left a single core keeps vLLM's choice (None), which also
+    leaves a core to the engine's scheduler (without it, decoding here was 3× slower).
     """
-    return str(cores[rank % len(cores)]) if len(cores) > 1 else None
+    if instances < 2 or len(cores) < 2 or len(cores) < host_cores:
+        return None
+    share = max(1, len(cores) // max(1, instances))
+    first = (rank % max(1, instances)) * share % len(cores)
+    return ",".join(str(c) for c in cores[first : first + share])
 
 
 def ensure_model(spec: RoleSpec) -> None:
