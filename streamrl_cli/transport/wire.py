@@ -84,13 +84,9 @@ def batch(seqs: list[int], items: list[bytes]) -> tuple[list[int], list[msgspec.
     return (seqs, [msgspec.Raw(d) for d in items])
 
 
-def message(kind: bytes, body: Any) -> bytes:
-    """One message frame: the kind byte, then `body` encoded."""
-    return kind + _enc.encode(body)
-
-
-def message_frame(kind: bytes, body: Any) -> bytearray:
-    """:func:`message` in one allocation (no concatenation, so no second copy of a large body)."""
+def message(kind: bytes, body: Any) -> bytearray:
+    """One message frame: the kind byte, then `body` encoded after it in the same allocation (no
+    concatenation, so no second copy of a large body)."""
     frame = bytearray(kind)
     _enc.encode_into(body, frame, 1)
     return frame
@@ -102,7 +98,8 @@ def split(frame: bytes) -> tuple[bytes, memoryview]:
 
 
 def encode_into(obj: Any, buffer: bytearray) -> None:
-    """Encode `obj` into `buffer` (resized to fit), sparing a fresh allocation per sample."""
+    """Encode `obj` into `buffer` (resized to fit), sparing the encoder's buffer growth per sample
+    (~1 µs of a 1K-token sample's send() in bench/sample_stream.py)."""
     _enc.encode_into(obj, buffer)
 
 

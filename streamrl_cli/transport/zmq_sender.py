@@ -236,7 +236,7 @@ class ZmqSampleSender(SampleSender):
             # Blocking is fine here: the window keeps the queue well under the high-water mark.
             # Without a copy: ZeroMQ's thread reads the frame where the encoder wrote it (pyzmq lets
             # go of it afterwards; its garbage collector thread is counted in the benchmark).
-            sock.send(w.message_frame(w.SAMPLES, w.batch(seqs, datas)), copy=False)
+            sock.send(w.message(w.SAMPLES, w.batch(seqs, datas)), copy=False)
             self.stats["messages"] += 1
 
     def _on_monitor(self, sock: zmq.Socket, mon: zmq.Socket) -> None:
