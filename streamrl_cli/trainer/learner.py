@@ -94,6 +94,15 @@ def init_distributed(rank: int, world: int, master: str, backend: str) -> None:
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
+def leave_group() -> None:
+    """Every rank, once its last collective is done: destroy the default group and its subgroups
+    while the interpreter is whole, not in its teardown (where gloo's threads have aborted ranks)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _engine(model: torch.nn.Module, lr: float, opt: OptimConfig) -> Any:
     import deepspeed
 

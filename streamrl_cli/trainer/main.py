@@ -94,7 +94,7 @@ class TrainerRole:
         self.rdv.start_heartbeat()
         self.rdv.set_status(state="starting")
         master = addresses["dist"] if self.rank == 0 else self._rank0()["addresses"]["dist"]
-        from streamrl_cli.trainer.learner import init_distributed
+        from streamrl_cli.trainer.learner import init_distributed, leave_group
 
         init_distributed(self.rank, world, master, backend)
         learner = self._learner(device)
@@ -103,6 +103,7 @@ class TrainerRole:
         if self.rank != 0:
             self.rdv.set_status(state="training")
             code = follow(learner, self.rank)
+            leave_group()
             self.rdv.leave("stopped")
             return code
         driver = RankDriver(learner, world)
@@ -110,6 +111,7 @@ class TrainerRole:
             self._train(driver, svc, publisher)
         finally:
             driver.stop()
+        leave_group()
         self.rdv.leave("stopped")
         return 0
 
