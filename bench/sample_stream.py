@@ -14,16 +14,19 @@ GPU node with cores to spare (this VM has two); ``split`` puts the sender's I/O 
 too, which makes it read every sample across cores (on this VM that doubles its cost); ``os`` pins
 nothing (then the trainer's threads take turns on the engine's core, and wall times say little).
 
-Phases, interleaved ``--reps`` times: the engine alone, then the engine streaming. Per streaming
-phase, the CPU per sample that holds the GIL — inside ``send()`` on the engine's thread (timed
-around each call, the timer's own cost taken off) and in every other Python thread (from
-``/proc/self/task/*/schedstat``) — against the budget of one sample at that rate (1 ms: the
-generation time it is added to; target < 1%); ZeroMQ's I/O thread (CURVE encryption, TCP; outside
-the GIL) alongside; and the engine's wall time against the phase without streaming (the literal
-"adds to generation time", noisy on a shared VM). Then a control, as many interleaved pairs again:
-the engine alone against the engine burning, per sample, exactly the CPU streaming took and doing
-nothing else — on this VM a small CPU addition shows as several times its size in wall time, and the
-control says how much. Then flat out: end-to-end throughput with acknowledgements and back-pressure.
+Phases, ``--reps`` times each, in an order rotated per repetition (drift spreads over all):
+the engine alone; the engine streaming; a control that burns, per sample, exactly the CPU streaming
+took from the engine's side of the GIL and does nothing else; and the engine alone while another
+generator process streams at the same rate on the other core (what the trainer's receiving and
+ZeroMQ's threads there do to the engine's core). While streaming, a thread waits for requests as
+the generator role's request loop does; it shares the GIL too. Per streaming phase, the CPU per
+sample that holds the GIL -- inside ``send()`` on the engine's thread (timed around each call, the
+timer's own cost taken off) and in every other Python thread (from
+``/proc/self/task/*/schedstat``) -- against the budget of one sample at that rate (1 ms: the
+generation time it is added to; target < 1%); ZeroMQ's I/O thread (CURVE, TCP; outside the GIL)
+and page faults alongside; and each phase's wall time against the alone phase of its repetition
+(the literal "adds to generation time", noisy on a shared VM: the controls say how noisy). Then
+flat out: end-to-end throughput with acknowledgements and back-pressure.
 
 Baselines, in the same run: the budget above, msgspec encoding alone, and the floor of the
 transport itself — the same encoded bytes pushed flat out through a bare ZeroMQ PUSH/PULL pair
@@ -45,6 +48,7 @@ import threading
 import time
 import timeit
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import zmq
@@ -120,20 +124,40 @@ def pin(process: int | None, core: int) -> None:
         os.sched_setaffinity(tid, {core % os.cpu_count()})
 
 
-def generator(address: str, args: argparse.Namespace, q: mp.Queue) -> None:
+def minor_faults(tid: int | None = None) -> int:
+    """Minor page faults of one thread of this process, or all of it (fresh memory touched: kernel time)."""
+    with open(f"/proc/self/task/{tid}/stat" if tid else "/proc/self/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[7])
+
+
+PHASES = ("alone", "streaming", "control", "neighbour")
+
+
+def generator(address: str, args: argparse.Namespace, q: mp.Queue, neighbour: Any) -> None:
     base = template(args.tokens)
+    engine = threading.get_native_id()
     sender = make_sender(StreamConfig(), address=address, token=TOKEN, generator="generator-0")
     sender.wait_connected(30)
     io_tid = sender._thread.native_id  # the sender's I/O thread (a Python thread)
-    engine = threading.get_native_id()
+    streaming, stop = threading.Event(), threading.Event()
+
+    def request_loop() -> None:
+        # As the generator role's request loop (streamrl_cli/generator/main.py), while streaming.
+        while not stop.is_set():
+            if streaming.wait(0.1):
+                sender.requests(timeout=0.5)
+
+    requests_thread = threading.Thread(target=request_loop, daemon=True)
+    requests_thread.start()
     if args.placement != "os":
         pin(None, 1)  # ZeroMQ's threads (and the sender's I/O thread with --placement split) ...
-        pin(threading.get_native_id(), 0)  # ... and the engine's own core
+        pin(engine, 0)  # ... and the engine's own core, with the request thread (it shares the GIL)
+        pin(requests_thread.native_id, 0)
     if args.placement == "gil-core":
         pin(io_tid, 0)
     timer = min(timeit.repeat(time.thread_time_ns, number=10_000, repeat=5)) / 10_000 * 1e9  # ns per call
     n = int(args.rate * args.seconds)
-    res: dict = {"alone": [], "streaming": [], "alone2": [], "control": []}
+    res: dict = {p: [] for p in PHASES}
 
     def make(phase: str, i: int) -> Sample:
         # A fresh sample, as an engine hands over: new lists, the data hot in cache.
@@ -149,38 +173,50 @@ def generator(address: str, args: argparse.Namespace, q: mp.Queue) -> None:
     for i in range(200):
         make("cal", i)
     work = max(1, int(work * (1 - (time.perf_counter() - t0) / 200 * args.rate)))  # making it counts too
-    extra = 0  # the control's burn per sample: as much CPU as streaming took (known after its phases)
-    for pair in (("alone", "streaming"), ("alone2", "control")):
-        if pair[1] == "control":
-            gil = statistics.median(r["send_us"] + r["io_us"] for r in res["streaming"])
-            extra = max(1, int(work * gil * args.rate / 1e6))
-        for rep in range(args.reps):
-            for phase in pair if rep % 2 == 0 else pair[::-1]:  # ABBA: drift cancels
-                zmq_tids = zmq_threads()
-                io0, z0 = python_threads_ns(engine), sum(thread_ns(t) for t in zmq_tids)
-                in_send = 0
-                t_start = time.perf_counter()
-                for i in range(n):
-                    burn(work)
-                    s = make(f"{phase}{rep}", i)
-                    if phase == "streaming":
-                        c = time.thread_time_ns()
-                        sender.send(s, timeout=60)
-                        in_send += time.thread_time_ns() - c
-                    elif phase == "control":
-                        c = time.thread_time_ns()
-                        burn(extra)
-                        in_send += time.thread_time_ns() - c
-                wall = time.perf_counter() - t_start
-                sender.flush(60)
-                res[phase].append(
-                    {
-                        "wall": wall,
-                        "send_us": max(0.0, in_send / n - timer) / 1e3,
-                        "io_us": (python_threads_ns(engine) - io0) / n / 1e3,
-                        "zmq_us": (sum(thread_ns(t) for t in zmq_tids) - z0) / n / 1e3,
-                    }
-                )
+    extra = 0  # the control's burn per sample: as much CPU as streaming took (known after a warm-up)
+
+    def phase_run(phase: str, tag: str, count: int) -> dict:
+        if phase == "streaming":
+            streaming.set()
+        elif phase == "neighbour":
+            neighbour.set()
+            time.sleep(0.2)  # its stream in full swing
+        zmq_tids = zmq_threads()
+        py0, z0 = python_threads_ns(engine), sum(thread_ns(t) for t in zmq_tids)
+        in_send, f0, fa0 = 0, minor_faults(engine), minor_faults()
+        t_start = time.perf_counter()
+        for i in range(count):
+            burn(work)
+            s = make(tag, i)
+            if phase == "streaming":
+                c = time.thread_time_ns()
+                sender.send(s, timeout=60)
+                in_send += time.thread_time_ns() - c
+            elif phase == "control":
+                c = time.thread_time_ns()
+                burn(extra)
+                in_send += time.thread_time_ns() - c
+        wall = time.perf_counter() - t_start
+        faults, faults_all = minor_faults(engine) - f0, minor_faults() - fa0
+        neighbour.clear()
+        sender.flush(60)
+        streaming.clear()
+        return {
+            "wall": wall,
+            "send_us": max(0.0, in_send / count - timer) / 1e3,
+            "py_us": (python_threads_ns(engine) - py0) / count / 1e3,
+            "zmq_us": (sum(thread_ns(t) for t in zmq_tids) - z0) / count / 1e3,
+            "faults": faults / count,
+            "faults_all": faults_all / count,
+        }
+
+    warm = phase_run("streaming", "warm", n)
+    extra = max(1, int(work * (warm["send_us"] + warm["py_us"]) * args.rate / 1e6))
+    for rep in range(args.reps):
+        for k in range(len(PHASES)):
+            phase = PHASES[(k + rep) % len(PHASES)]
+            res[phase].append(phase_run(phase, f"{phase}{rep}", n))
+    stop.set()
     pin(None, 0)
     samples = [make("flat", i) for i in range(args.flat)]  # made first: the sender's CPU alone is timed
     zmq_tids = zmq_threads()
@@ -189,14 +225,10 @@ def generator(address: str, args: argparse.Namespace, q: mp.Queue) -> None:
         sender.send(s, timeout=60)
     sender.flush(60)
     res["flat_us"] = (
-        (
-            (time.thread_time() - c0)
-            + (python_threads_ns(engine) - io0) / 1e9
-            + (sum(thread_ns(t) for t in zmq_tids) - z0) / 1e9
-        )
-        / args.flat
-        * 1e6
-    )
+        (time.thread_time() - c0) * 1e9
+        + python_threads_ns(engine) - io0
+        + sum(thread_ns(t) for t in zmq_tids) - z0
+    ) / args.flat / 1e3  # fmt: skip
     res["size"] = len(encode(base))
     reps = 2000
     c0 = time.thread_time()
@@ -204,6 +236,27 @@ def generator(address: str, args: argparse.Namespace, q: mp.Queue) -> None:
         encode(base)
     res["encode_us"] = (time.thread_time() - c0) / reps * 1e6
     q.put(res)
+    sender.close()
+
+
+def neighbour_main(address: str, args: argparse.Namespace, go: Any, stop: Any) -> None:
+    """Another generator on the other core, streaming at the same rate while `go` is set: the engine's
+    process streams nothing meanwhile, so what slows it then is the other core's streaming work (this
+    sender, the trainer's receiving, ZeroMQ's threads) and nothing in the engine's process."""
+    pin(None, 1)
+    base = template(args.tokens)
+    sender = make_sender(StreamConfig(), address=address, token=TOKEN, generator="generator-1")
+    sender.wait_connected(30)
+    i = 0
+    while not stop.is_set():
+        if not go.wait(0.1):
+            continue
+        t0 = time.perf_counter()
+        sender.send(
+            msgspec.structs.replace(base, prompt_id=f"neighbour/p{i // 8}", sample_index=i % 8), timeout=60
+        )
+        i += 1
+        time.sleep(max(0.0, 1.0 / args.rate - (time.perf_counter() - t0)))
     sender.close()
 
 
@@ -240,16 +293,18 @@ def main() -> None:
         "split: on the other core with ZeroMQ's threads and the trainer; os: no pinning at all",
     )  # fmt: skip
     args = p.parse_args()
-    console = Console(width=120)
+    console = Console(width=130)
     if args.placement != "os":
         pin(None, 1)
     receiver = make_receiver(StreamConfig(bind="tcp://127.0.0.1:0"), token=TOKEN)
     latencies, arrivals = [], []
-    total = int(args.rate * args.seconds) * args.reps + args.flat  # (the control phases send nothing)
+    done = threading.Event()
 
     def consume() -> None:
-        for _ in range(total):
-            s = receiver.get(timeout=300)
+        while not done.is_set():
+            s = receiver.get(timeout=0.2)
+            if s is None:
+                continue
             now = time.time()
             if s.prompt_id.startswith("streaming"):
                 latencies.append(now - s.finished_at)
@@ -258,51 +313,68 @@ def main() -> None:
 
     consumer = threading.Thread(target=consume, daemon=True)
     consumer.start()
-    if args.placement != "os":
-        pin(None, 1)
-    q = mp.get_context("spawn").Queue()
-    proc = mp.get_context("spawn").Process(target=generator, args=(receiver.address, args, q))
-    with console.status(f"{args.reps} × 2 phases of {args.seconds:.0f} s, then {args.flat} samples flat out"):
+    spawn = mp.get_context("spawn")
+    q, go, stop = spawn.Queue(), spawn.Event(), spawn.Event()
+    proc = spawn.Process(target=generator, args=(receiver.address, args, q, go))
+    other = spawn.Process(target=neighbour_main, args=(receiver.address, args, go, stop))
+    other.start()
+    with console.status(
+        f"{args.reps} × {len(PHASES)} phases of {args.seconds:.0f} s, then {args.flat} samples flat out"
+    ):
         proc.start()
         res = q.get(timeout=600)
+        deadline = time.monotonic() + 60
+        while len(arrivals) < args.flat and time.monotonic() < deadline:
+            time.sleep(0.1)
+        done.set()
+        stop.set()
         consumer.join(timeout=60)
         proc.join(timeout=30)
+        other.join(timeout=30)
     receiver.close()
     floor = raw_floor(encode(template(args.tokens)), args.flat)
 
     budget_us = 1e6 / args.rate
-    alone, streaming = res["alone"], res["streaming"]
-    t = Table(title=f"{args.tokens}-token samples ({res['size'] / 1024:.1f} KiB) at {args.rate:.0f}/s, "
-                    f"{args.reps} interleaved repetitions")  # fmt: skip
-    for col in ("rep", "engine alone s", "engine streaming s", "wall +%", "send() µs", "I/O + gc threads µs",
-                "GIL µs / sample", "ZeroMQ thread µs"):  # fmt: skip
+    over = {
+        ph: [b["wall"] / a["wall"] - 1 for a, b in zip(res["alone"], res[ph], strict=True)]
+        for ph in PHASES[1:]
+    }
+    med = {
+        ph: {k: statistics.median(r[k] for r in res[ph]) for k in res[ph][0]} for ph in PHASES
+    }  # fmt: skip
+    t = Table(title=f"{args.tokens}-token samples ({res['size'] / 1024:.1f} KiB) at {args.rate:.0f}/s: "
+                    f"medians of {args.reps} repetitions, phases in rotated order")  # fmt: skip
+    for col in ("engine thread", "wall s", "wall +%", "per repetition", "send() µs",
+                "other Python threads µs",
+                "ZeroMQ threads µs", "page faults: engine / all"):  # fmt: skip
         t.add_column(col, justify="right")
-    gil = [r["send_us"] + r["io_us"] for r in streaming]
-    wall = [b["wall"] / a["wall"] - 1 for a, b in zip(alone, streaming, strict=True)]
-    for k, (a, b) in enumerate(zip(alone, streaming, strict=True)):
-        t.add_row(str(k), f"{a['wall']:.3f}", f"{b['wall']:.3f}", f"{wall[k]:+.2%}", f"{b['send_us']:.2f}",
-                  f"{b['io_us']:.2f}", f"{gil[k]:.2f}", f"{b['zmq_us']:.2f}")  # fmt: skip
-    med = {k: statistics.median(r[k] for r in streaming) for k in ("send_us", "io_us", "zmq_us")}
-    gil_med, wall_med = statistics.median(gil), statistics.median(wall)
-    t.add_row("median", f"{statistics.median(a['wall'] for a in alone):.3f}",
-              f"{statistics.median(b['wall'] for b in streaming):.3f}", f"{wall_med:+.2%}",
-              f"{med['send_us']:.2f}", f"{med['io_us']:.2f}", f"{gil_med:.2f}", f"{med['zmq_us']:.2f}",
-              style="bold")  # fmt: skip
+    names = {
+        "alone": "alone",
+        "streaming": "streaming",
+        "control": "alone, burning streaming's GIL-side CPU",
+        "neighbour": "alone, another generator streaming on the other core",
+    }
+    for ph in PHASES:
+        m = med[ph]
+        t.add_row(names[ph], f"{m['wall']:.3f}", f"{statistics.median(over[ph]):+.2%}" if ph in over else "",
+                  ", ".join(f"{x:+.1%}" for x in over[ph]) if ph in over else "",
+                  f"{m['send_us']:.2f}", f"{m['py_us']:.2f}", f"{m['zmq_us']:.2f}",
+                  f"{m['faults']:.2f} / {m['faults_all']:.2f}",
+                  style="bold" if ph == "streaming" else None)  # fmt: skip
     console.print(t)
-    control = [b["wall"] / a["wall"] - 1 for a, b in zip(res["alone2"], res["control"], strict=True)]
-    control_cpu = statistics.median(r["send_us"] for r in res["control"])
-    control_med = statistics.median(control)
+    gil = [r["send_us"] + r["py_us"] for r in res["streaming"]]
+    gil_med = statistics.median(gil)
+    wall = {ph: statistics.median(over[ph]) for ph in over}
     console.print(
-        f"control, {args.reps} more interleaved pairs: the engine burning {control_cpu:.2f} µs more per "
-        f"sample (the streaming phases' GIL cost) and nothing else: wall {control_med:+.2%} (per pair: "
-        + ", ".join(f"{c:+.1%}" for c in control)
-        + f"); streaming: {wall_med:+.2%}. A wall overhead like the control's is the CPU cost itself; "
-        "more would be GIL handoffs and cache pollution."
-    )
-    console.print(
-        f"GIL-side cost per sample (send() + the other Python threads): {gil_med:.2f} µs = "
-        f"{gil_med / budget_us:.2%} of one sample's {budget_us:.0f} µs (target < {TARGET:.0%}); "
-        f"with ZeroMQ's thread (other core, no GIL): {(gil_med + med['zmq_us']) / budget_us:.2%}"
+        f"GIL-side CPU per sample (send() + the other Python threads): {gil_med:.2f} µs = "
+        f"{gil_med / budget_us:.2%} of one sample's {budget_us:.0f} µs "
+        f"(target < {TARGET:.0%}; per repetition: "
+        + ", ".join(f"{g:.2f}" for g in gil)
+        + "); with ZeroMQ's threads (other core, no GIL): "
+        + f"{(gil_med + med['streaming']['zmq_us']) / budget_us:.2%}. "
+        f"Wall: streaming {wall['streaming']:+.2%}, the control burning {med['control']['send_us']:.2f} µs "
+        f"per sample {wall['control']:+.2%}, another generator streaming on the other core "
+        f"{wall['neighbour']:+.2%}."
     )
     lat = sorted(latencies)
     span = arrivals[-1] - arrivals[0]
@@ -311,8 +383,8 @@ def main() -> None:
         t2.add_column(col, justify="left" if col == "what" else "right")
     t2.add_row("streaming: latency finished -> trainer get(), p50 / p99 ms",
                f"{1e3 * lat[len(lat) // 2]:.2f} / {1e3 * lat[int(0.99 * len(lat))]:.2f}")  # fmt: skip
-    t2.add_row("flat out: samples/s (acked, CURVE)", f"{(args.flat - 1) / span:.0f}")
-    t2.add_row("flat out: MB/s", f"{(args.flat - 1) / span * res['size'] / 1e6:.0f}")
+    t2.add_row("flat out: samples/s (acked, CURVE)", f"{(len(arrivals) - 1) / span:.0f}")
+    t2.add_row("flat out: MB/s", f"{(len(arrivals) - 1) / span * res['size'] / 1e6:.0f}")
     t2.add_row("flat out: sender CPU µs / sample (all threads)", f"{res['flat_us']:.2f}")
     t2.add_row("baseline: msgspec encode alone, hot loop, µs", f"{res['encode_us']:.2f}")
     t2.add_row("baseline: bare PUSH/PULL, same bytes, msgs/s", f"{floor['rate']:.0f}")
@@ -325,9 +397,10 @@ def main() -> None:
         "baseline": round(budget_us, 1),
         "ratio": round(gil_med / budget_us, 4),
         "target": TARGET,
-        "all_threads_ratio": round((gil_med + med["zmq_us"]) / budget_us, 4),
-        "wall_overhead": round(wall_med, 4),
-        "wall_overhead_control_same_cpu": round(control_med, 4),
+        "all_threads_ratio": round((gil_med + med["streaming"]["zmq_us"]) / budget_us, 4),
+        "wall_overhead": round(wall["streaming"], 4),
+        "wall_overhead_control_same_cpu": round(wall["control"], 4),
+        "wall_overhead_other_core_streaming": round(wall["neighbour"], 4),
     }
     print(json.dumps(record), flush=True)
 

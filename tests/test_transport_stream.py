@@ -126,13 +126,14 @@ def test_backpressure_bounds_memory_and_send_times_out():
                 sent += 1
         # Everything in the system: the receiver's queue (+ one batch) and the sender's window.
         assert r.qsize() <= cfg.queue + cfg.max_batch
-        assert s.pending() == cfg.window
+        assert s.pending() == cfg.window and s.room() == 0  # the generator role sends from a thread now
         assert cfg.window <= sent <= cfg.queue + cfg.max_batch + cfg.window
         got = drain(r, sent)  # the trainer catches up: the window opens, nothing was lost
         for i in range(sent, sent + 10):
             s.send(sample("p", i), timeout=10)
         got += drain(r, 10)
         assert sorted(x.sample_index for x in got) == list(range(sent + 10))
+        assert s.flush(10) and s.room() == cfg.window
     finally:
         s.close()
         r.close()

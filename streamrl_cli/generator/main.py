@@ -240,10 +240,12 @@ class GeneratorRole:
             samples = [] if result.aborted else to_samples(result, self.member_id)
             self.meter.finished(time.time(), len(samples), sum(len(s.token_ids) for s in samples))
             if samples:
-                await asyncio.to_thread(self._send_all, samples)
+                if self.sender.room() >= len(samples):
+                    self._send_all(samples)  # on the engine's thread: no other thread takes the GIL
+                else:  # in a thread: send() blocks while the trainer has the window full (back-pressure)
+                    await asyncio.to_thread(self._send_all, samples)
 
     def _send_all(self, samples: list[Sample]) -> None:
-        # In a thread: send() blocks while the trainer has the window full (back-pressure).
         for s in samples:
             self.sender.send(s)
 

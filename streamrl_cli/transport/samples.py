@@ -57,6 +57,10 @@ class SampleSender(ABC):
     def send(self, sample: Sample, timeout: float | None = None) -> None:
         """Queue `sample`; blocks while the window is full, raises BackpressureTimeout after `timeout`."""
 
+    def room(self) -> int:
+        """Samples that send() takes now without blocking (0 if it cannot tell)."""
+        return 0
+
     @abstractmethod
     def requests(self, timeout: float | None = 0.0) -> list[Request]:
         """Requests dispatched to this generator since the last call (waits up to `timeout` for one)."""

@@ -52,7 +52,11 @@ class ZmqSampleSender(SampleSender):
         self.config, self.generator, self.endpoint = config, generator, tcp_endpoint(address)
         self.session = secrets.token_hex(8)
         self._keys = curve_keys(token)
-        self._cond = threading.Condition(threading.Lock())  # not the default RLock: cheaper
+        lock = threading.Lock()  # not the default RLock: cheaper
+        self._cond = threading.Condition(lock)  # acks, refusals, closing: what send() and flush() wait for
+        # What requests() waits for (requests, closing), apart: a generator's request loop waits all the
+        # time, and waking it for every acknowledgement took the engine's GIL for nothing.
+        self._arrived = threading.Condition(lock)
         self._next_seq = 1
         self._unacked: dict[int, bytes] = {}  # seq -> encoded sample; insertion order = resend order
         self._outbox: deque[int] = deque()  # seqs not yet handed to ZeroMQ
@@ -102,7 +106,7 @@ class ZmqSampleSender(SampleSender):
     def requests(self, timeout: float | None = 0.0) -> list[w.Request]:
         with self._cond:
             if not self._requests and timeout != 0:
-                self._cond.wait_for(lambda: self._requests or self._closing, timeout)
+                self._arrived.wait_for(lambda: self._requests or self._closing, timeout)
             out = list(self._requests)
             self._requests.clear()
             return out
@@ -117,6 +121,10 @@ class ZmqSampleSender(SampleSender):
                 raise TransportError(
                     f"{self.generator}: no answer from the trainer at {self.endpoint} in {timeout}s"
                 )
+
+    def room(self) -> int:
+        with self._cond:
+            return self.config.window - len(self._unacked)
 
     def pending(self) -> int:
         """Samples sent but not yet acknowledged (owned by this generator)."""
@@ -146,6 +154,7 @@ class ZmqSampleSender(SampleSender):
             with self._cond:
                 self._closing = True
                 self._cond.notify_all()
+                self._arrived.notify_all()
             self._waker.wake()
             self._thread.join(timeout=5)
         self._ctx.destroy(linger=0)
@@ -311,5 +320,5 @@ class ZmqSampleSender(SampleSender):
                     self._req_expected += 1
                     self.stats["requests"] += 1
             upto = self._req_expected - 1
-            self._cond.notify_all()
+            self._arrived.notify_all()
         sock.send(w.message(w.REQUEST_ACK, upto))
