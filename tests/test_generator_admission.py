@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 
 import pytest
@@ -18,6 +19,7 @@ from streamrl_cli.generator.engine import Completion, GenerationResult
 from streamrl_cli.generator.main import GeneratorRole
 from streamrl_cli.launch.plan import RoleSpec
 from streamrl_cli.skew.dispatch import lpt_priorities
+from streamrl_cli.transport.samples import SampleSender
 from streamrl_cli.transport.wire import Request
 
 
@@ -118,11 +120,13 @@ def role_spec() -> RoleSpec:
     )  # fmt: skip
 
 
-class FakeSender:
-    """The sample sender as the role sees it: one batch of requests, then nothing; samples recorded."""
+class FakeSender(SampleSender):
+    """The sample sender as the role sees it: one batch of requests, then nothing; samples recorded.
+    With `window`, send() takes that many before the role must wait in a thread (back-pressure)."""
 
-    def __init__(self, requests: list[Request]):
-        self._requests, self.sent = list(requests), []
+    def __init__(self, requests: list[Request], window: int = 0):
+        self._requests, self.sent, self.window = list(requests), [], window
+        self.threads: set[str] = set()  # the threads send() was called on
 
     def requests(self, timeout: float) -> list[Request]:
         out, self._requests = self._requests, []
@@ -130,14 +134,21 @@ class FakeSender:
             time.sleep(min(timeout, 0.02))
         return out
 
-    def send(self, sample) -> None:
+    def room(self) -> int:
+        return self.window
+
+    def send(self, sample, timeout=None) -> None:
+        self.threads.add(threading.current_thread().name)
         self.sent.append(sample)
 
+    def close(self, flush_timeout: float = 5.0) -> None:
+        pass
 
-async def drive_role(engine, requests: list[Request], timeout: float = 120.0) -> list:
+
+async def drive_role(engine, requests: list[Request], timeout: float = 120.0, sender=None) -> list:
     """Run the role's receive → admission → engine → deliver path until every sample is sent."""
     role = GeneratorRole(role_spec(), 0, engine=engine)
-    role.sender = FakeSender(requests)
+    role.sender = sender or FakeSender(requests, window=1000)
     role._serving.set()  # what connecting the sample stream does
     want = sum(len(r.sample_indices) for r in requests)
     tasks = [asyncio.create_task(role._receive()), asyncio.create_task(role._deliver())]
@@ -231,3 +242,13 @@ def test_role_admits_in_order_within_the_batch_limit(lpt):
     assert sorted((s.prompt_id, s.sample_index) for s in samples) == sorted(
         (r.prompt_id, i) for r in reqs for i in (0, 1)
     )
+
+
+@pytest.mark.parametrize("window", [1000, 1])
+def test_the_role_sends_on_its_loop_when_the_window_has_room_and_from_a_thread_when_not(window):
+    reqs = requests_for([20, 30], lpt=False, limit=0, n=2)  # groups of two samples
+    sender = FakeSender(reqs, window=window)
+    samples = asyncio.run(drive_role(FakeEngine(), reqs, sender=sender))
+    assert len(samples) == 4
+    on_loop = sender.threads == {threading.main_thread().name}
+    assert on_loop == (window >= 2)  # a window too small for a group: send() may block, so not on the loop
