@@ -92,8 +92,8 @@ def zmq_threads() -> list[int]:
 
 
 def python_threads_ns(engine: int) -> int:
-    """CPU of every Python thread of this process but the engine's: the sender's I/O thread, and
-    pyzmq's garbage collector thread, which lets go of messages sent without a copy."""
+    """CPU of every Python thread of this process but the engine's: the sender's I/O thread, the
+    request loop, and pyzmq's garbage collector thread, which lets go of messages sent without a copy."""
     zmq_tids = set(zmq_threads())
     return sum(thread_ns(int(t)) for t in os.listdir("/proc/self/task") if int(t) not in zmq_tids | {engine})
 
