@@ -396,8 +396,8 @@ def rank(
     from streamrl_cli.tasks import make_task
 
     r = load(recipe, overrides or []).recipe
-    skew = {**dataclasses.asdict(r.skewness), "cache": None}  # scoring from a cache would only copy it
-    kind = skew["ranker"]
+    skew = dataclasses.replace(r.skewness, cache=None)  # scoring from a cache would only copy it
+    kind = skew.ranker
     if kind == "none":
         raise RankerError(
             "skewness.ranker is none: name the ranker to score with, e.g. skewness.ranker=learned "
@@ -405,13 +405,13 @@ def rank(
         )
     if fit is not None and kind not in ("learned", "history"):
         raise RankerError(f"--fit teaches a learned or history ranker, not skewness.ranker={kind}")
-    task = make_task(dataclasses.asdict(r.task), r.train.seed)
+    task = make_task(r.task, r.train.seed)
     model = r.skewness.ranker_model or r.model.path
     if kind in ("learned", "history") and not r.skewness.ranker_model:
         from streamrl_cli.models.warmup import ensure_model
 
         with err.status(f"preparing {r.model.name} (once, cached)"):
-            model = str(ensure_model(dataclasses.asdict(r.model), dataclasses.asdict(r.task)))
+            model = str(ensure_model(r.model, r.task))
     prompts = list(task.prompts())[:limit]
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
     with make_ranker(skew, model_path=model, task=task, seed=r.train.seed, device=device) as ranker:

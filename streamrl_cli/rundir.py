@@ -6,7 +6,7 @@ no command depends on the process that launched the run:
     runs/<name>-<YYYYmmdd-HHMMSS>/
       run.json          what was launched, how, and its lifecycle state
       config.yaml       the fully resolved recipe
-      roles/<role>.yaml each role's slice (see launch.plan.RoleSpec)
+      roles/<role>.yaml each role's typed spec (see roles.spec)
       secret            the run's token (mode 0600; never in argv, env or job scripts)
       jobs/             rendered job scripts (sbatch, or the local command lines)
       jobs.json         submitted jobs keyed by (cluster, job id)

@@ -17,21 +17,22 @@ from streamrl_cli.generator.weights import (
     make_weight_path,
     weight_source,
 )
-from streamrl_cli.launch.plan import RoleSpec
+from streamrl_cli.recipe.schema import GeneratorConfig, ModelConfig, TaskConfig, TrainConfig
+from streamrl_cli.roles.spec import GeneratorSpec
 from streamrl_cli.transport.wire import Request
 
 
-def spec(**overrides) -> RoleSpec:
+def spec(**overrides) -> GeneratorSpec:
     base = dict(
         run_name="t", run_dir="/tmp/none", role="generator", cluster="local", site="local", world=3,
         expected={"trainer": 1, "generator": 3}, program="streamrl_cli.generator.main:main",
         weight_transport="broadcast", rendezvous_file="/tmp/none/rendezvous.json",
         secret_file="/tmp/none/secret",
-        settings={"engine": "vllm", "tensor_parallel": 2, "gpus_per_instance": 2},
-        model={"name": "m", "path": "~/models/m", "dtype": "bfloat16"},
-        task={"max_prompt_len": 100, "max_output_len": 300}, train={"seed": 5},
+        settings=GeneratorConfig(engine="vllm", tensor_parallel=2, gpus_per_instance=2),
+        model=ModelConfig(name="m", path="~/models/m", dtype="bfloat16"),
+        task=TaskConfig(max_prompt_len=100, max_output_len=300), train=TrainConfig(seed=5),
     )  # fmt: skip
-    return RoleSpec(**{**base, **overrides})
+    return GeneratorSpec(**{**base, **overrides})
 
 
 def request(indices=(0, 1, 2, 3), **sampling) -> Request:
@@ -100,7 +101,7 @@ def test_engine_settings_come_from_the_recipe():
     kw = engine_kwargs(spec())
     assert kw["model"].endswith("/models/m") and not kw["model"].startswith("~")
     assert (kw["dtype"], kw["max_model_len"], kw["tensor_parallel"], kw["seed"]) == ("bfloat16", 400, 2, 5)
-    cpu = spec(settings={"engine": "vllm", "tensor_parallel": 1, "gpus_per_instance": 0})
+    cpu = spec(settings=GeneratorConfig(engine="vllm", tensor_parallel=1, gpus_per_instance=0))
     assert engine_kwargs(cpu)["dtype"] is None  # the engine picks float32 on CPUs
     assert kw["cpu_cores"] is None  # GPUs: no CPU binding
 

@@ -93,5 +93,5 @@ def test_a_fixed_policy_and_the_generators_batch_bound_reach_the_roles(tmp_path)
     r = load("local", ["algorithm.lr=0", "roles.generator.max_num_seqs=12"]).recipe
     assert not check(r)
     specs = plan.role_specs(r, tmp_path)
-    assert specs["trainer"].generator_max_seqs == 12
+    assert specs["trainer"].generator.max_num_seqs == 12
     assert engine_kwargs(specs["generator"])["max_num_seqs"] == 12

@@ -41,8 +41,8 @@ from streamrl_cli.generator.admission import Admission
 from streamrl_cli.generator.engine import GenerationEngine, GenerationRequest, make_engine
 from streamrl_cli.generator.stream import Meter, to_engine_request, to_samples
 from streamrl_cli.generator.weights import WeightPath, make_weight_path
-from streamrl_cli.launch.plan import RoleSpec
 from streamrl_cli.rendezvous.client import RendezvousClient, RendezvousRequestError
+from streamrl_cli.roles.spec import GeneratorSpec
 from streamrl_cli.weights.layout import STARTING, WAITING
 
 if TYPE_CHECKING:
@@ -55,25 +55,24 @@ METRICS_S = 5.0  # metrics report interval
 POLL_S = 0.5  # how long one blocking call in a thread may wait before checking for a stop
 
 
-def main(spec: RoleSpec, rank: int) -> int:
+def main(spec: GeneratorSpec, rank: int) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per rendezvous call otherwise
     return asyncio.run(GeneratorRole(spec, rank).run())
 
 
-def engine_kwargs(spec: RoleSpec, rank: int = 0) -> dict[str, Any]:
+def engine_kwargs(spec: GeneratorSpec, rank: int = 0) -> dict[str, Any]:
     """Engine settings from the recipe: the model, its dtype, the longest prompt + output, the batch bound,
     and on CPUs the core this instance's worker runs on."""
-    path = os.path.expanduser(spec.model["path"])
-    dtype = spec.model.get("dtype")
-    cpu = spec.settings.get("gpus_per_instance", 1) == 0 and int(spec.settings.get("tensor_parallel", 1)) == 1
+    g = spec.settings
+    cpu = g.gpus_per_instance == 0 and g.tensor_parallel == 1
     return {
-        "model": path,
-        "dtype": None if spec.settings.get("gpus_per_instance", 1) == 0 else dtype,  # CPU: float32
-        "max_model_len": int(spec.task["max_prompt_len"]) + int(spec.task["max_output_len"]),
-        "tensor_parallel": int(spec.settings.get("tensor_parallel", 1)),
-        "seed": int(spec.train.get("seed", 0)),
-        "max_num_seqs": int(spec.settings.get("max_num_seqs", 64)),
+        "model": os.path.expanduser(spec.model.path),
+        "dtype": None if g.gpus_per_instance == 0 else spec.model.dtype,  # CPU: float32
+        "max_model_len": spec.task.max_prompt_len + spec.task.max_output_len,
+        "tensor_parallel": g.tensor_parallel,
+        "seed": spec.train.seed,
+        "max_num_seqs": g.max_num_seqs,
         "cpu_cores": cpu_binding(rank, spec.world, sorted(os.sched_getaffinity(0)), os.cpu_count() or 1)
         if cpu
         else None,
@@ -98,7 +97,7 @@ def cpu_binding(rank: int, instances: int, cores: list[int], host_cores: int) ->
     return ",".join(str(c) for c in cores[first : first + share])
 
 
-def ensure_model(spec: RoleSpec) -> None:
+def ensure_model(spec: GeneratorSpec) -> None:
     """The model must exist; a recipe with a builder (the embedded default's) makes it on first use."""
     from streamrl_cli.models.warmup import ensure_model as make
 
@@ -108,16 +107,16 @@ def ensure_model(spec: RoleSpec) -> None:
 class GeneratorRole:
     """One generator instance: engine, rendezvous membership, sample stream, weight updates."""
 
-    def __init__(self, spec: RoleSpec, rank: int, *, engine: GenerationEngine | None = None):
+    def __init__(self, spec: GeneratorSpec, rank: int, *, engine: GenerationEngine | None = None):
         if spec.weight_transport not in ("broadcast", "relay"):
             raise StreamRLError(
                 f"generator: unknown weight transport {spec.weight_transport!r} (broadcast or relay)"
             )
         self.spec, self.rank = spec, rank
         self.member_id = f"generator-{rank}"
-        self.engine = engine or make_engine(spec.settings.get("engine", "vllm"), **engine_kwargs(spec, rank))
+        self.engine = engine or make_engine(spec.settings.engine, **engine_kwargs(spec, rank))
         self.meter = Meter(time.time())
-        self.defaults = {"max_tokens": int(spec.task["max_output_len"]), "temperature": 1.0}
+        self.defaults = {"max_tokens": spec.task.max_output_len, "temperature": 1.0}
         self._stop = asyncio.Event()
         self._serial = itertools.count()
         # Requests wait here until they fit in the batch their dispatcher chose (generator.admission);
@@ -187,7 +186,7 @@ class GeneratorRole:
         await asyncio.to_thread(self.sender.wait_connected, WAIT_S)
         self.rdv.set_status(state="generating", weight_version=self.engine.weight_version)
         self._serving.set()
-        log.info("%s serving %s, streaming to %s", self.member_id, self.spec.model.get("name"), address)
+        log.info("%s serving %s, streaming to %s", self.member_id, self.spec.model.name, address)
 
     async def _serve(self, since: int) -> int:
         tasks = [
@@ -339,10 +338,10 @@ class GeneratorRole:
     def _info(self) -> dict[str, Any]:
         return {
             "program": "generator",
-            "engine": self.spec.settings.get("engine", "vllm"),
-            "model": self.spec.model.get("name"),
+            "engine": self.spec.settings.engine,
+            "model": self.spec.model.name,
             # Ranks it takes in its site's weight group (one per worker).
-            "workers": int(self.spec.settings.get("tensor_parallel", 1)),
+            "workers": self.spec.settings.tensor_parallel,
             "pid": os.getpid(),
         }
 

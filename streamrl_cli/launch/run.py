@@ -11,21 +11,20 @@ itself when the run's jobs have ended (see roles.rendezvous).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from rich.console import Console
 
 from streamrl_cli import rundir
 from streamrl_cli.errors import ClusterError, RendezvousError
 from streamrl_cli.launch import local, plan, slurm
-from streamrl_cli.launch.plan import JobSpec, RoleSpec
+from streamrl_cli.launch.plan import JobSpec
 from streamrl_cli.recipe.load import Composed
+from streamrl_cli.roles.spec import RoleSpec, TrainerSpec, load_spec, spec_yaml
 from streamrl_cli.rundir import RunDir, write_atomic
 
 RENDEZVOUS_START_S = 60.0  # a local server starts in about a second
@@ -53,7 +52,7 @@ def prepare(composed: Composed, root: Path | None = None, dry_run: bool = False)
     spec_paths = {}
     for role, spec in specs.items():
         spec_paths[role] = run.path / "roles" / f"{role}.yaml"
-        write_atomic(spec_paths[role], yaml.safe_dump(dataclasses.asdict(spec), sort_keys=False))
+        write_atomic(spec_paths[role], spec_yaml(spec))
     run.ensure_secret()
     scripts = {}
     for job in jobs:
@@ -114,8 +113,6 @@ def reopen(run: RunDir) -> Prepared:
     spec_paths = {
         role: run.path / "roles" / f"{role}.yaml" for role in ("trainer", "generator", "rendezvous")
     }
-    from streamrl_cli.roles.entry import load_spec
-
     specs = {role: load_spec(path) for role, path in spec_paths.items()}
     scripts = {
         j.key: run.path / "jobs" / f"{j.key}.{'sbatch' if j.launcher == 'slurm' else 'sh'}" for j in jobs
@@ -133,8 +130,9 @@ def prepare_model(p: Prepared, console: Console) -> None:
     from streamrl_cli.models.warmup import ensure_model
 
     spec = p.specs["trainer"]
-    path = Path(os.path.expanduser(str(spec.model["path"])))
-    if path.exists() or not spec.model.get("builder"):
+    assert isinstance(spec, TrainerSpec)
+    path = Path(os.path.expanduser(spec.model.path))
+    if path.exists() or not spec.model.builder:
         return
     from transformers.utils import logging as hf_logging
 
@@ -144,15 +142,13 @@ def prepare_model(p: Prepared, console: Console) -> None:
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), console=console, transient=True,
     ) as progress:  # fmt: skip
-        bar = progress.add_task(
-            f"building {spec.model['name']} (once, cached)", total=None, loss=float("nan")
-        )
+        bar = progress.add_task(f"building {spec.model.name} (once, cached)", total=None, loss=float("nan"))
 
         def report(step: int, steps: int, loss: float) -> None:
             progress.update(bar, description="warming up the model", completed=step, total=steps, loss=loss)
 
         ensure_model(spec.model, spec.task, progress=report)
-    console.print(f"model {spec.model['name']}: {path}", markup=False, highlight=False)
+    console.print(f"model {spec.model.name}: {path}", markup=False, highlight=False)
 
 
 def launch(p: Prepared, console: Console) -> int:

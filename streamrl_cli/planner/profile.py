@@ -150,11 +150,9 @@ def request_from_recipe(r: Recipe, *, trainer: str, batches: str, where: str) ->
             )
         # A recipe that says how to make its model (the tiny one, maybe warmed up): made here, once,
         # exactly as `streamrl run` makes it, so a later run finds the same model at model.path.
-        import dataclasses
-
         from streamrl_cli.models.warmup import ensure_model
 
-        ensure_model(dataclasses.asdict(r.model), dataclasses.asdict(r.task))
+        ensure_model(r.model, r.task)
     if trainer not in ("torch", "deepspeed"):
         raise ProfileError(f"--trainer {trainer!r}: valid: torch, deepspeed")
     try:

@@ -29,6 +29,15 @@ def check(r: Recipe) -> list[Problem]:
     ]
 
 
+def resolve(r: Recipe) -> Recipe:
+    """Settings whose value follows from others, made explicit once (after ``check`` found nothing):
+    the roles read what runs, and the run's config.yaml shows it."""
+    a = r.algorithm
+    if a.is_correction == "auto":  # truncated IS corrects the lag of async samples; others have none
+        a.is_correction = "on" if a.mode == "async" else "off"
+    return r
+
+
 def _clusters(r: Recipe) -> Iterator[Problem]:
     if not r.clusters:
         yield "clusters", "no cluster defined; add one, e.g. `- cluster@clusters.local: local` to defaults"

@@ -15,15 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 from streamrl_cli.errors import StreamRLError
-from streamrl_cli.launch.plan import RoleSpec
+from streamrl_cli.roles.spec import RoleSpec, load_spec
 from streamrl_cli.rundir import write_atomic
 
-
-def load_spec(path: str | Path) -> RoleSpec:
-    return RoleSpec(**yaml.safe_load(Path(path).read_text()))
+__all__ = ["load_spec", "run_role"]
 
 
 def rank_from_env(role: str) -> int:

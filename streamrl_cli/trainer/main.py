@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from streamrl_cli.errors import StreamRLError
-from streamrl_cli.launch.plan import RoleSpec
+from streamrl_cli.roles.spec import TrainerSpec
 
 log = logging.getLogger("streamrl.trainer")
 
 WAIT_S = 600.0
 
 
-def main(spec: RoleSpec, rank: int) -> int:
+def main(spec: TrainerSpec, rank: int) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per rendezvous call otherwise
     return TrainerRole(spec, rank).run()
@@ -46,7 +46,7 @@ def free_port() -> int:
 
 
 class TrainerRole:
-    def __init__(self, spec: RoleSpec, rank: int):
+    def __init__(self, spec: TrainerSpec, rank: int):
         self.spec, self.rank = spec, rank
         self.run_dir = Path(spec.run_dir)
         self.rdv: Any = None
@@ -74,7 +74,7 @@ class TrainerRole:
 
         cuda = torch.cuda.is_available()
         if not cuda:  # as many threads as the job's cores: more only fight the generators for them
-            torch.set_num_threads(max(1, int(self.spec.settings.get("cpus_per_task", 1))))
+            torch.set_num_threads(max(1, self.spec.settings.cpus_per_task))
         backend = "nccl" if cuda else "gloo"
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
         world = self.spec.world
@@ -116,20 +116,20 @@ class TrainerRole:
         return 0
 
     def _data_plane(self, backend: str) -> tuple[Any, Any]:
-        from streamrl_cli.roles.entry import load_spec
         from streamrl_cli.trainer.publish import WeightPublisher
         from streamrl_cli.transport.dispatch import DispatchService
         from streamrl_cli.transport.samples import StreamConfig
 
-        gen = load_spec(self.run_dir / "roles" / "generator.yaml")
+        gen = self.spec.generator
         svc = DispatchService(StreamConfig(), self.token)
         self.closers.append(svc)
-        workers = gen.world * int(gen.settings.get("tensor_parallel", 1))
+        workers = gen.instances * gen.tensor_parallel
         publisher = WeightPublisher(
-            self.rdv, self.token, transport=gen.weight_transport, generator_workers=workers, backend=backend
-        )
+            self.rdv, self.token, transport=self.spec.generator_transport, generator_workers=workers,
+            backend=backend,
+        )  # fmt: skip
         self.closers.append(publisher)
-        self.generators = gen.world
+        self.generators = gen.instances
         return svc, publisher
 
     def _rank0(self) -> dict[str, Any]:
@@ -147,15 +147,15 @@ class TrainerRole:
         from streamrl_cli.trainer.learner import Learner, LossConfig, OptimConfig
         from streamrl_cli.trainer.models import torch_dtype
 
-        a, settings = self.spec.algorithm, self.spec.settings
-        torch.manual_seed(int(self.spec.train.get("seed", 0)) + self.rank)
-        loss = LossConfig.from_recipe(a, int(self.spec.task["max_output_len"]))
+        a = self.spec.algorithm
+        torch.manual_seed(self.spec.train.seed + self.rank)
+        loss = LossConfig.from_recipe(a, self.spec.task.max_output_len)
         opt = OptimConfig(
-            zero_stage=int(settings.get("zero_stage", 1)), lr=float(a["lr"]), critic_lr=float(a["critic_lr"]),
-            weight_decay=float(a["weight_decay"]), max_grad_norm=float(a["max_grad_norm"]),
+            zero_stage=self.spec.settings.zero_stage, lr=a.lr, critic_lr=a.critic_lr,
+            weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm,
         )  # fmt: skip
-        path = os.path.expanduser(self.spec.model["path"])
-        return Learner(path, loss, opt, device, torch_dtype(self.spec.model.get("dtype", "float32"), device))
+        path = os.path.expanduser(self.spec.model.path)
+        return Learner(path, loss, opt, device, torch_dtype(self.spec.model.dtype, device))
 
     def _train(self, driver: Any, svc: Any, publisher: Any) -> None:
         from transformers import AutoTokenizer
@@ -166,12 +166,12 @@ class TrainerRole:
         from streamrl_cli.trainer.pipeline import Pipeline, PipelineConfig
 
         a, t, task_cfg, skew = self.spec.algorithm, self.spec.train, self.spec.task, self.spec.skewness
-        seed = int(t.get("seed", 0))
+        seed = t.seed
         random.seed(seed)
         task = make_task(task_cfg, seed)
-        sampler = PromptSampler(list(task.prompts()), int(t["global_batch"]), seed)
-        tok = AutoTokenizer.from_pretrained(os.path.expanduser(self.spec.model["path"]))
-        max_prompt = int(task_cfg["max_prompt_len"])
+        sampler = PromptSampler(list(task.prompts()), t.global_batch, seed)
+        tok = AutoTokenizer.from_pretrained(os.path.expanduser(self.spec.model.path))
+        max_prompt = task_cfg.max_prompt_len
 
         def tokenize(text: str) -> list[int]:
             ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -192,19 +192,17 @@ class TrainerRole:
             current = self.rdv.versions()["current"]
             version = max(int(state["weight_version"]), (current or 0) + 1)
             log.info("resuming from %s: iteration %d, weight version %d", latest, start, version)
-        iterations = int(t["iterations"])
+        iterations = t.iterations
         cfg = PipelineConfig(
-            mode=a["mode"], algorithm=a["name"], group_size=int(a["group_size"]),
-            global_batch=int(t["global_batch"]), micro_batch=int(t["micro_batch"]), world=self.spec.world,
-            max_staleness=int(a["max_staleness"]), max_output_len=int(task_cfg["max_output_len"]),
-            temperature=float(a.get("temperature", 1.0)), grpo_std_norm=bool(a.get("grpo_std_norm", True)),
-            seed=seed, dispatch=skew.get("dispatch", "random"), schedule=skew.get("schedule", "fifo"),
-            long_tail=float(skew.get("long_tail", 0.2)), engine_max_seqs=self.spec.generator_max_seqs,
-            reproducible=bool(t.get("reproducible_sampling", False)),
+            mode=a.mode, algorithm=a.name, group_size=a.group_size, global_batch=t.global_batch,
+            micro_batch=t.micro_batch, world=self.spec.world, max_staleness=a.max_staleness,
+            max_output_len=task_cfg.max_output_len, temperature=a.temperature, grpo_std_norm=a.grpo_std_norm,
+            seed=seed, dispatch=skew.dispatch, schedule=skew.schedule, long_tail=skew.long_tail,
+            engine_max_seqs=self.spec.generator.max_num_seqs, reproducible=t.reproducible_sampling,
         )  # fmt: skip
         ranker = self._ranker(task, seed)
         sinks = self._sinks()
-        every, keep = int(t.get("checkpoint_every", 0)), int(t.get("keep_checkpoints", 2))
+        every, keep = t.checkpoint_every, t.keep_checkpoints
 
         def on_record(rec: dict[str, Any]) -> None:
             i = rec["iteration"]
@@ -252,7 +250,7 @@ class TrainerRole:
         from streamrl_cli.ranker.base import make_ranker
 
         skew = self.spec.skewness
-        base = skew.get("ranker_model") or self.spec.model["path"]
+        base = skew.ranker_model or self.spec.model.path
         return make_ranker(skew, model_path=os.path.expanduser(base), task=task, seed=seed)
 
     def _wait_generators_serving(self) -> None:
@@ -273,11 +271,9 @@ class TrainerRole:
             time.sleep(0.5)
 
     def _sinks(self) -> list[Any]:
-        names = list(self.spec.train.get("loggers") or [])
+        names = list(self.spec.train.loggers)
         if not names:
             return []
         from streamrl_cli.metrics.sinks import make_sinks
 
-        return make_sinks(
-            names, self.run_dir, self.spec.run_name, self.spec.train.get("wandb_project", "streamrl")
-        )
+        return make_sinks(names, self.run_dir, self.spec.run_name, self.spec.train.wandb_project)
