@@ -115,9 +115,10 @@ def role_spec() -> GeneratorSpec:
         run_name="t", run_dir="/tmp/none", role="generator", cluster="local", site="local", world=2,
         expected={"trainer": 1, "generator": 1}, program="streamrl_cli.generator.main:main",
         weight_transport="broadcast", rendezvous_file="/tmp/none/rendezvous.json",
-        secret_file="/tmp/none/secret", settings=GeneratorConfig(engine="vllm", gpus_per_instance=0),
+        secret_file="/tmp/none/secret",
+        settings=GeneratorConfig(cluster="local", engine="vllm", gpus_per_instance=0),
         model=ModelConfig(name="m", path="/tmp/none/m"),
-        task=TaskConfig(max_prompt_len=64, max_output_len=128), train=TrainConfig(seed=0),
+        task=TaskConfig(name="builtin", max_prompt_len=64, max_output_len=128), train=TrainConfig(seed=0),
     )  # fmt: skip
 
 

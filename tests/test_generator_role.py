@@ -108,9 +108,10 @@ class Harness:
             world=instances, expected={"trainer": 1, "generator": instances},
             program="streamrl_cli.generator.main:main", weight_transport=transport,
             rendezvous_file=str(self.run_dir / "rendezvous.json"), secret_file=str(self.run_dir / "secret"),
-            settings=GeneratorConfig(engine="vllm", tensor_parallel=1, gpus_per_instance=0),
+            settings=GeneratorConfig(cluster="local", engine="vllm", tensor_parallel=1, gpus_per_instance=0),
             model=ModelConfig(name="tiny-test", path=str(self.model), dtype="float32"),
-            task=TaskConfig(max_prompt_len=256, max_output_len=256), train=TrainConfig(seed=0),
+            task=TaskConfig(name="builtin", max_prompt_len=256, max_output_len=256),
+            train=TrainConfig(seed=0),
         )  # fmt: skip
         path = self.run_dir / "roles" / "generator.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -28,9 +28,9 @@ def spec(**overrides) -> GeneratorSpec:
         expected={"trainer": 1, "generator": 3}, program="streamrl_cli.generator.main:main",
         weight_transport="broadcast", rendezvous_file="/tmp/none/rendezvous.json",
         secret_file="/tmp/none/secret",
-        settings=GeneratorConfig(engine="vllm", tensor_parallel=2, gpus_per_instance=2),
+        settings=GeneratorConfig(cluster="local", engine="vllm", tensor_parallel=2, gpus_per_instance=2),
         model=ModelConfig(name="m", path="~/models/m", dtype="bfloat16"),
-        task=TaskConfig(max_prompt_len=100, max_output_len=300), train=TrainConfig(seed=5),
+        task=TaskConfig(name="builtin", max_prompt_len=100, max_output_len=300), train=TrainConfig(seed=5),
     )  # fmt: skip
     return GeneratorSpec(**{**base, **overrides})
 
@@ -101,7 +101,9 @@ def test_engine_settings_come_from_the_recipe():
     kw = engine_kwargs(spec())
     assert kw["model"].endswith("/models/m") and not kw["model"].startswith("~")
     assert (kw["dtype"], kw["max_model_len"], kw["tensor_parallel"], kw["seed"]) == ("bfloat16", 400, 2, 5)
-    cpu = spec(settings=GeneratorConfig(engine="vllm", tensor_parallel=1, gpus_per_instance=0))
+    cpu = spec(
+        settings=GeneratorConfig(cluster="local", engine="vllm", tensor_parallel=1, gpus_per_instance=0)
+    )
     assert engine_kwargs(cpu)["dtype"] is None  # the engine picks float32 on CPUs
     assert kw["cpu_cores"] is None  # GPUs: no CPU binding
 

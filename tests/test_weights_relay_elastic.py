@@ -51,9 +51,9 @@ class FarSite(Run):
             world=3, expected={"trainer": 1, "generator": 3},
             program="streamrl_cli.generator.main:main", weight_transport="relay",
             rendezvous_file=str(self.run_dir / "rendezvous.json"), secret_file=str(self.run_dir / "secret"),
-            settings=GeneratorConfig(engine="none", tensor_parallel=1, gpus_per_instance=0),
+            settings=GeneratorConfig(cluster="local", engine="none", tensor_parallel=1, gpus_per_instance=0),
             model=ModelConfig(name="none", path=str(root / "model")),
-            task=TaskConfig(max_prompt_len=8, max_output_len=8), train=TrainConfig(seed=0),
+            task=TaskConfig(name="builtin", max_prompt_len=8, max_output_len=8), train=TrainConfig(seed=0),
         )  # fmt: skip
         self.spec = root / "generator.yaml"
         self.spec.write_text(spec_yaml(spec))
