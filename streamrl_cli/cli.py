@@ -176,7 +176,7 @@ def plot(
     from streamrl_cli.metrics.plots import plot_run
 
     r = rundir.find(run_name)
-    files = plot_run(r.path, out or r.path / "plots")
+    files = plot_run(r.path, out or r.plots)
     for path in files:
         console.print(f"wrote {path}", markup=False, highlight=False, soft_wrap=True)
     for name, why in files.skipped.items():

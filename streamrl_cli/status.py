@@ -65,7 +65,7 @@ def collect(run: RunDir) -> dict[str, Any]:
 
 
 def _rendezvous(run: RunDir) -> dict[str, Any]:
-    endpoint = rundir.read_json(run.path / "rendezvous.json") or {}
+    endpoint = rundir.read_json(run.endpoint) or {}
     out: dict[str, Any] = {"url": endpoint.get("url"), "reachable": False, "error": None}
     if not endpoint.get("url"):
         out["error"] = "not started (no rendezvous.json)"
@@ -103,7 +103,7 @@ def _spec(run: RunDir, role: str) -> dict[str, Any]:
     import yaml
 
     try:
-        return yaml.safe_load((run.path / "roles" / f"{role}.yaml").read_text()) or {}
+        return yaml.safe_load(run.role_spec(role).read_text()) or {}
     except (OSError, yaml.YAMLError):
         return {}
 
@@ -128,7 +128,7 @@ def _members(run: RunDir, role: str, live: list[dict]) -> list[dict]:
             for m in sorted(rows, key=lambda m: m["rank"])
         ]
     out = []
-    for f in sorted((run.path / "members").glob(f"{role}-*.json")):
+    for f in sorted(run.members.glob(f"{role}-*.json")):
         rec = rundir.read_json(f) or {}
         state = "exited" if "exit_code" in rec else "unknown"
         out.append(
@@ -178,7 +178,7 @@ def _derive_state(recorded: str, jobs: list[dict], procs: list[local.LocalProc])
 def _progress_from_metrics(run: RunDir) -> dict[str, Any]:
     """Without a server: the last metrics record that has a step."""
     try:
-        with open(run.path / "metrics.jsonl", "rb") as f:
+        with open(run.metrics, "rb") as f:
             f.seek(0, 2)
             f.seek(max(0, f.tell() - 65536))
             lines = f.read().decode(errors="replace").splitlines()

@@ -60,7 +60,7 @@ def render(job: JobSpec, spec_path: Path, python: str | None = None) -> str:
 
 
 def spawn(run: RunDir, role: str, rank: int, argv: list[str], env: dict[str, str] | None = None) -> LocalProc:
-    log = run.path / "logs" / role / f"{role}-{rank}.log"
+    log = run.local_log(role, rank)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         proc = subprocess.Popen(
@@ -76,7 +76,7 @@ def spawn(run: RunDir, role: str, rank: int, argv: list[str], env: dict[str, str
         role=role, rank=rank, pid=proc.pid, created=psutil.Process(proc.pid).create_time(), log=str(log)
     )
     _PROCS[proc.pid] = proc
-    write_json(run.path / "local.json", [*map(asdict, procs(run)), asdict(rec)])
+    write_json(run.local_json, [*map(asdict, procs(run)), asdict(rec)])
     return rec
 
 
@@ -87,7 +87,7 @@ def start_job(run: RunDir, job: JobSpec, spec_path: Path) -> list[LocalProc]:
 
 
 def procs(run: RunDir) -> list[LocalProc]:
-    return [LocalProc(**r) for r in read_json(run.path / "local.json", [])]
+    return [LocalProc(**r) for r in read_json(run.local_json, [])]
 
 
 def exit_code(rec: LocalProc) -> int | None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from streamrl_cli.recipe.schema import Recipe
 from streamrl_cli.roles.spec import GeneratorSpec, RendezvousSpec, RoleSpec, TrainerSpec
+from streamrl_cli.rundir import RunDir
 
 ROLES = ("rendezvous", "trainer", "generator")
 
@@ -61,8 +62,8 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
         run_name=r.run.name,
         run_dir=str(run_dir),
         expected=expected,
-        rendezvous_file=str(run_dir / "rendezvous.json"),
-        secret_file=str(run_dir / "secret"),
+        rendezvous_file=str(RunDir(run_dir).endpoint),
+        secret_file=str(RunDir(run_dir).secret),
         rendezvous_ca=z.tls_ca,
     )
     z_cluster = z.cluster if z.placement == "job" and z.cluster else t.cluster

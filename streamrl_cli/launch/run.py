@@ -24,6 +24,7 @@ from streamrl_cli.errors import ClusterError, RendezvousError
 from streamrl_cli.launch import local, plan, slurm
 from streamrl_cli.launch.plan import JobSpec
 from streamrl_cli.recipe.load import Composed
+from streamrl_cli.rendezvous import create_secret
 from streamrl_cli.roles.spec import RoleSpec, TrainerSpec, load_spec, spec_yaml
 from streamrl_cli.rundir import RunDir, write_atomic
 
@@ -46,21 +47,20 @@ def prepare(composed: Composed, root: Path | None = None, dry_run: bool = False)
 
     r = composed.recipe
     run = rundir.create(root or Path(r.run.root), r.run.name)
-    write_atomic(run.path / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(r)))
+    write_atomic(run.config, OmegaConf.to_yaml(OmegaConf.structured(r)))
     jobs = plan.jobs(r)
     specs = plan.role_specs(r, run.path)
     spec_paths = {}
     for role, spec in specs.items():
-        spec_paths[role] = run.path / "roles" / f"{role}.yaml"
+        spec_paths[role] = run.role_spec(role)
         write_atomic(spec_paths[role], spec_yaml(spec))
-    run.ensure_secret()
+    create_secret(run.path)
     scripts = {}
     for job in jobs:
+        scripts[job.key] = run.job_script(job.key, job.launcher)
         if job.launcher == "slurm":
-            scripts[job.key] = run.path / "jobs" / f"{job.key}.sbatch"
             write_atomic(scripts[job.key], slurm.render(job, r.run.name, run.path))
         else:
-            scripts[job.key] = run.path / "jobs" / f"{job.key}.sh"
             write_atomic(scripts[job.key], local.render(job, spec_paths[job.role]))
     run.update_info(
         name=r.run.name,
@@ -99,24 +99,19 @@ def reopen(run: RunDir) -> Prepared:
             f"run {run.name} still has roles running: stop it first (`streamrl cancel {run.name}`)"
         )
     try:
-        tree = OmegaConf.load(run.path / "config.yaml")
+        tree = OmegaConf.load(run.config)
         recipe = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Recipe), tree))
     except (OSError, ValueError) as e:
-        raise ClusterError(f"cannot read {run.path / 'config.yaml'} to resume: {e}") from None
-    attempts = run.path / "attempts"
-    n = len(list(attempts.glob("*"))) + 1 if attempts.is_dir() else 1
-    for name in ("local.json", "jobs.json", "rendezvous.json"):
-        if (run.path / name).exists():
-            (attempts / str(n)).mkdir(parents=True, exist_ok=True)
-            os.replace(run.path / name, attempts / str(n) / name)
+        raise ClusterError(f"cannot read {run.config} to resume: {e}") from None
+    n = len(list(run.attempts.glob("*"))) + 1 if run.attempts.is_dir() else 1
+    for path in run.attempt_leftovers():
+        if path.exists():
+            run.attempt(n).mkdir(parents=True, exist_ok=True)
+            os.replace(path, run.attempt(n) / path.name)
     jobs = plan.jobs(recipe)
-    spec_paths = {
-        role: run.path / "roles" / f"{role}.yaml" for role in ("trainer", "generator", "rendezvous")
-    }
+    spec_paths = {role: run.role_spec(role) for role in ("trainer", "generator", "rendezvous")}
     specs = {role: load_spec(path) for role, path in spec_paths.items()}
-    scripts = {
-        j.key: run.path / "jobs" / f"{j.key}.{'sbatch' if j.launcher == 'slurm' else 'sh'}" for j in jobs
-    }
+    scripts = {j.key: run.job_script(j.key, j.launcher) for j in jobs}
     run.update_info(state="created", resumed=time.time(), attempt=n + 1)
     run.event("resumed", attempt=n + 1)
     return Prepared(run=run, specs=specs, spec_paths=spec_paths, jobs=jobs, scripts=scripts)
@@ -211,7 +206,7 @@ def _submit(p: Prepared, job: JobSpec, console: Console) -> None:
 def wait_rendezvous(run: RunDir, timeout: float) -> str:
     """The server's URL, once it has published it; fails early if its local process died."""
     deadline = time.monotonic() + timeout
-    f = run.path / "rendezvous.json"
+    f = run.endpoint
     while time.monotonic() < deadline:
         info = rundir.read_json(f)
         if info and info.get("url"):
@@ -270,7 +265,7 @@ def watch_local(run: RunDir, console: Console) -> int:
     summary = summary_line(run)
     if summary:
         console.print(summary, markup=False, highlight=False)
-    console.print(f"run {run.name} {state} (logs in {run.path / 'logs'}; `streamrl status {run.name}`)")
+    console.print(f"run {run.name} {state} (logs in {run.logs}; `streamrl status {run.name}`)")
     if summary:
         console.print(f"plots: `streamrl plot {run.name}`", markup=False, highlight=False)
     return 1 if failed else 0

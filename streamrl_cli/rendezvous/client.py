@@ -24,7 +24,8 @@ from typing import Any
 import httpx
 
 from streamrl_cli.errors import RendezvousError
-from streamrl_cli.rendezvous import ENDPOINT_FILE, read_secret
+from streamrl_cli.rendezvous import read_secret
+from streamrl_cli.rundir import RunDir
 
 log = logging.getLogger("streamrl.rendezvous.client")
 
@@ -364,7 +365,7 @@ class RendezvousClient:
 
 
 def _read_url(run_dir: Path) -> str:
-    path = run_dir / ENDPOINT_FILE
+    path = RunDir(Path(run_dir)).endpoint
     try:
         return json.loads(path.read_text())["url"]
     except (OSError, ValueError, KeyError) as e:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.roles.spec import RoleSpec, load_spec
-from streamrl_cli.rundir import write_atomic
+from streamrl_cli.rundir import RunDir, write_atomic
 
 __all__ = ["load_spec", "run_role"]
 
@@ -49,7 +49,7 @@ def start_record(spec: RoleSpec, rank: int) -> dict:
 
 
 def record_path(spec: RoleSpec, rank: int) -> Path:
-    return Path(spec.run_dir) / "members" / f"{spec.role}-{rank}.json"
+    return RunDir(Path(spec.run_dir)).member_record(spec.role, rank)
 
 
 def update_record(spec: RoleSpec, rank: int, **fields: object) -> None:

@@ -37,7 +37,7 @@ def _stop_when_jobs_end(run: RunDir) -> None:
     ended_polls = 0
     while True:
         time.sleep(POLL_S)
-        if not (run.path / "run.json").exists():  # the run directory was deleted: nothing to serve
+        if not run.run_json.exists():  # the run directory was deleted: nothing to serve
             os.kill(os.getpid(), signal.SIGTERM)
             return
         jobs = [j for j in run.jobs() if j["role"] != "rendezvous"]
