@@ -8,10 +8,11 @@ Pure functions: no files written, no clusters asked.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamrl_cli.recipe.schema import Recipe
+from streamrl_cli.recipe.schema import PlannerConfig, Recipe
 from streamrl_cli.roles.spec import GeneratorSpec, RendezvousSpec, RoleSpec, TrainerSpec
 from streamrl_cli.rundir import RunDir
 
@@ -81,7 +82,7 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
             task=copy.deepcopy(r.task),
             train=copy.deepcopy(r.train),
             skewness=copy.deepcopy(r.skewness),
-            planner=copy.deepcopy(r.planner),
+            planner=_absolute(r.planner),
             generator=copy.deepcopy(g),
             generator_transport=gen_transport,
             **common,
@@ -104,12 +105,24 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
             cluster=z_cluster,
             site=r.clusters[z_cluster].site,
             world=1,
-            program="streamrl_cli.roles.rendezvous:main",
+            program="streamrl_cli.launch.server_role:main",
             weight_transport="none",
             settings=copy.deepcopy(z),
             **common,
         ),
     }
+
+
+def _absolute(p: PlannerConfig) -> PlannerConfig:
+    """Role processes run in the run directory: files the recipe names relative to where
+    `streamrl run` ran are made absolute here."""
+
+    def absolute(f: str | None) -> str | None:
+        return str(Path(f).expanduser().resolve()) if f else None
+
+    return dataclasses.replace(
+        p, hardware_file=absolute(p.hardware_file), profile_file=absolute(p.profile_file)
+    )
 
 
 def trainer_world(recipe: Recipe) -> int:

@@ -6,7 +6,7 @@
            ──► local jobs: watched in the foreground until they end; Ctrl-C stops every role
 
 A SLURM-only run returns once submitted; its rendezvous server stays up on this host and stops
-itself when the run's jobs have ended (see roles.rendezvous).
+itself when the run's jobs have ended (see launch.server_role).
 """
 
 from __future__ import annotations

@@ -119,11 +119,3 @@ class LengthDist:
         """(k, S(k)) at the middle of ``points`` equal steps over [0, upto]."""
         step = upto / points
         return [((i + 0.5) * step, self.survival((i + 0.5) * step)) for i in range(points)]
-
-
-def empirical_quantile(values: list[int], q: float) -> float:
-    """Quantile of observed lengths (the simulator's dispatcher learns from the last iteration)."""
-    ordered = sorted(values)
-    if not ordered:
-        raise ValueError("no values")
-    return float(ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))])

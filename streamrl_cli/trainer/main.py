@@ -201,6 +201,7 @@ class TrainerRole:
             engine_max_seqs=self.spec.generator.max_num_seqs, reproducible=t.reproducible_sampling,
         )  # fmt: skip
         ranker = self._ranker(task, seed)
+        ptl = self._ptl()
         sinks = self._sinks()
         every, keep = t.checkpoint_every, t.keep_checkpoints
 
@@ -236,7 +237,7 @@ class TrainerRole:
         pipe = Pipeline(
             cfg, task=task, sampler=sampler, tokenize=tokenize,
             detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True), svc=svc, driver=driver,
-            publisher=publisher, on_record=on_record, on_checkpoint=on_checkpoint, ranker=ranker,
+            publisher=publisher, on_record=on_record, on_checkpoint=on_checkpoint, ranker=ranker, ptl=ptl,
         )  # fmt: skip
         try:
             pipe.run(start, iterations, version, push_first=push)
@@ -252,6 +253,21 @@ class TrainerRole:
         skew = self.spec.skewness
         base = skew.ranker_model or self.spec.model.path
         return make_ranker(skew, model_path=os.path.expanduser(base), task=task, seed=seed)
+
+    def _ptl(self) -> Any:
+        """The generators' measured decode curve for Algorithm 2 (planner.profile_file), or None."""
+        path = self.spec.planner.profile_file
+        if not path or self.spec.skewness.dispatch != "skewness-aware":
+            return None
+        from streamrl_cli.planner.costmodel import ptl_from_profile
+        from streamrl_cli.planner.profile import load_profile
+
+        profile = load_profile(path)
+        if not profile.decode:
+            log.info("%s has no decode curve: Algorithm 2 uses the paper's PTL shape", path)
+            return None
+        log.info("Algorithm 2 uses the decode curve of %s (%s on %s)", path, profile.model, profile.hardware)
+        return ptl_from_profile(profile)
 
     def _wait_generators_serving(self) -> None:
         """Iteration 0's clock starts when every generator serves (engine up, stream connected)."""

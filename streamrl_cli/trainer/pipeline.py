@@ -105,6 +105,7 @@ class Pipeline:
         on_checkpoint: Callable[[int, dict[str, Any]], None] | None = None,
         clock: Callable[[], float] = time.time,
         ranker: Any = None,
+        ptl: Callable[[float], float] | None = None,
     ):
         self.cfg, self.task, self.sampler = cfg, task, sampler
         self.tokenize, self.detokenize = tokenize, detokenize
@@ -116,6 +117,9 @@ class Pipeline:
         self.gen_spans: list[list[float]] = []  # [dispatched, last sample] of every batch
         self.sync_spans: list[tuple[int, float, float]] = []  # (version, start, end) of weight transfers
         self.ranker = ranker
+        # Algorithm 2's decode-step time vs batch size: the profiled curve (planner.profile_file)
+        # when the run has one, else the paper's 7B/H800 shape (skew.dispatch.default_ptl).
+        self.ptl = ptl
         self.recent_lengths: deque[int] = deque(maxlen=4096)  # for Algorithm 2's P90 / P50
         self.priority_base = 0  # LPT priorities of later batches come after earlier ones'
         self.rng = random.Random(cfg.seed)
@@ -189,7 +193,7 @@ class Pipeline:
             return None
         if cfg.dispatch == "skewness-aware" and predicted is not None:
             plan = plan_dispatch(
-                predicted, alive, ptl=default_ptl(), recent_lengths=list(self.recent_lengths),
+                predicted, alive, ptl=self.ptl or default_ptl(), recent_lengths=list(self.recent_lengths),
                 alpha=cfg.long_tail, max_batch=cfg.engine_max_seqs, group=cfg.group_size,
             )  # fmt: skip
             batch.plan = {"split": list(plan.split), "estimated_s": plan.latency}
