@@ -165,7 +165,7 @@ class TrainerRole:
         from streamrl_cli.trainer import checkpoint as ckpt
         from streamrl_cli.trainer.pipeline import Pipeline, PipelineConfig
 
-        a, t, task_cfg, skew = self.spec.algorithm, self.spec.train, self.spec.task, self.spec.skewness
+        t, task_cfg = self.spec.train, self.spec.task
         seed = t.seed
         random.seed(seed)
         task = make_task(task_cfg, seed)
@@ -193,13 +193,7 @@ class TrainerRole:
             version = max(int(state["weight_version"]), (current or 0) + 1)
             log.info("resuming from %s: iteration %d, weight version %d", latest, start, version)
         iterations = t.iterations
-        cfg = PipelineConfig(
-            mode=a.mode, algorithm=a.name, group_size=a.group_size, global_batch=t.global_batch,
-            micro_batch=t.micro_batch, world=self.spec.world, max_staleness=a.max_staleness,
-            max_output_len=task_cfg.max_output_len, temperature=a.temperature, grpo_std_norm=a.grpo_std_norm,
-            seed=seed, dispatch=skew.dispatch, schedule=skew.schedule, long_tail=skew.long_tail,
-            engine_max_seqs=self.spec.generator.max_num_seqs, reproducible=t.reproducible_sampling,
-        )  # fmt: skip
+        cfg = PipelineConfig.from_spec(self.spec)
         ranker = self._ranker(task, seed)
         ptl = self._ptl()
         sinks = self._sinks()

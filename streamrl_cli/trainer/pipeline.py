@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -37,6 +37,9 @@ from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.trainer.batch import GroupCollector, Rollout
 from streamrl_cli.trainer.losses import grpo_advantages
 from streamrl_cli.transport.wire import Request, Sample
+
+if TYPE_CHECKING:
+    from streamrl_cli.roles.spec import TrainerSpec
 
 log = logging.getLogger("streamrl.trainer")
 
@@ -62,6 +65,18 @@ class PipelineConfig:
     long_tail: float = 0.2  # α of Algorithm 2
     engine_max_seqs: int = 64  # sequences a generator's engine runs at once at most (its max_num_seqs)
     reproducible: bool = False  # seed each request from (seed, prompt id, sample index)
+
+    @classmethod
+    def from_spec(cls, spec: TrainerSpec) -> PipelineConfig:
+        """The pipeline of the trainer's typed sections (the defaults above serve tests only)."""
+        a, t, skew = spec.algorithm, spec.train, spec.skewness
+        return cls(
+            mode=a.mode, algorithm=a.name, group_size=a.group_size, global_batch=t.global_batch,
+            micro_batch=t.micro_batch, world=spec.world, max_staleness=a.max_staleness,
+            max_output_len=spec.task.max_output_len, temperature=a.temperature, grpo_std_norm=a.grpo_std_norm,
+            seed=t.seed, dispatch=skew.dispatch, schedule=skew.schedule, long_tail=skew.long_tail,
+            engine_max_seqs=spec.generator.max_num_seqs, reproducible=t.reproducible_sampling,
+        )  # fmt: skip
 
     @property
     def ahead(self) -> int:
