@@ -1,7 +1,7 @@
 """The generator role: one process per generator instance (a SLURM array task, or a local process).
 
 Selected in a recipe with ``roles.generator.program=streamrl_cli.generator.main:main``. Data flow
-of one instance (DESIGN.md §1, §4):
+of one instance (docs/architecture.md):
 
     trainer rank 0 ── requests ──► sample sender ──► admission ──► engine.generate ──► finished group
          ▲                           (ZeroMQ)      (LPT, batch size)     (vLLM)               │

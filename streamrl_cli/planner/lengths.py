@@ -1,6 +1,6 @@
 """Output-length distribution of a reasoning workload: a log-normal body and a flat tail.
 
-Reasoning outputs are long-tailed (StreamRL paper, DESIGN §1): most samples end near a mode of
+Reasoning outputs are long-tailed (StreamRL paper; docs/architecture.md): most samples end near a mode of
 ~2K tokens, a flat tail reaches the maximum output length (20K). The tail, not the mean, sets how
 long a synchronous generation stage takes: the iteration waits for its longest sample. So both
 the cost model (which integrates over the survival function) and the simulator (which samples)

@@ -1,6 +1,6 @@
 """The output-length ranker interface, the trivial rankers, and the factory that picks one.
 
-Skewness-aware dispatching (DESIGN.md §1) only needs to know which prompts will produce the longest
+Skewness-aware dispatching (docs/architecture.md) only needs to know which prompts will produce the longest
 outputs: "rankability over predictability". A :class:`Ranker` therefore returns one score per
 prompt, in tokens so that rankers can stand in for each other (the history ranker falls back on the
 learned one, a cache on its ranker), but only the order of the scores is used. ``update`` feeds the

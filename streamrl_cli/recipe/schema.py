@@ -219,7 +219,7 @@ class PlannerConfig:
 
 @dataclass(kw_only=True)
 class SkewnessConfig:
-    """Skewness-aware generation (DESIGN.md §1): length ranker, dispatch, order inside an instance."""
+    """Skewness-aware generation (docs/architecture.md): length ranker, dispatch, order inside an instance."""
 
     dispatch: str = choices(*SKEW_DISPATCH, default="random")  # prompts to instances: random or Algorithm 2
     schedule: str = choices(*SKEW_SCHEDULE, default="fifo")  # order inside an instance: FIFO or longest first

@@ -30,7 +30,7 @@ from streamrl_cli.curves import empirical_quantile, interpolate, monotone
 
 PTL = Callable[[float], float]  # running batch size (sequences) -> time of one decode step
 OBJECTIVES = ("sum", "max")
-# PTL(BS) for a 7B model on H800 with vLLM, ms, read off the StreamRL paper (DESIGN §1).
+# PTL(BS) for a 7B model on H800 with vLLM, ms, read off the StreamRL paper's PTL figure.
 PAPER_PTL_7B_H800 = ((1, 8.3), (16, 9.4), (32, 10.2), (64, 11.7), (128, 15.2), (256, 21.0), (512, 37.0))
 
 

@@ -1,4 +1,4 @@
-"""The three pipelining modes between generation and training (DESIGN.md §1), one loop.
+"""The three pipelining modes between generation and training (docs/architecture.md), one loop.
 
 ::
 
