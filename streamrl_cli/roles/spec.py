@@ -1,7 +1,7 @@
 """The typed contract between `streamrl run` and the role processes: one spec per role.
 
 A spec is built once from the typed recipe when a run is prepared (``launch.plan.role_specs``),
-written to ``run_dir/roles/<role>.yaml`` by :func:`write_spec`, and read back by :func:`load_spec`
+written to ``run_dir/roles/<role>.yaml`` as :func:`spec_yaml` renders it, read back by :func:`load_spec`
 through ``OmegaConf.structured`` + ``to_object``: a role gets the schema's own section dataclasses
 (``ModelConfig``, ``AlgorithmConfig``, ...), never a dict of recipe keys, so a key added to the
 schema reaches the roles with no code here, and its default lives in the schema only.
@@ -113,4 +113,7 @@ def load_spec(path: str | Path) -> RoleSpec:
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), raw))  # type: ignore[return-value]
     except OmegaConfBaseException as e:
-        raise StreamRLError(f"role spec {path} does not match this version of streamrl: {e}") from None
+        where = f"{e.full_key}: " if getattr(e, "full_key", None) else ""
+        raise StreamRLError(
+            f"role spec {path} does not match this version of streamrl: {where}{getattr(e, 'msg', e)}"
+        ) from None
