@@ -16,6 +16,7 @@ to finish.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -61,6 +62,12 @@ class TrainerRole:
         self.token = read_secret(self.run_dir)
         try:
             return self._run()
+        except Exception as e:
+            # Said to the rendezvous as we go: `streamrl status` shows it as this member's last error.
+            log.error("trainer rank %d failed: %s", self.rank, e)
+            with contextlib.suppress(Exception):
+                self.rdv.leave(f"failed: {type(e).__name__}: {e}")
+            raise
         finally:
             for c in reversed(self.closers):
                 try:
@@ -94,10 +101,13 @@ class TrainerRole:
         self.rdv.start_heartbeat()
         self.rdv.set_status(state="starting")
         master = addresses["dist"] if self.rank == 0 else self._rank0()["addresses"]["dist"]
+        from streamrl_cli.roles.extlock import LockWatch
         from streamrl_cli.trainer.learner import init_distributed, leave_group
 
-        init_distributed(self.rank, world, master, backend)
-        learner = self._learner(device)
+        # DeepSpeed builds and loads its ops here; a build lock a killed run left must not block us.
+        with LockWatch(on_error=self._fatal):
+            init_distributed(self.rank, world, master, backend)
+            learner = self._learner(device)
         from streamrl_cli.trainer.ranks import RankDriver, follow
 
         if self.rank != 0:
@@ -140,6 +150,15 @@ class TrainerRole:
                     return m
             time.sleep(0.5)
         raise StreamRLError(f"trainer rank 0 did not publish its address within {WAIT_S:.0f}s")
+
+    def _fatal(self, error: Exception) -> None:
+        """A failure found off the main thread while the main thread is blocked on it: say why, end."""
+        log.critical("trainer rank %d: %s", self.rank, error)
+        with contextlib.suppress(Exception):
+            self.rdv.set_status(state="failed", error=str(error))
+            self.rdv.heartbeat()
+            self.rdv.leave("failed")
+        os._exit(3)
 
     def _learner(self, device: Any) -> Any:
         import torch
@@ -201,6 +220,8 @@ class TrainerRole:
             seed=seed, dispatch=skew.get("dispatch", "random"), schedule=skew.get("schedule", "fifo"),
             long_tail=float(skew.get("long_tail", 0.2)), engine_max_seqs=self.spec.generator_max_seqs,
             reproducible=bool(t.get("reproducible_sampling", False)),
+            sample_timeout_s=float(t.get("stall_after_s", 900.0)),
+            no_generator_s=float(t.get("stall_after_s", 900.0)),
         )  # fmt: skip
         ranker = self._ranker(task, seed)
         sinks = self._sinks()
