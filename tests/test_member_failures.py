@@ -126,3 +126,39 @@ def test_every_generator_killed_ends_the_run_with_the_reason(runs_root):
     assert json.loads((run_dir / "run.json").read_text())["state"] == "failed"
     for rec in json.loads((run_dir / "local.json").read_text()):
         assert not group_of(rec["pid"], rec["created"]), f"{rec['role']}-{rec['rank']} left processes"
+
+
+def test_cancel_stops_what_a_killed_generator_left_when_nothing_watched_it(runs_root):
+    """`streamrl run` itself gone (killed), then a generator killed: its engine processes run on
+    unwatched until `streamrl cancel`, which stops them with the rest of the run."""
+    proc = start_run(runs_root, "train.iterations=200", "train.global_batch=4", "train.checkpoint_every=0")
+    try:
+        run_dir = wait_for(lambda: run_dir_of(runs_root), 60, "the run directory", proc)
+        wait_for(lambda: serving(run_dir), RUN_S, "the first trained iteration", proc)
+        proc.kill()  # SIGKILL: the launcher cannot stop anything on its way out
+        proc.wait(timeout=30)
+        pid, created = generator_pid(run_dir, 1)
+        engine = [p for p in group_of(pid, created) if p != pid]
+        os.kill(pid, signal.SIGKILL)
+        wait_for(
+            lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", 30, "the kill"
+        )
+        assert engine and set(engine) <= set(group_of(pid, created)), "its engine processes outlive it"
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        out = subprocess.run(
+            [*STREAMRL, "cancel", str(run_dir)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "nothing was running" not in out.stdout and "stopped local generator rank 1" in out.stdout, (
+            out.stdout
+        )
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for rec in json.loads((run_dir / "local.json").read_text()):
+        assert not group_of(rec["pid"], rec["created"]), f"{rec['role']}-{rec['rank']} left processes"

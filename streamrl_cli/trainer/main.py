@@ -281,11 +281,23 @@ class TrainerRole:
         self.rdv.wait_for("generator", self.generators, timeout=WAIT_S)
         deadline = time.monotonic() + WAIT_S
         while True:
-            alive = [m for m in self.rdv.members("generator") if m["state"] == "alive"]
+            members = self.rdv.members("generator")
+            alive = [m for m in members if m["state"] == "alive"]
+            gone = [m for m in members if m["state"] in ("lost", "left")]
             # "waiting for weights": up, joined a run in progress; it gets the version pushed first
             serving = [m for m in alive if m.get("reported_state") in ("generating", "waiting for weights")]
             if len(serving) >= self.generators:
                 return
+            if serving and len(serving) + len(gone) >= self.generators and len(alive) == len(serving):
+                # One failed at start: the run goes on without it (it may come back, restarted).
+                log.warning("starting without %s: failed at start", ", ".join(m["member_id"] for m in gone))
+                return
+            if gone and not alive and len(gone) >= self.generators:
+                raise StreamRLError(
+                    "no generator left: every generator failed at start ("
+                    + "; ".join(f"{m['member_id']}: {m.get('last_error') or m['state']}" for m in gone)
+                    + ")"
+                )
             if time.monotonic() > deadline:
                 raise StreamRLError(
                     f"{len(serving)} of {self.generators} generators serving after {WAIT_S:.0f}s "
