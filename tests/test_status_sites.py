@@ -79,3 +79,19 @@ def test_a_members_last_error_is_kept_cleared_and_replayed():
     replayed = RendezvousState(lease_s=5.0)
     replayed.replay(json.loads(json.dumps(events)))
     assert replayed.to_snapshot() == s.to_snapshot()
+
+
+def test_the_sites_table_names_the_relay_and_what_crossed():
+    from rich.console import Console
+
+    from streamrl_cli.status_view import sites_table
+
+    wan = {"weights/version": 5, "weights/at": 1.0, "weights/bytes": 3 << 20, "weights/transfer_s": 0.3,
+           "weights/relay": 1, "weights/wan_bytes": 3 << 20, "weights/wan_s": 0.25}  # fmt: skip
+    console = Console(record=True, width=200)
+    console.print(
+        sites_table(sites([member("trainer", 0, "a"), member("generator", 0, "b", version=5, metrics=wan)]))
+    )
+    text = console.export_text()
+    assert "(trainer's site)" in text and "generator-0" in text
+    assert "v5: 3.00 MiB in 0.25s" in text and "v5: 3.00 MiB in 0.30s" in text
