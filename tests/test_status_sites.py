@@ -95,3 +95,13 @@ def test_the_sites_table_names_the_relay_and_what_crossed():
     text = console.export_text()
     assert "(trainer's site)" in text and "generator-0" in text
     assert "v5: 3.00 MiB in 0.25s" in text and "v5: 3.00 MiB in 0.30s" in text
+
+
+def test_a_members_error_reaches_the_terminal_without_control_characters():
+    s = RendezvousState(lease_s=5.0)
+    s.register(
+        role="generator", rank=0, cluster="c", host="h", site="A", addresses={}, info={}, now=1.0, mono=0.0
+    )
+    s.heartbeat("generator-0", incarnation=1, weight_version=None, reported_state=None,
+                error="bad\x1b[31m red\u2028next\nline", now=2.0, mono=1.0)  # fmt: skip
+    assert s.members["generator-0"].last_error == "bad [31m red next line"

@@ -37,6 +37,12 @@ class Rejected(RendezvousError):
         self.details = details
 
 
+def printable(text: str) -> str:
+    """A member's free-form error as it may reach a terminal: control characters (ANSI escapes, line
+    separators) shown as spaces."""
+    return "".join(c if c.isprintable() else " " for c in text).strip()
+
+
 @dataclass
 class Member:
     member_id: str
@@ -149,8 +155,8 @@ class RendezvousState:
             changes["weight_version"] = weight_version
         if reported_state is not None and reported_state != m.reported_state:
             changes["reported_state"] = reported_state
-        if error is not None and (error or None) != m.last_error:
-            changes["last_error"] = error or None
+        if error is not None and (printable(error) or None) != m.last_error:
+            changes["last_error"] = printable(error) or None
         if changes:
             events.append(self._emit(now, "member_updated", member_id=member_id, **changes))
         return events
@@ -161,7 +167,9 @@ class RendezvousState:
             return []  # leaving twice is not an error: a retried request must be harmless
         events = [self._emit(now, "member_left", member_id=member_id, reason=reason)]
         if reason.startswith("failed:"):  # its last words are the reason it failed
-            events.append(self._emit(now, "member_updated", member_id=member_id, last_error=reason))
+            events.append(
+                self._emit(now, "member_updated", member_id=member_id, last_error=printable(reason))
+            )
         return events + self._check_versions(now)
 
     def reap(self, *, now: float, mono: float) -> list[dict[str, Any]]:
