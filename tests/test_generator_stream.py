@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.generator.engine import Completion, GenerationResult
@@ -20,6 +21,7 @@ from streamrl_cli.generator.weights import (
 from streamrl_cli.recipe.schema import GeneratorConfig, ModelConfig, TaskConfig, TrainConfig
 from streamrl_cli.roles.spec import GeneratorSpec
 from streamrl_cli.transport.wire import Request
+from streamrl_cli.weights.broadcast import process_backend
 
 
 def spec(**overrides) -> GeneratorSpec:
@@ -123,7 +125,9 @@ def test_cpu_instances_on_one_host_get_their_own_cores():
 def test_weight_source_follows_the_trainer_or_the_recipe_layout():
     trainer = {"member_id": "trainer-0", "addresses": {"weights": "node1:29501"}, "info": {}}
     src = weight_source(spec(), 2, trainer)  # 3 instances x TP 2: ranks 1..6, instance 2 takes 5 and 6
-    assert (src.host, src.port, src.world_size, src.first_rank, src.backend) == ("node1", 29501, 7, 5, "nccl")
+    # The backend follows what this process has (no CUDA here: gloo), not the recipe's GPU count.
+    assert (src.host, src.port, src.world_size, src.first_rank) == ("node1", 29501, 7, 5)
+    assert src.backend == process_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
     trainer["info"] = {"weight_group": {"world_size": 4, "backend": "gloo"}}
     src = weight_source(spec(), 0, trainer)
     assert (src.world_size, src.first_rank, src.backend) == (4, 1, "gloo")

@@ -13,6 +13,7 @@ from collections import deque
 
 import pytest
 
+from streamrl_cli.errors import StreamRLError
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.trainer.pipeline import Pipeline, PipelineConfig, sample_seed
 from streamrl_cli.transport.wire import Sample
@@ -307,3 +308,46 @@ def test_the_trainer_reads_algorithm_2s_curve_from_the_profile_file(tmp_path):
     assert ptl is not None and ptl(1) == 0.01 and ptl(16) == 0.02 and 0.01 < ptl(8) < 0.02
     random = load("local", [f"planner.profile_file={path}"]).recipe  # random dispatch has no curve
     assert TrainerRole(role_specs(random, tmp_path)["trainer"], 0)._ptl() is None
+
+
+class VanishingGenerators(Generators):
+    """Every generator goes away after `left` samples: nothing answers after that."""
+
+    def __init__(self, events: list, left: int):
+        super().__init__(events)
+        self.left = left
+
+    def get(self, timeout=None):
+        if self.left <= 0:
+            return None
+        self.left -= 1
+        return super().get(timeout)
+
+    def generators(self):
+        return ["generator-0"] if self.left > 0 else []
+
+
+def test_the_trainer_ends_the_run_with_the_reason_when_no_generator_is_left():
+    events: list = []
+    gens = VanishingGenerators(events, left=10)  # iteration 0 (8 samples) and part of iteration 1
+    cfg = PipelineConfig(group_size=2, global_batch=4, micro_batch=2, no_generator_s=0.5)
+    task = CountTask(64)
+    pipe = Pipeline(
+        cfg, task=task, sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],
+        detokenize=lambda ids: "x" * len(ids), svc=gens, driver=Driver(events),
+        publisher=Publisher(events, gens), on_record=lambda r: None, clock=Clock(),
+    )  # fmt: skip
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            pipe.run(0, 4, 0)
+        except StreamRLError as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout=120)  # liveness bound: a wait for generators that never come is a hang
+    assert not t.is_alive(), "the trainer waited for ever with no generator left"
+    assert outcome and "no generator left" in str(outcome[0]) and "train.stall_after_s" in str(outcome[0])
+    assert ("step",) in events  # iteration 0 was trained before they went

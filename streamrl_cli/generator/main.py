@@ -104,6 +104,26 @@ def ensure_model(spec: GeneratorSpec) -> None:
     make(spec.model, spec.task)
 
 
+def transfer_metrics(version: int, seconds: float, stats: dict[str, Any]) -> dict[str, Any]:
+    """The last weight transfer as metrics: what `streamrl status` shows per site. A relay's stats
+    carry what it fetched across sites (`relay`) besides what its own workers loaded."""
+    relay = stats.get("relay") or {}
+    loaded = stats.get("bytes")
+    if loaded is None and isinstance(stats.get("workers"), list):
+        loaded = sum(int(w.get("bytes", 0)) for w in stats["workers"])
+    out: dict[str, Any] = {
+        "weights/version": version,
+        "weights/at": round(time.time(), 3),
+        "weights/transfer_s": round(seconds, 3),
+        "weights/bytes": int(loaded or relay.get("bytes_received", 0)),
+        "weights/relay": 1 if relay else 0,
+    }
+    if relay:
+        out["weights/wan_bytes"] = int(relay.get("bytes_received", 0))
+        out["weights/wan_s"] = round(float(relay.get("seconds", 0.0)), 3)
+    return out
+
+
 class GeneratorRole:
     """One generator instance: engine, rendezvous membership, sample stream, weight updates."""
 
@@ -130,6 +150,8 @@ class GeneratorRole:
         self.trainer: dict[str, Any] = {}
         self.token = ""
         self._serving = asyncio.Event()  # the sample stream is connected: requests come in
+        self.transfer: dict[str, Any] = {}  # the last weight transfer, as metrics (`streamrl status`)
+        self._failure: BaseException | None = None  # why the role ends, if it fails
 
     async def run(self) -> int:
         from streamrl_cli.rendezvous import read_secret
@@ -170,6 +192,9 @@ class GeneratorRole:
             else:
                 await self._connect()
             return await self._serve(since)
+        except BaseException as e:
+            self._failure = e
+            raise
         finally:
             await self._shutdown()
 
@@ -291,12 +316,16 @@ class GeneratorRole:
                     raise
                 # The trainer sends it again on a new group of the members still there.
                 healthy = self._serving.is_set() and self.engine.weights_intact
-                self.rdv.set_status(state="generating" if healthy else WAITING)
+                self.rdv.set_status(
+                    state="generating" if healthy else WAITING,
+                    error=f"weight version {version} not received: {e}",
+                )
                 log.warning("%s: weight version %d not received: %s", self.member_id, version, e)
                 return
             if not self._serving.is_set():
                 await self._connect()  # before confirming: known to the dispatcher once it is current
-            self.rdv.set_status(state="generating", weight_version=self.engine.weight_version)
+            self.rdv.set_status(state="generating", weight_version=self.engine.weight_version, error="")
+            self.transfer = transfer_metrics(self.engine.weight_version, time.monotonic() - started, stats)
             log.info(
                 "%s: serving weight version %d (%.2fs): %s",
                 self.member_id, self.engine.weight_version, time.monotonic() - started, stats,
@@ -315,7 +344,11 @@ class GeneratorRole:
     async def _report(self) -> None:
         while True:
             await asyncio.sleep(METRICS_S)
-            record = {**self.meter.report(time.time()), "weight_version": self.engine.weight_version}
+            record = {
+                **self.meter.report(time.time()),
+                "weight_version": self.engine.weight_version,
+                **self.transfer,
+            }
             try:
                 await asyncio.to_thread(self.rdv.post_metrics, record)
             except StreamRLError as e:  # metrics are not worth dying for
@@ -351,8 +384,16 @@ class GeneratorRole:
         if self.sender is not None:
             await asyncio.to_thread(self.sender.close, 5.0)
         if self.rdv is not None:
+            failure = self._failure
+            if self._stop.is_set() or failure is None or isinstance(failure, asyncio.CancelledError):
+                reason = "stopped"
+            else:  # said loudly: `streamrl status` shows it as this member's last error
+                reason = f"failed: {type(failure).__name__}: {failure}"
+                log.error("%s: %s", self.member_id, reason)
             try:
-                self.rdv.leave("stopped" if self._stop.is_set() else "failed")
+                if self.transfer:  # the last transfer's figures stay visible after we left
+                    self.rdv.post_metrics({**self.meter.report(time.time()), **self.transfer})
+                self.rdv.leave(reason)
             except StreamRLError as e:
                 log.warning("%s: could not leave the rendezvous: %s", self.member_id, e)
             self.rdv.close()

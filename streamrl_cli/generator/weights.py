@@ -39,6 +39,7 @@ from typing import Any
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.generator.engine import GenerationEngine, WeightSource
 from streamrl_cli.roles.spec import GeneratorSpec
+from streamrl_cli.weights.broadcast import process_backend
 from streamrl_cli.weights.elastic import ElasticSource
 from streamrl_cli.weights.layout import GroupLayout, eligible, receiving_state
 
@@ -59,13 +60,12 @@ def weight_source(spec: GeneratorSpec, rank: int, source: dict[str, Any]) -> Wei
     host, _, port = address.rpartition(":")
     group = source.get("info", {}).get("weight_group", {})
     tp = spec.settings.tensor_parallel
-    gpus = spec.settings.gpus_per_instance
     return WeightSource(
         host=host,
         port=int(port),
         world_size=int(group.get("world_size", 1 + spec.world * tp)),
         first_rank=1 + rank * tp,
-        backend=group.get("backend", "nccl" if gpus > 0 else "gloo"),
+        backend=group.get("backend") or process_backend(),
     )
 
 
@@ -150,11 +150,9 @@ class RelayPath(WeightPath):
     ):
         super().__init__(spec, rank, engine, rdv)
         self.token = token
-        gpus = spec.settings.gpus_per_instance
-        # What we send with while we are the relay (tests pass one with short timeouts).
-        self.source = source or ElasticSource(
-            rdv, backend="nccl" if gpus > 0 else "gloo", host=socket.gethostname()
-        )
+        # What we send with while we are the relay (tests pass one with short timeouts). The backend
+        # follows what this process has (CUDA or not), whatever the recipe's GPU count says.
+        self.source = source or ElasticSource(rdv, backend=process_backend(), host=socket.gethostname())
         self._own: set[str] = set()  # groups we proposed: those proposals come back to us as events
 
     def relay_id(self, members: list[dict[str, Any]]) -> str | None:

@@ -30,6 +30,7 @@ from streamrl_cli.rundir import RunDir, write_atomic
 
 RENDEZVOUS_START_S = 60.0  # a local server starts in about a second
 RENDEZVOUS_JOB_START_S = 900.0  # a server job may wait in the queue first
+GENERATOR_EXIT_S = 30.0  # after the trainer left, for generators to hand over and exit on their own
 
 
 @dataclass
@@ -93,7 +94,7 @@ def reopen(run: RunDir) -> Prepared:
 
     from streamrl_cli.recipe.schema import Recipe
 
-    alive = [r for r in local.procs(run) if r.alive()]
+    alive = [r for r in local.procs(run) if r.running()]
     if alive or (run.jobs() and not slurm.all_ended(slurm.run_job_states(run.jobs()))):
         raise ClusterError(
             f"run {run.name} still has roles running: stop it first (`streamrl cancel {run.name}`)"
@@ -232,12 +233,26 @@ def watch_local(run: RunDir, console: Console) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     roles = [r for r in local.procs(run) if r.role != "rendezvous"]
     failed: list[local.LocalProc] = []
+    gone: set[int] = set()  # generators that failed: the run goes on without them
+    no_generator = False
     try:
         with Live(live_view(run), console=console, refresh_per_second=2, transient=False) as live:
             while stop["signal"] is None:
-                codes = {r.pid: local.exit_code(r) for r in roles}
-                failed = [r for r in roles if codes[r.pid] not in (None, 0)]
-                if failed or all(c is not None for c in codes.values()):
+                known = {r.pid for r in roles}  # generators started later (scaled up) are watched too
+                roles += [r for r in local.procs(run) if r.role != "rendezvous" and r.pid not in known]
+                codes = {r.pid: _exit_code(r) for r in roles}
+                gens = [r for r in roles if r.role == "generator"]
+                for r in gens:
+                    if codes[r.pid] not in (None, 0) and r.pid not in gone:
+                        gone.add(r.pid)
+                        _generator_failed(run, r, codes[r.pid], console)
+                failed = [r for r in roles if codes[r.pid] not in (None, 0) and r.role != "generator"]
+                trainers = [r for r in roles if r.role == "trainer"]
+                if gone and all(codes[r.pid] is not None for r in gens):
+                    # None left, and not released (those exit 0): nothing will produce samples.
+                    failed += [r for r in gens if r.pid in gone]
+                    no_generator = True
+                if failed or all(codes[r.pid] is not None for r in trainers):
                     break
                 live.update(live_view(run))
                 time.sleep(0.5)
@@ -252,12 +267,21 @@ def watch_local(run: RunDir, console: Console) -> int:
     if run.info().get("state") in ("cancelling", "cancelled"):  # `streamrl cancel` from elsewhere
         return 130
     state = "failed" if failed else "finished"
-    local.stop(local.procs(run))  # the rendezvous server (and anything a failed role left)
+    # Generators finish on their own once the trainer left; the server goes last.
+    _wait_exit([r for r in roles if r.role == "generator"], GENERATOR_EXIT_S)
+    local.stop([r for r in local.procs(run) if r.role != "rendezvous"])  # anything a role left
+    local.stop(local.procs(run))  # the rendezvous server
     run.update_info(state=state, ended=time.time())
-    run.event(state, failed=[f"{r.role}-{r.rank}" for r in failed])
+    run.event(
+        state,
+        failed=[f"{r.role}-{r.rank}" for r in failed],
+        **({"reason": "no generator left: every generator failed"} if no_generator else {}),
+    )
+    if no_generator:
+        console.print("[red]no generator left: every generator failed[/red]; the run cannot go on")
     for r in failed:
         console.print(
-            f"[red]{r.role} rank {r.rank} exited with {local.exit_code(r)}[/red]; last lines of {r.log}:"
+            f"[red]{r.role} rank {r.rank} exited with {_exit_code(r)}[/red]; last lines of {r.log}:"
         )
         console.print(local.log_tail(r.log), markup=False, highlight=False)
     if not console.is_terminal:
@@ -269,6 +293,34 @@ def watch_local(run: RunDir, console: Console) -> int:
     if summary:
         console.print(f"plots: `streamrl plot {run.name}`", markup=False, highlight=False)
     return 1 if failed else 0
+
+
+def _generator_failed(run: RunDir, rec: local.LocalProc, code: int | None, console: Console) -> None:
+    """A generator died (killed, crashed): the trainer re-dispatches its work to the others (it sees
+    the member leave or its lease expire); here, what it left running in its group is stopped."""
+    left = local.reap(rec)
+    run.event("member_failed", role=rec.role, rank=rec.rank, exit_code=code, reaped=left)
+    console.print(
+        f"[yellow]generator rank {rec.rank} exited with {code}[/yellow]; the run goes on without it"
+        + (f" (stopped {len(left)} process(es) it left: {left})" if left else "")
+        + f"; last lines of {rec.log}:"
+    )
+    console.print(local.log_tail(rec.log, 5), markup=False, highlight=False)
+
+
+def _exit_code(rec: local.LocalProc) -> int | None:
+    """Its exit code; a process we did not start (added by `streamrl scale`) that is gone counts as 0
+    unless its start record says otherwise."""
+    code = local.exit_code(rec)
+    if code is None and not local.started_here(rec) and not rec.alive():
+        return 0
+    return code
+
+
+def _wait_exit(recs: list[local.LocalProc], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(local.exit_code(r) is None and r.alive() for r in recs):
+        time.sleep(0.2)
 
 
 def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:
@@ -285,7 +337,7 @@ def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:
             )
         except ClusterError as e:
             errors.append(str(e))
-    live = [r for r in local.procs(run) if r.alive()]
+    live = [r for r in local.procs(run) if r.running()]  # a dead role's leftover engine processes too
     # Roles first, the rendezvous last: members can still say goodbye while it is up.
     local.stop([r for r in live if r.role != "rendezvous"])
     local.stop([r for r in live if r.role == "rendezvous"])

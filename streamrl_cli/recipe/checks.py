@@ -293,6 +293,8 @@ def _training(r: Recipe) -> Iterator[Problem]:
         )
     if not 0 <= k.long_tail <= 1:
         yield "skewness.long_tail", f"a share of the prompts: must be in [0, 1], got {k.long_tail}"
+    if not t.stall_after_s > 0 or t.stall_after_s == float("inf"):
+        yield "train.stall_after_s", f"must be a positive number of seconds, got {t.stall_after_s}"
     if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
         yield "train.checkpoint_every", "checkpoint_every must be ≥ 0 and keep_checkpoints ≥ 1"
     if r.model.num_attention_heads < 1 or r.model.num_kv_heads < 1:

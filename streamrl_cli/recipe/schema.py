@@ -201,6 +201,10 @@ class TrainConfig:
     keep_checkpoints: int = 2  # checkpoints kept (older ones are deleted)
     loggers: list[str] = field(default_factory=list)  # extra metric sinks: tensorboard, wandb
     wandb_project: str = "streamrl"  # W&B project (loggers=[wandb])
+    # Bound on a run without progress, seconds: past it `streamrl status` shows the run `stalled`
+    # (with each member's last error), and the trainer ends the run, saying why, when no generator
+    # has been alive for this long or no sample came for this long.
+    stall_after_s: float = 900.0
 
 
 @dataclass(kw_only=True)

@@ -224,6 +224,7 @@ class RendezvousServer:
             incarnation=b.incarnation,
             weight_version=b.weight_version,
             reported_state=b.state,
+            error=b.error,
             now=time.time(),
             mono=time.monotonic(),
         )

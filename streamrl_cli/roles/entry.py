@@ -67,6 +67,10 @@ def run_role(spec_path: str, rank: int | None = None) -> int:
     write_atomic(
         record_path(spec, rank), json.dumps(start_record(spec, rank), indent=2, sort_keys=True) + "\n"
     )
+    if spec.role != "rendezvous":  # roles that start processes (vLLM's engine): none outlives the role
+        from streamrl_cli.roles import reaper
+
+        reaper.start()
     module, _, func = spec.program.partition(":")
     program = getattr(importlib.import_module(module), func)
     try:

@@ -16,6 +16,7 @@ to finish.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -61,6 +62,12 @@ class TrainerRole:
         self.token = read_secret(self.run_dir)
         try:
             return self._run()
+        except Exception as e:
+            # Said to the rendezvous as we go: `streamrl status` shows it as this member's last error.
+            log.error("trainer rank %d failed: %s", self.rank, e)
+            with contextlib.suppress(Exception):
+                self.rdv.leave(f"failed: {type(e).__name__}: {e}")
+            raise
         finally:
             for c in reversed(self.closers):
                 try:
@@ -94,10 +101,13 @@ class TrainerRole:
         self.rdv.start_heartbeat()
         self.rdv.set_status(state="starting")
         master = addresses["dist"] if self.rank == 0 else self._rank0()["addresses"]["dist"]
+        from streamrl_cli.roles.extlock import LockWatch
         from streamrl_cli.trainer.learner import init_distributed, leave_group
 
-        init_distributed(self.rank, world, master, backend)
-        learner = self._learner(device)
+        # DeepSpeed builds and loads its ops here; a build lock a killed run left must not block us.
+        with LockWatch(on_error=self._fatal):
+            init_distributed(self.rank, world, master, backend)
+            learner = self._learner(device)
         from streamrl_cli.trainer.ranks import RankDriver, follow
 
         if self.rank != 0:
@@ -140,6 +150,15 @@ class TrainerRole:
                     return m
             time.sleep(0.5)
         raise StreamRLError(f"trainer rank 0 did not publish its address within {WAIT_S:.0f}s")
+
+    def _fatal(self, error: Exception) -> None:
+        """A failure found off the main thread while the main thread is blocked on it: say why, end."""
+        log.critical("trainer rank %d: %s", self.rank, error)
+        with contextlib.suppress(Exception):
+            self.rdv.set_status(state="failed", error=str(error))
+            self.rdv.heartbeat()
+            self.rdv.leave("failed")
+        os._exit(3)
 
     def _learner(self, device: Any) -> Any:
         import torch
@@ -268,11 +287,23 @@ class TrainerRole:
         self.rdv.wait_for("generator", self.generators, timeout=WAIT_S)
         deadline = time.monotonic() + WAIT_S
         while True:
-            alive = [m for m in self.rdv.members("generator") if m["state"] == "alive"]
+            members = self.rdv.members("generator")
+            alive = [m for m in members if m["state"] == "alive"]
+            gone = [m for m in members if m["state"] in ("lost", "left")]
             # "waiting for weights": up, joined a run in progress; it gets the version pushed first
             serving = [m for m in alive if m.get("reported_state") in ("generating", "waiting for weights")]
             if len(serving) >= self.generators:
                 return
+            if serving and len(serving) + len(gone) >= self.generators and len(alive) == len(serving):
+                # One failed at start: the run goes on without it (it may come back, restarted).
+                log.warning("starting without %s: failed at start", ", ".join(m["member_id"] for m in gone))
+                return
+            if gone and not alive and len(gone) >= self.generators:
+                raise StreamRLError(
+                    "no generator left: every generator failed at start ("
+                    + "; ".join(f"{m['member_id']}: {m.get('last_error') or m['state']}" for m in gone)
+                    + ")"
+                )
             if time.monotonic() > deadline:
                 raise StreamRLError(
                     f"{len(serving)} of {self.generators} generators serving after {WAIT_S:.0f}s "

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from streamrl_cli.errors import StreamRLError
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.trainer.batch import GroupCollector, Rollout
 from streamrl_cli.trainer.losses import grpo_advantages
@@ -60,6 +61,9 @@ class PipelineConfig:
     grpo_std_norm: bool = True
     seed: int = 0
     sample_timeout_s: float = 1800.0  # no sample at all for this long: something is wrong
+    # No generator connected for this long: every one failed or left, the run cannot go on. Not at
+    # once: a restarted array task, or an elastic scale-up after scaling to zero, comes back.
+    no_generator_s: float = 900.0
     dispatch: str = "least-loaded"  # least-loaded (the data plane's policy), random, skewness-aware
     schedule: str = "fifo"  # fifo or lpt (longest predicted first, inside each instance)
     long_tail: float = 0.2  # α of Algorithm 2
@@ -76,6 +80,7 @@ class PipelineConfig:
             max_output_len=spec.task.max_output_len, temperature=a.temperature, grpo_std_norm=a.grpo_std_norm,
             seed=t.seed, dispatch=skew.dispatch, schedule=skew.schedule, long_tail=skew.long_tail,
             engine_max_seqs=spec.generator.max_num_seqs, reproducible=t.reproducible_sampling,
+            sample_timeout_s=t.stall_after_s, no_generator_s=t.stall_after_s,
         )  # fmt: skip
 
     @property
@@ -138,6 +143,7 @@ class Pipeline:
         self.recent_lengths: deque[int] = deque(maxlen=4096)  # for Algorithm 2's P90 / P50
         self.priority_base = 0  # LPT priorities of later batches come after earlier ones'
         self.rng = random.Random(cfg.seed)
+        self._no_generator_since: float | None = None
 
     # ---- the loop ----
 
@@ -249,6 +255,7 @@ class Pipeline:
                 self._cv.wait(GET_POLL_S)
             wait_s += self.clock() - t0
             self._check_transfer()
+            self._check_generators()
             self._dispatch_due()
         batch = self.batches[i]
         per_round = self.cfg.micro_batch * self.cfg.world
@@ -275,6 +282,7 @@ class Pipeline:
                 self._route(sample)
             else:
                 self._check_transfer()
+                self._check_generators()
             if (
                 sample is None
                 and self.clock() - max(batch.dispatched_at, batch.last_sample_at) > self.cfg.sample_timeout_s
@@ -357,6 +365,24 @@ class Pipeline:
             self._versions_ready(v)
 
         self._transfer = self.publisher.publish(state, version, then=confirmed)
+
+    def _check_generators(self) -> None:
+        """End the run, saying why, when no generator has been connected for `no_generator_s` (a
+        failed one's work waits for the others; with none left it would wait for ever)."""
+        generators = getattr(self.svc, "generators", None)
+        if generators is None or generators():
+            self._no_generator_since = None
+            return
+        now = self.clock()
+        if self._no_generator_since is None:
+            self._no_generator_since = now
+            log.warning("no generator is connected: every one failed or left; waiting for one to come back")
+        elif now - self._no_generator_since > self.cfg.no_generator_s:
+            raise StreamRLError(
+                f"no generator left: none has been connected for {self.cfg.no_generator_s:.0f}s "
+                "(train.stall_after_s); every generator failed or left, see `streamrl status` for their "
+                "last errors"
+            )
 
     def _check_transfer(self) -> None:
         """A failed background transfer fails the run (its error, not a hang)."""
