@@ -22,7 +22,7 @@ import yaml
 from rich.console import Console
 
 from streamrl_cli import rundir
-from streamrl_cli.errors import ClusterError, RendezvousError
+from streamrl_cli.errors import ClusterError, RendezvousError, StreamRLError
 from streamrl_cli.launch import local, plan, slurm
 from streamrl_cli.launch.plan import JobSpec, RoleSpec
 from streamrl_cli.recipe.load import Composed
@@ -241,11 +241,18 @@ def watch_local(run: RunDir, console: Console) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     roles = [r for r in local.procs(run) if r.role != "rendezvous"]
     failed: list[local.LocalProc] = []
+    follower = _scale_follower(run, console)
     try:
         with Live(live_view(run), console=console, refresh_per_second=2, transient=False) as live:
             while stop["signal"] is None:
+                if follower is not None and _follow_scale(follower, console):
+                    roles = [r for r in local.procs(run) if r.role != "rendezvous"]  # new instances too
+                released = follower.released if follower is not None else set()
                 codes = {r.pid: local.exit_code(r) for r in roles}
-                failed = [r for r in roles if codes[r.pid] not in (None, 0)]
+                failed = [
+                    r for r in roles
+                    if codes[r.pid] not in (None, 0) and not (r.role == "generator" and r.rank in released)
+                ]  # fmt: skip
                 if failed or all(c is not None for c in codes.values()):
                     break
                 live.update(live_view(run))
@@ -278,6 +285,42 @@ def watch_local(run: RunDir, console: Console) -> int:
     if summary:
         console.print(f"plots: `streamrl plot {run.name}`", markup=False, highlight=False)
     return 1 if failed else 0
+
+
+def _scale_follower(run: RunDir, console: Console):  # type: ignore[no-untyped-def]
+    """The follower of scale requests when this process is the one that applies them (local generators)."""
+    from streamrl_cli.elastic import executor
+    from streamrl_cli.elastic.follow import ScaleFollower
+    from streamrl_cli.rendezvous import RendezvousClient
+    from streamrl_cli.roles.entry import load_spec
+
+    try:
+        if executor.launcher_of(run) != "local":
+            return None  # the rendezvous role's job watcher applies them
+        ca = load_spec(run.path / "roles" / "rendezvous.yaml").rendezvous_ca
+        # Short retries: the watch loop must stay responsive while the server restarts or stops.
+        return ScaleFollower(run, RendezvousClient.from_run_dir(run.path, tls_ca=ca, retry_s=2.0))
+    except StreamRLError as e:
+        console.print(f"[yellow]scaling unavailable for this run: {e}[/yellow]")
+        return None
+
+
+def _follow_scale(follower, console: Console) -> bool:  # type: ignore[no-untyped-def]
+    """Apply pending scale requests; True when instances were started or released."""
+    try:
+        written = follower.poll()
+    except StreamRLError as e:  # the server unreachable for a moment: the next poll retries
+        console.print(f"[yellow]scale requests: {e}[/yellow]")
+        return False
+    for ev in written:
+        if ev["event"] == "scaled":
+            console.print(
+                f"generators {ev['before']} -> {ev['after']} ({ev['source']}"
+                f"{': ' + ev['reason'] if ev['reason'] else ''})", markup=False, highlight=False,
+            )  # fmt: skip
+        elif ev["event"] == "scale_failed":
+            console.print(f"[red]scale request {ev['request']} failed: {ev['error']}[/red]")
+    return any(ev["event"] == "scaled" for ev in written)
 
 
 def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:

@@ -130,6 +130,7 @@ class TrainerRole:
         )
         self.closers.append(publisher)
         self.generators = gen.world
+        self.elastic = gen.settings.get("elastic") or {}
         return svc, publisher
 
     def _rank0(self) -> dict[str, Any]:
@@ -206,8 +207,12 @@ class TrainerRole:
         sinks = self._sinks()
         every, keep = int(t.get("checkpoint_every", 0)), int(t.get("keep_checkpoints", 2))
 
+        elastic = self._elastic(svc)
+
         def on_record(rec: dict[str, Any]) -> None:
             i = rec["iteration"]
+            if elastic is not None:
+                rec = {**rec, **elastic.after_iteration(rec)}
             bad = [k for k, v in rec.items() if isinstance(v, float) and not math.isfinite(v)]
             if bad:  # JSON has no NaN/inf: recorded as null, and said once in the log
                 log.warning("iteration %d: non-finite %s", i, ", ".join(f"{k}={rec[k]}" for k in bad))
@@ -247,6 +252,16 @@ class TrainerRole:
                 sink.close()
             if ranker is not None:
                 ranker.close()
+
+    def _elastic(self, svc: Any) -> Any:
+        """The elastic rule (roles.generator.elastic), or None when it is off."""
+        from streamrl_cli.elastic.control import ElasticController
+        from streamrl_cli.elastic.policy import ElasticConfig
+
+        cfg = ElasticConfig.from_dict(self.elastic)
+        if not cfg.enabled:
+            return None
+        return ElasticController(cfg, self.rdv, lambda: len(svc.generators()))
 
     def _ranker(self, task: Any, seed: int) -> Any:
         from streamrl_cli.ranker.base import make_ranker
