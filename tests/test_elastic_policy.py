@@ -23,6 +23,25 @@ def test_delta_and_delta_prime_are_the_papers() -> None:
     assert d.delta_prime == pytest.approx(3.0)  # T_gen / (n + 1): 9 s on 2 → 6 s on 3
 
 
+def test_the_long_tail_floor_is_not_counted_as_saved() -> None:
+    p = policy(patience=1)
+    # 12 s of generation of which 9 s is one long sample: one more instance saves (12 − 9) / 3 = 1 s.
+    d = p.observe(
+        Observation(iteration=0, instances=2, t_gen=12.0, t_train=11.5, generator_idle=0.0, t_floor=9.0)
+    )
+    assert d.delta_prime == pytest.approx(1.0)
+    assert d.action == HOLD  # Δ 0.5 s < Δ′ 1 s
+    d = p.observe(
+        Observation(iteration=1, instances=2, t_gen=12.0, t_train=10.0, generator_idle=0.0, t_floor=9.0)
+    )
+    assert d.action == ADD  # Δ 2 s > Δ′ 1 s
+    # A floor above T_gen (clock skew between hosts) saves nothing rather than a negative time.
+    d = p.observe(
+        Observation(iteration=2, instances=2, t_gen=1.0, t_train=0.5, generator_idle=0.0, t_floor=2.0)
+    )
+    assert d.delta_prime == 0.0
+
+
 def test_adds_after_patience_iterations_of_delta_above_delta_prime() -> None:
     p = policy(patience=3)
     assert p.observe(obs(0, 1, 10.0, 2.0)).action == HOLD  # Δ 8 > Δ′ 5, streak 1

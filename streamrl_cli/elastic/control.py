@@ -28,6 +28,7 @@ class ElasticController:
             Observation(
                 iteration=int(rec["iteration"]), instances=n, t_gen=float(rec["t/generation"]),
                 t_train=float(rec["t/train"]), generator_idle=float(rec["idle/generator"]),
+                t_floor=float(rec.get("t/longest_sample", 0.0)),
             )
         )  # fmt: skip
         out = {

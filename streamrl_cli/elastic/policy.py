@@ -5,9 +5,11 @@ After each iteration the trainer measures T_gen (dispatch to last sample of the 
 
 - Δ = T_gen − T_train: how much longer generation takes than training. Positive means the trainer
   waits on the generators.
-- Δ′ = the time one more instance would save. With the measured per-instance throughput
-  (the batch's work / (n · T_gen)) the same work on n + 1 instances takes T_gen · n / (n + 1), so
-  Δ′ = T_gen / (n + 1).
+- Δ′ = the time one more instance would save. Part of T_gen does not shrink with more instances:
+  the longest sample's own decoding (T_floor, measured: its first token to its end), which is the
+  long tail the paper's skewness-aware dispatch works on. The rest is spread over the instances at
+  their measured per-instance throughput, so on n + 1 instances it takes n / (n + 1) of the time:
+  Δ′ = (T_gen − T_floor) / (n + 1). (Without a measured floor, T_floor = 0: Δ′ = T_gen / (n + 1).)
 - Add one instance when Δ > Δ′ for ``patience`` iterations in a row: generation is the bottleneck
   by more than what another instance recovers, so the instance pays for itself.
 - Release one when the generators were idle more than ``idle_release`` of the iteration for
@@ -73,6 +75,7 @@ class Observation:
     t_gen: float  # seconds from dispatch to the batch's last sample
     t_train: float  # seconds of training (rounds + step)
     generator_idle: float  # fraction of the iteration no generation was running
+    t_floor: float = 0.0  # the part of t_gen more instances cannot shorten (the longest sample's decoding)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -80,7 +83,7 @@ class Decision:
     action: str  # hold | add | release
     target: int  # instances wanted after this decision
     delta: float  # Δ = T_gen − T_train
-    delta_prime: float  # Δ′ = T_gen / (n + 1)
+    delta_prime: float  # Δ′ = (T_gen − T_floor) / (n + 1)
     reason: str
 
 
@@ -101,7 +104,7 @@ class ElasticPolicy:
     def observe(self, obs: Observation) -> Decision:
         c, n = self.config, obs.instances
         delta = obs.t_gen - obs.t_train
-        delta_prime = obs.t_gen / (n + 1)
+        delta_prime = max(0.0, obs.t_gen - obs.t_floor) / (n + 1)
         # Streaks count every iteration, also in a cooldown, so a lasting imbalance acts as soon as it ends.
         self._add_streak = self._add_streak + 1 if delta > delta_prime else 0
         fewer_ok = n > 1 and obs.t_gen * n / (n - 1) <= obs.t_train
