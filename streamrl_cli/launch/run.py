@@ -30,6 +30,7 @@ from streamrl_cli.rundir import RunDir, write_atomic
 
 RENDEZVOUS_START_S = 60.0  # a local server starts in about a second
 RENDEZVOUS_JOB_START_S = 900.0  # a server job may wait in the queue first
+TRAINED_GRACE_S = 30.0  # after the trainer finished, for the generators to hand over and leave
 
 
 @dataclass
@@ -242,6 +243,7 @@ def watch_local(run: RunDir, console: Console) -> int:
     roles = [r for r in local.procs(run) if r.role != "rendezvous"]
     failed: list[local.LocalProc] = []
     follower = _scale_follower(run, console)
+    trained_at = 0.0
     try:
         with Live(live_view(run), console=console, refresh_per_second=2, transient=False) as live:
             while stop["signal"] is None:
@@ -255,6 +257,13 @@ def watch_local(run: RunDir, console: Console) -> int:
                 ]  # fmt: skip
                 if failed or all(c is not None for c in codes.values()):
                     break
+                trainers = [r for r in roles if r.role == "trainer"]
+                if trainers and all(codes[r.pid] == 0 for r in trainers):
+                    # The run is trained. Generators leave when the trainer does; one still starting
+                    # (added by scaling near the end) would wait for a trainer that is gone.
+                    trained_at = trained_at or time.monotonic()
+                    if time.monotonic() - trained_at > TRAINED_GRACE_S:
+                        break
                 live.update(live_view(run))
                 time.sleep(0.5)
             live.update(live_view(run))
