@@ -120,6 +120,32 @@ def cancel(
 
 
 @app.command()
+def scale(
+    run_name: Annotated[str, typer.Argument(metavar="RUN", help="run id, prefix, name or directory")],
+    generators: Annotated[
+        str, typer.Option("--generators", help="instances wanted: N, or +N to add, -N to release")
+    ],
+    wait: Annotated[float, typer.Option(help="seconds to wait until the run applied it")] = 120.0,
+) -> None:
+    """Grow or shrink RUN's generator instances while it trains (local processes or SLURM array jobs)."""
+    from streamrl_cli import rundir
+    from streamrl_cli.elastic.request import request
+
+    r = rundir.find(run_name)
+    ev = request(r, generators, wait_s=wait)
+    if ev["event"] == "scale_superseded":
+        console.print(f"superseded by a newer scale request ({ev['by']}); see `streamrl status {r.name}`")
+        return
+    what = [f"started {', '.join(f'generator-{k}' for k in ev['added'])}"] if ev["added"] else []
+    what += [f"released {', '.join(f'generator-{k}' for k in ev['released'])}"] if ev["released"] else []
+    what += [f"array job {j}" for j in ev["jobs"]]
+    done = f" ({'; '.join(what)})" if what else ""
+    console.print(
+        f"run {r.name}: generators {ev['before']} -> {ev['after']}{done}", markup=False, highlight=False
+    )
+
+
+@app.command()
 def status(
     run_name: Annotated[
         str | None, typer.Argument(metavar="[RUN]", help="run id, prefix, name or directory")

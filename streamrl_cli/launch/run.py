@@ -20,7 +20,7 @@ from pathlib import Path
 from rich.console import Console
 
 from streamrl_cli import rundir
-from streamrl_cli.errors import ClusterError, RendezvousError
+from streamrl_cli.errors import ClusterError, RendezvousError, StreamRLError
 from streamrl_cli.launch import local, plan, slurm
 from streamrl_cli.launch.plan import JobSpec
 from streamrl_cli.recipe.load import Composed
@@ -235,13 +235,18 @@ def watch_local(run: RunDir, console: Console) -> int:
     failed: list[local.LocalProc] = []
     gone: set[int] = set()  # generators that failed: the run goes on without them
     no_generator = False
+    follower = _scale_follower(run, console)
     try:
         with Live(live_view(run), console=console, refresh_per_second=2, transient=False) as live:
             while stop["signal"] is None:
+                if follower is not None:
+                    _follow_scale(follower, console)
+                released = follower.released if follower is not None else set()
                 known = {r.pid for r in roles}  # generators started later (scaled up) are watched too
                 roles += [r for r in local.procs(run) if r.role != "rendezvous" and r.pid not in known]
                 codes = {r.pid: _exit_code(r) for r in roles}
-                gens = [r for r in roles if r.role == "generator"]
+                # Released instances (scaled in) leave on purpose, whatever their exit code.
+                gens = [r for r in roles if r.role == "generator" and r.rank not in released]
                 for r in gens:
                     if codes[r.pid] not in (None, 0) and r.pid not in gone:
                         gone.add(r.pid)
@@ -321,6 +326,42 @@ def _wait_exit(recs: list[local.LocalProc], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(local.exit_code(r) is None and r.alive() for r in recs):
         time.sleep(0.2)
+
+
+def _scale_follower(run: RunDir, console: Console):  # type: ignore[no-untyped-def]
+    """The follower of scale requests when this process is the one that applies them (local generators)."""
+    from streamrl_cli.elastic import executor
+    from streamrl_cli.elastic.follow import ScaleFollower
+    from streamrl_cli.rendezvous import RendezvousClient
+    from streamrl_cli.roles.spec import load_spec
+
+    try:
+        if executor.launcher_of(run) != "local":
+            return None  # the rendezvous role's job watcher applies them
+        ca = load_spec(run.role_spec("rendezvous")).rendezvous_ca
+        # Short retries: the watch loop must stay responsive while the server restarts or stops.
+        return ScaleFollower(run, RendezvousClient.from_run_dir(run.path, tls_ca=ca, retry_s=2.0))
+    except StreamRLError as e:
+        console.print(f"[yellow]scaling unavailable for this run: {e}[/yellow]")
+        return None
+
+
+def _follow_scale(follower, console: Console) -> bool:  # type: ignore[no-untyped-def]
+    """Apply pending scale requests; True when instances were started or released."""
+    try:
+        written = follower.poll()
+    except StreamRLError as e:  # the server unreachable for a moment: the next poll retries
+        console.print(f"[yellow]scale requests: {e}[/yellow]")
+        return False
+    for ev in written:
+        if ev["event"] == "scaled":
+            console.print(
+                f"generators {ev['before']} -> {ev['after']} ({ev['source']}"
+                f"{': ' + ev['reason'] if ev['reason'] else ''})", markup=False, highlight=False,
+            )  # fmt: skip
+        elif ev["event"] == "scale_failed":
+            console.print(f"[red]scale request {ev['request']} failed: {ev['error']}[/red]")
+    return any(ev["event"] == "scaled" for ev in written)
 
 
 def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:

@@ -4,6 +4,7 @@ that no server outlives its run (on the submitting host or as its own job)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -14,6 +15,8 @@ from streamrl_cli.launch import slurm
 from streamrl_cli.roles.spec import RendezvousSpec
 from streamrl_cli.rundir import RunDir
 
+log = logging.getLogger("streamrl.rendezvous")
+
 POLL_S = float(os.environ.get("STREAMRL_JOB_POLL_S", "15"))
 
 
@@ -21,7 +24,9 @@ def main(spec: RendezvousSpec, rank: int) -> int:
     from streamrl_cli.rendezvous.server import serve
 
     s = spec.settings
-    threading.Thread(target=_stop_when_jobs_end, args=(RunDir(Path(spec.run_dir)),), daemon=True).start()
+    run = RunDir(Path(spec.run_dir))
+    threading.Thread(target=_stop_when_jobs_end, args=(run,), daemon=True).start()
+    threading.Thread(target=_apply_scale_requests, args=(run, spec), daemon=True).start()
     serve(
         Path(spec.run_dir),
         host=s.bind_host,
@@ -47,7 +52,8 @@ def _stop_when_jobs_end(run: RunDir) -> None:
         # Two polls in a row: a job array can look ended for a moment between its tasks' records.
         ended_polls = ended_polls + 1 if slurm.all_ended(states) else 0
         if ended_polls >= 2:
-            final = {t["state"] for j in states for t in j["tasks"]}
+            # Tasks released by scaling were cancelled on purpose: they say nothing about the run.
+            final = {t["state"] for j in states for t in j["tasks"] if t["task"] not in j.get("released", [])}
             info = run.info()
             if info.get("state") not in ("cancelling", "cancelled"):
                 state = (
@@ -61,3 +67,27 @@ def _stop_when_jobs_end(run: RunDir) -> None:
                 run.event(state, job_states=sorted(final))
             os.kill(os.getpid(), signal.SIGTERM)
             return
+
+
+def _apply_scale_requests(run: RunDir, spec: RendezvousSpec) -> None:
+    """For a run whose generators are SLURM jobs, this process applies scale requests (elastic.follow)."""
+    from streamrl_cli.elastic import executor
+    from streamrl_cli.elastic.follow import ScaleFollower
+    from streamrl_cli.errors import StreamRLError
+    from streamrl_cli.rendezvous import RendezvousClient
+    from streamrl_cli.roles.preflight import wait_for_file
+
+    try:
+        if executor.launcher_of(run) != "slurm":
+            return  # local generators: `streamrl run` applies them
+        wait_for_file(Path(spec.rendezvous_file), 60.0)
+        follower = ScaleFollower(run, RendezvousClient.from_run_dir(run.path, tls_ca=spec.rendezvous_ca))
+    except (StreamRLError, OSError) as e:
+        log.error("scale requests will not be applied: %s", e)
+        return
+    while True:
+        try:
+            follower.poll(timeout=10.0)
+        except StreamRLError as e:  # the server stopping, or a moment unreachable
+            log.warning("scale requests: %s", e)
+            time.sleep(POLL_S)

@@ -181,6 +181,24 @@ def _generator(r: Recipe) -> Iterator[Problem]:
     if g.max_running is not None and g.max_running < 1:
         yield "roles.generator.max_running", f"must be at least 1 (or null), got {g.max_running}"
     yield from _heads(r, "generator", g.tensor_parallel)
+    yield from _elastic(r)
+
+
+def _elastic(r: Recipe) -> Iterator[Problem]:
+    import dataclasses
+
+    from streamrl_cli.elastic.policy import ElasticConfig
+
+    g = r.roles.generator
+    e = ElasticConfig.from_dict(dataclasses.asdict(g.elastic))
+    for key, msg in e.problems():
+        yield f"roles.generator.elastic.{key}", msg
+    if e.enabled and not e.problems() and not e.min <= g.instances <= e.max:
+        yield (
+            "roles.generator.instances",
+            f"{g.instances} is outside roles.generator.elastic min..max ({e.min}..{e.max}); "
+            "the run starts with this many",
+        )
 
 
 def _gpus_fit(

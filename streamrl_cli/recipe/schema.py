@@ -84,6 +84,22 @@ class TrainerConfig(RoleJobConfig):
 
 
 @dataclass(kw_only=True)
+class ElasticSection:
+    """The elastic rule, run by the trainer after each iteration (`streamrl scale` works without it).
+
+    Δ = T_gen − T_train; Δ′ = T_gen / (n + 1), the time one more of the n instances would save at
+    their measured throughput. Adds one when Δ > Δ′, releases one when the generators idle.
+    """
+
+    enabled: bool = False  # the trainer asks for instances by this rule (off: the count stays as launched)
+    min: int = 1  # never fewer instances (at least 1: the rule needs one to measure)
+    max: int = 1  # never more instances
+    patience: int = 2  # iterations in a row a condition must hold before an instance is added or released
+    cooldown: int = 2  # iterations after a change with no other change (a new instance needs to start)
+    idle_release: float = 0.5  # release one when generators idle more than this fraction of iterations
+
+
+@dataclass(kw_only=True)
 class GeneratorConfig(RoleJobConfig):
     """Generator instances: one SLURM array task per instance, so scaling is adding/cancelling tasks."""
 
@@ -96,6 +112,7 @@ class GeneratorConfig(RoleJobConfig):
     max_num_seqs: int = 64
     engine: str = choices(*ENGINES, default="vllm")  # inference engine
     program: str = "streamrl_cli.generator.main:main"  # `module:function` each instance runs
+    elastic: ElasticSection = field(default_factory=ElasticSection)  # grow/shrink instances while training
 
 
 @dataclass(kw_only=True)

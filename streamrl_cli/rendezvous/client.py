@@ -288,6 +288,11 @@ class RendezvousClient:
     def post_progress(self, step: int, **fields: Any) -> dict[str, Any]:
         return self._call("POST", "/v1/progress", {"step": step, **fields})["progress"]
 
+    def request_scale(self, instances: int, *, source: str = "user", reason: str = "") -> int:
+        """Ask for `instances` generator instances; returns the request's event seq."""
+        body = {"role": "generator", "instances": instances, "source": source, "reason": reason[:255]}
+        return int(self._call("POST", "/v1/scale", body)["seq"])
+
     def status(self) -> dict[str, Any]:
         return self._call("GET", "/v1/status")
 

@@ -68,6 +68,13 @@ class ConfirmBody(msgspec.Struct, forbid_unknown_fields=True):
     version: Version
 
 
+class ScaleBody(msgspec.Struct, forbid_unknown_fields=True):
+    role: Name  # the role to scale (only "generator" is elastic)
+    instances: Annotated[int, msgspec.Meta(ge=0, le=100_000)]  # instances wanted
+    source: Annotated[str, msgspec.Meta(pattern=r"^(user|policy)$")] = "user"
+    reason: Label = ""
+
+
 class MetricsBody(msgspec.Struct, forbid_unknown_fields=True):
     member_id: MemberId
     record: Annotated[dict[str, Any], msgspec.Meta(max_length=MAX_KEYS)]
@@ -96,6 +103,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "/v1/versions/confirm": {"member_id": "generator-0", "version": 4},
     "/v1/metrics": {"member_id": "generator-0", "record": {"step": 12, "tokens_per_s": 5300.0}},
     "/v1/progress": {"step": 12, "samples": 12288},
+    "/v1/scale": {"role": "generator", "instances": 3, "source": "user", "reason": "more throughput"},
 }
 RESERVED_METRIC_KEYS = {"time", "member_id", "role", "rank"}  # metrics.jsonl adds these itself
 

@@ -91,6 +91,7 @@ class RendezvousServer:
             ("POST", "/v1/versions/confirm", self.confirm),
             ("POST", "/v1/metrics", self.metrics),
             ("POST", "/v1/progress", self.progress),
+            ("POST", "/v1/scale", self.scale),
             ("GET", "/v1/status", self.status),
         ]
         for method, path, handler in routes:
@@ -310,6 +311,14 @@ class RendezvousServer:
         await self._commit(self.state.set_progress(doc, now=time.time()))
         return json_response({"ok": True, "progress": self.state.progress})
 
+    async def scale(self, request: web.Request) -> web.Response:
+        b = await p.decode_body(request, p.ScaleBody)
+        events = self.state.request_scale(
+            b.role, b.instances, source=b.source, reason=b.reason, now=time.time()
+        )
+        await self._commit(events)
+        return json_response({"ok": True, "seq": events[-1]["seq"], "event_seq": self.durable_seq})
+
     async def status(self, request: web.Request) -> web.Response:
         p.parse_query(request, set())
         mono, now = time.monotonic(), time.time()
@@ -333,6 +342,7 @@ class RendezvousServer:
                 "versions": self.state.versions_view(),
                 "progress": self.state.progress,
                 "metrics": self.state.metrics,
+                "scale": self.state.scale,
             }
         )
 

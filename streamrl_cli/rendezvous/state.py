@@ -92,6 +92,7 @@ class RendezvousState:
         self.pending: dict[int, PendingVersion] = {}
         self.progress: dict[str, Any] = {}
         self.metrics: dict[str, dict[str, Any]] = {}  # member_id -> latest {"time", "record"}
+        self.scale: dict[str, dict[str, Any]] = {}  # role -> latest scale request (with its seq)
         self._views: dict[str, dict[str, Any]] = {}  # member_id -> member_view minus the age
 
     # ---- commands: check, then emit events (each returns the events it emitted) ----
@@ -254,6 +255,16 @@ class RendezvousState:
     def set_progress(self, update: dict[str, Any], *, now: float) -> list[dict[str, Any]]:
         return [self._emit(now, "progress", **update)]
 
+    def request_scale(
+        self, role: str, instances: int, *, source: str, reason: str, now: float
+    ) -> list[dict[str, Any]]:
+        """A scale request: an event for whoever applies it (the process watching the run)."""
+        if role != "generator":
+            raise Rejected("not_elastic", f"only the generator role scales, not {role!r}")
+        return [
+            self._emit(now, "scale_requested", role=role, instances=instances, source=source, reason=reason)
+        ]
+
     def record_metrics(
         self, member_id: str, record: dict[str, Any], *, now: float, mono: float
     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -327,6 +338,9 @@ class RendezvousState:
         self.current_version, self.current_since = d["version"], t
         for v in [v for v in self.pending if v <= d["version"]]:
             del self.pending[v]
+
+    def _on_scale_requested(self, t: float, d: dict[str, Any]) -> None:
+        self.scale[d["role"]] = {**d, "time": t, "seq": self.seq + 1}
 
     def _on_progress(self, t: float, d: dict[str, Any]) -> None:
         self.progress.update(d)
@@ -434,6 +448,7 @@ class RendezvousState:
             "current_since": self.current_since,
             "pending": [asdict(p) for p in self.pending.values()],
             "progress": self.progress,
+            "scale": self.scale,
             "events": list(self.events)[-keep_events:],
         }
 
@@ -447,6 +462,7 @@ class RendezvousState:
             self.pending[p["version"]] = PendingVersion(**p)
         self.current_version, self.current_since = snap["current_version"], snap["current_since"]
         self.progress, self.seq = dict(snap["progress"]), snap["seq"]
+        self.scale = dict(snap.get("scale", {}))  # absent in snapshots written before scaling existed
         self.events.clear()
         self.events.extend(snap["events"])
 

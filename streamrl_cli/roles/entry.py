@@ -25,7 +25,8 @@ __all__ = ["load_spec", "run_role"]
 def rank_from_env(role: str) -> int:
     """Generator instances are array tasks; trainer ranks are the tasks of one job."""
     if role == "generator" and "SLURM_ARRAY_TASK_ID" in os.environ:
-        return int(os.environ["SLURM_ARRAY_TASK_ID"])
+        # An array job added by scaling starts its task ids at 0 again: its ranks start after the run's.
+        return int(os.environ.get("STREAMRL_RANK_BASE", "0")) + int(os.environ["SLURM_ARRAY_TASK_ID"])
     return int(os.environ.get("SLURM_PROCID", os.environ.get("STREAMRL_RANK", "0")))
 
 

@@ -17,6 +17,7 @@ to finish.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -140,6 +141,7 @@ class TrainerRole:
         )  # fmt: skip
         self.closers.append(publisher)
         self.generators = gen.instances
+        self.elastic = gen.elastic
         return svc, publisher
 
     def _rank0(self) -> dict[str, Any]:
@@ -218,8 +220,12 @@ class TrainerRole:
         sinks = self._sinks()
         every, keep = t.checkpoint_every, t.keep_checkpoints
 
+        elastic = self._elastic(svc)
+
         def on_record(rec: dict[str, Any]) -> None:
             i = rec["iteration"]
+            if elastic is not None:
+                rec = {**rec, **elastic.after_iteration(rec)}
             bad = [k for k, v in rec.items() if isinstance(v, float) and not math.isfinite(v)]
             if bad:  # JSON has no NaN/inf: recorded as null, and said once in the log
                 log.warning("iteration %d: non-finite %s", i, ", ".join(f"{k}={rec[k]}" for k in bad))
@@ -259,6 +265,16 @@ class TrainerRole:
                 sink.close()
             if ranker is not None:
                 ranker.close()
+
+    def _elastic(self, svc: Any) -> Any:
+        """The elastic rule (roles.generator.elastic), or None when it is off."""
+        from streamrl_cli.elastic.control import ElasticController
+        from streamrl_cli.elastic.policy import ElasticConfig
+
+        cfg = ElasticConfig.from_dict(dataclasses.asdict(self.elastic))
+        if not cfg.enabled:
+            return None
+        return ElasticController(cfg, self.rdv, lambda: len(svc.generators()))
 
     def _ranker(self, task: Any, seed: int) -> Any:
         from streamrl_cli.ranker.base import make_ranker

@@ -105,6 +105,9 @@ class Batch:
     observed: dict[str, float] = field(default_factory=dict)  # request prompt id -> longest output
     lengths: dict[str, list[int]] = field(default_factory=dict)  # task prompt id -> lengths by sample index
     plan: dict[str, Any] = field(default_factory=dict)  # the dispatch decision, for the record
+    longest_s: float = (
+        0.0  # the longest sample's own decoding (first token to finish): more instances won't shorten it
+    )
 
 
 class Pipeline:
@@ -325,6 +328,8 @@ class Pipeline:
             self.svc.submit([retry])
             return
         batch.last_sample_at = self.clock()
+        if sample.first_token_at and sample.finished_at:
+            batch.longest_s = max(batch.longest_s, sample.finished_at - sample.first_token_at)
         for r in batch.collector.add(sample):
             r.staleness, r.iteration = staleness, j
             batch.ready.append(r)
@@ -431,6 +436,7 @@ class Pipeline:
             "t/iteration": elapsed,
             "t/generation": batch.last_sample_at - batch.dispatched_at,
             "t/train": busy,
+            "t/longest_sample": batch.longest_s,
             "t/wait": wait_s,
             "t/weight_sync": sum(s[2] - s[1] for s in syncs),
             "idle/trainer": max(0.0, 1.0 - busy / elapsed),

@@ -170,6 +170,12 @@ class DispatchService:
         self._send(self.dispatcher.lose(generator))
 
     def revived(self, generator: str) -> None:
+        # Only one whose stream is connected takes work again. A generator that was lost before its
+        # hello (its heartbeats starved while its engine started, a late joiner still waiting for
+        # weights) is added by that hello; added now, work would wait on a stream that is not there.
+        connected = getattr(self.receiver, "generators", None)
+        if connected is not None and generator not in connected():
+            return
         self._send(self.dispatcher.generator_joined(generator))
 
     def get(self, timeout: float | None = None) -> Sample | None:
