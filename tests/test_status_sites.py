@@ -84,7 +84,7 @@ def test_a_members_last_error_is_kept_cleared_and_replayed():
 def test_the_sites_table_names_the_relay_and_what_crossed():
     from rich.console import Console
 
-    from streamrl_cli.status_view import sites_table
+    from streamrl_cli.status.view import sites_table
 
     wan = {"weights/version": 5, "weights/at": 1.0, "weights/bytes": 3 << 20, "weights/transfer_s": 0.3,
            "weights/relay": 1, "weights/wan_bytes": 3 << 20, "weights/wan_s": 0.25}  # fmt: skip
