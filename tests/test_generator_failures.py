@@ -19,8 +19,9 @@ from test_generator_admission import FakeEngine
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.generator import main as generator_main
 from streamrl_cli.generator.main import GeneratorRole
-from streamrl_cli.launch.plan import RoleSpec
+from streamrl_cli.recipe.schema import GeneratorConfig, ModelConfig, TaskConfig, TrainConfig
 from streamrl_cli.rendezvous import RendezvousClient, create_secret
+from streamrl_cli.roles.spec import GeneratorSpec
 
 
 class StartingEngine(FakeEngine):
@@ -65,13 +66,13 @@ def test_a_generator_that_cannot_reach_the_sample_stream_fails_with_its_reason(r
     trainer.register("trainer", 0, cluster="local", site="local",
                      addresses={"samples": f"tcp://127.0.0.1:{closed_port()}"})  # fmt: skip
     trainer.start_heartbeat()
-    spec = RoleSpec(
+    spec = GeneratorSpec(
         run_name="t", run_dir=str(run_dir), role="generator", cluster="local", site="local", world=1,
         expected={"trainer": 1, "generator": 1}, program="streamrl_cli.generator.main:main",
         weight_transport="broadcast", rendezvous_file=str(run_dir / "rendezvous.json"),
-        secret_file=str(run_dir / "secret"), settings={"engine": "vllm", "gpus_per_instance": 0},
-        model={"name": "m", "path": str(run_dir / "model")}, train={"seed": 0},
-        task={"max_prompt_len": 64, "max_output_len": 128},
+        secret_file=str(run_dir / "secret"), settings=GeneratorConfig(cluster="local", gpus_per_instance=0),
+        model=ModelConfig(name="m", path=str(run_dir / "model")), train=TrainConfig(seed=0),
+        task=TaskConfig(name="builtin", max_prompt_len=64, max_output_len=128),
     )  # fmt: skip
     monkeypatch.setattr(generator_main, "WAIT_S", 3.0)  # the bound on reaching the trainer
     role = GeneratorRole(spec, 0, engine=StartingEngine())

@@ -14,11 +14,14 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamrl_cli import rundir
 from streamrl_cli.launch import local, slurm
 from streamrl_cli.rundir import RunDir
+
+if TYPE_CHECKING:
+    from streamrl_cli.recipe.schema import TrainConfig
 
 ROLE_ORDER = ("rendezvous", "trainer", "generator")
 SCHEMA_VERSION = 1
@@ -44,12 +47,7 @@ def collect(run: RunDir) -> dict[str, Any]:
             }
         )
     state, problems = _derive_state(info.get("state", "unknown"), jobs, procs)
-    # The file's value, or the schema's default where the file is gone (status must work without it).
-    from streamrl_cli.recipe.schema import TrainConfig
-
-    stall_after_s = float(
-        _spec(run, "trainer").get("train", {}).get("stall_after_s", TrainConfig().stall_after_s)
-    )
+    stall_after_s = _trainer_train(run).stall_after_s
     stalled = stalled_for(state, rdv, info, stall_after_s, time.time())
     if stalled is not None:
         state = "stalled"
@@ -184,6 +182,20 @@ def _rendezvous(run: RunDir) -> dict[str, Any]:
         ],
     )
     return out
+
+
+def _trainer_train(run: RunDir) -> TrainConfig:
+    """The trainer's typed train section, or the schema's defaults where its spec is gone or
+    unreadable (status must work without it)."""
+    from streamrl_cli.errors import StreamRLError
+    from streamrl_cli.recipe.schema import TrainConfig
+    from streamrl_cli.roles.spec import TrainerSpec, load_spec
+
+    try:
+        spec = load_spec(run.role_spec("trainer"))
+    except StreamRLError:
+        return TrainConfig()
+    return spec.train if isinstance(spec, TrainerSpec) else TrainConfig()
 
 
 def _spec(run: RunDir, role: str) -> dict[str, Any]:
