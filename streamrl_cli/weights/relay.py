@@ -356,11 +356,12 @@ class _Fetch:
         dest = self.view[start:end]
         ok = True
         if h.codec == "none" and h.wire_len == h.raw_len:
-            conn.recv_into(dest)  # straight into place; not visible to anyone until all is verified
+            # Straight into place; not visible to anyone until all is verified.
+            ok = conn.recv_payload_into(dest)
         else:
-            payload = conn.recv_exact(h.wire_len)
+            payload = conn.recv_payload(h.wire_len)
             try:
-                raw = rw.decompress(h.codec, payload, h.raw_len)
+                raw = rw.decompress(h.codec, payload, h.raw_len) if payload is not None else b""
             except rw.ProtocolError:
                 raise
             except Exception:  # zlib.error, zstd.ZstdError: the compressed bytes were corrupted
