@@ -127,6 +127,7 @@ class Conn:
         self._tx: AESGCM | None = None
         self._tx_key = self._rx_key = b""
         self._tx_n = self._rx_n = 0
+        self._scratch = bytearray()
 
     def secure(self, tx_key: bytes, rx_key: bytes) -> None:
         self._tx, self._tx_key, self._rx_key = AESGCM(tx_key), tx_key, rx_key
@@ -158,8 +159,16 @@ class Conn:
         if self._tx is None:
             self.sock.sendall(data)
             return
+        # Into a scratch buffer kept per connection: half the cost of update() + concatenation
+        # (a fresh 8 MiB bytes object per chunk, copied again to append the tag).
+        n = len(memoryview(data).cast("B"))
+        if len(self._scratch) < n + 16:
+            self._scratch = bytearray(n + 16)
         enc = Cipher(algorithms.AES(self._tx_key), modes.GCM(self._next_tx_nonce())).encryptor()
-        self.sock.sendall(enc.update(data) + enc.finalize() + enc.tag)
+        done = enc.update_into(data, self._scratch)
+        enc.finalize()
+        self.sock.sendall(memoryview(self._scratch)[:done])
+        self.sock.sendall(enc.tag)
 
     def recv(self) -> Message:
         head = self.recv_exact(4)
