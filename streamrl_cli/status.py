@@ -44,6 +44,7 @@ def collect(run: RunDir) -> dict[str, Any]:
             }
         )
     state, problems = _derive_state(info.get("state", "unknown"), jobs, procs)
+    problems = [*run.damage(), *problems]
     return {
         "schema": SCHEMA_VERSION,
         "run": run.name,

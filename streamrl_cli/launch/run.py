@@ -22,7 +22,7 @@ import yaml
 from rich.console import Console
 
 from streamrl_cli import rundir
-from streamrl_cli.errors import ClusterError, RendezvousError
+from streamrl_cli.errors import ClusterError, RendezvousError, ResumeError
 from streamrl_cli.launch import local, plan, slurm
 from streamrl_cli.launch.plan import JobSpec, RoleSpec
 from streamrl_cli.recipe.load import Composed
@@ -99,11 +99,27 @@ def reopen(run: RunDir) -> Prepared:
         raise ClusterError(
             f"run {run.name} still has roles running: stop it first (`streamrl cancel {run.name}`)"
         )
+    from omegaconf.errors import OmegaConfBaseException
+
+    from streamrl_cli.errors import RecipeError
+    from streamrl_cli.recipe import safe_yaml
+
+    config = run.path / "config.yaml"
     try:
-        tree = OmegaConf.load(run.path / "config.yaml")
+        safe_yaml.check_document(config, safe_yaml.read_text(config))
+        tree = OmegaConf.load(config)
         recipe = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Recipe), tree))
-    except (OSError, ValueError) as e:
-        raise ClusterError(f"cannot read {run.path / 'config.yaml'} to resume: {e}") from None
+    except RecipeError as e:
+        raise ResumeError(f"cannot resume run {run.name}: {'; '.join(e.problems)}") from None
+    except (OSError, ValueError, OmegaConfBaseException, yaml.YAMLError) as e:
+        raise ResumeError(f"cannot resume run {run.name}: {config} is damaged: {e}") from None
+    # The trainer resumes from run_dir/checkpoints/iter-N/ (complete once its state.json exists).
+    ckpts = run.path / "checkpoints"
+    if not (ckpts.is_dir() and any((p / "state.json").is_file() for p in ckpts.glob("iter-*"))):
+        raise ResumeError(
+            f"cannot resume run {run.name}: it has no complete checkpoint in {ckpts} "
+            "(train.checkpoint_every sets how often one is written); start it anew with `streamrl run`"
+        )
     attempts = run.path / "attempts"
     n = len(list(attempts.glob("*"))) + 1 if attempts.is_dir() else 1
     for name in ("local.json", "jobs.json", "rendezvous.json"):
@@ -286,6 +302,12 @@ def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:
     # Said before any signal is sent, so that a `streamrl run` watching the roles reads their
     # exits as a cancel, not as a failure.
     run.update_info(state="cancelling")
+    _, damaged = rundir.read_json_checked(run.path / "jobs.json")
+    if damaged:
+        errors.append(
+            f"{damaged}: cannot tell which SLURM jobs to cancel; find them with "
+            f"`squeue --name {run.info().get('name') or run.name}` and scancel them"
+        )
     for job in run.jobs():
         try:
             slurm.cancel(job.get("slurm_cluster"), job["job_id"])
