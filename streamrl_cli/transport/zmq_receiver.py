@@ -185,8 +185,9 @@ class ZmqSampleReceiver(SampleReceiver):
                 else:
                     self.stats["malformed"] += 1
             except (msgspec.DecodeError, msgspec.ValidationError, IndexError, ValueError) as e:
-                self.stats["malformed"] += 1
-                log.warning("sample stream: malformed %r message: %s", kind, e)
+                n = self.stats["malformed"] = self.stats["malformed"] + 1
+                if n % 100 == 1:  # a peer sending garbage must not flood the log too
+                    log.warning("sample stream: malformed %r message (%d so far): %s", kind, n, e)
             with self._cond:
                 if len(self._queue) >= self.config.queue:
                     return
