@@ -97,7 +97,7 @@ def attack_relay(rng: random.Random) -> dict:
     before = peak.now_mb()
     holders, tried = [], 0
     for _ in range(12):
-        s = socket.create_connection(("127.0.0.1", port))
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
         s.recv(4096)
         s.sendall(struct.pack(">I", 64 * MB))
         holders.append(s)
@@ -110,7 +110,7 @@ def attack_relay(rng: random.Random) -> dict:
             pass
         tried += 1
     time.sleep(0.5)
-    ok = fetch_weights(address, TOKEN, streams=2).version == 1
+    ok = fetch_weights(address, TOKEN, streams=2, timeout_s=30).version == 1
     for s in holders:
         s.close()
     out = {

@@ -162,3 +162,34 @@ def test_a_server_of_another_protocol_version_is_named():
     with pytest.raises(WeightTransferError, match="speaks protocol 1, this relay 2"):
         fetch_weights(f"127.0.0.1:{listener.getsockname()[1]}", TOKEN)
     listener.close()
+
+
+def test_connections_beyond_the_bound_are_turned_away_not_threaded(monkeypatch):
+    from streamrl_cli.weights import relay
+
+    monkeypatch.setattr(relay, "MAX_CONNECTIONS", 4)
+    srv = WeightServer(TOKEN, host="127.0.0.1", chunk_bytes=CHUNK, checksum="crc32")
+    port = int(srv.address.rsplit(":", 1)[1])
+    try:
+        srv.publish(1, weights())
+        idle = []
+        for _ in range(4):  # strangers that connect and say nothing
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            assert s.recv(4096)  # each gets its Challenge
+            idle.append(s)
+        extra = socket.create_connection(("127.0.0.1", port), timeout=10)
+        assert extra.recv(4096) == b""  # closed at once: no thread, no Challenge
+        extra.close()
+        assert srv.stats["turned_away"] == 1
+        for s in idle:
+            s.close()
+        deadline = time.monotonic() + 10
+        while True:  # their threads notice the hang-up and free the slots
+            try:
+                assert fetch_weights(srv.address, TOKEN, streams=1, max_reconnects=0).version == 1
+                break
+            except WeightTransferError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+    finally:
+        srv.close()
