@@ -39,3 +39,9 @@ class RunNotFoundError(StreamRLError):
 
 class RendezvousError(StreamRLError):
     """The rendezvous server could not be reached or answered with an error."""
+
+
+class ResumeError(StreamRLError):
+    """`--resume RUN` asked of a run that cannot be resumed (no checkpoint, damaged config)."""
+
+    exit_code = 2

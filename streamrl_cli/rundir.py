@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -74,10 +75,25 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def read_json(path: Path, default: Any = None) -> Any:
+    return read_json_checked(path, default)[0]
+
+
+def read_json_checked(path: Path, default: Any = None) -> tuple[Any, str | None]:
+    """(content, None), or (default, what is wrong) when the file exists but cannot be read as JSON.
+
+    The files of a run directory are written atomically, so a damaged one was damaged from outside
+    (a full disk, a hand edit, a copy cut short): callers say so rather than read it as "empty".
+    """
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return default
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return default, None
+    except OSError as e:
+        return default, f"{path}: cannot read: {e.strerror or e}"
+    try:
+        return json.loads(data), None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        return default, f"{path}: damaged (not JSON: {e}; {len(data)} bytes)"
 
 
 @dataclass
@@ -179,11 +195,31 @@ class RunDir:
     # ---- records ----
 
     def info(self) -> dict:
-        return read_json(self.run_json, {})
+        info, problem = read_json_checked(self.run_json, {})
+        if problem:
+            _warn_once(problem + "; the run's name, recipe and state are unknown")
+        return info if isinstance(info, dict) else {}
+
+    def damage(self) -> list[str]:
+        """What is wrong with the run directory's own files (none of them damaged: [])."""
+        out = []
+        for name, typ in (("run.json", dict), ("local.json", list), ("jobs.json", list)):
+            value, problem = read_json_checked(self.path / name)
+            if problem is None and value is not None and not isinstance(value, typ):
+                problem = f"{self.path / name}: damaged (a {type(value).__name__}, not a {typ.__name__})"
+            if problem:
+                out.append(problem)
+        return out
 
     def update_info(self, **changes: Any) -> dict:
+        path = self.run_json
+        problem = read_json_checked(path)[1]
+        if problem and not path.with_suffix(".json.damaged").exists():
+            # Keep the damaged bytes for a person to look at; the new run.json starts without them.
+            os.replace(path, path.with_suffix(".json.damaged"))
+            _warn_once(f"{problem}; kept as run.json.damaged, a new run.json is written")
         info = {**self.info(), **changes}
-        write_json(self.run_json, info)
+        write_json(path, info)
         return info
 
     def event(self, kind: str, **fields: Any) -> None:
@@ -233,19 +269,36 @@ def catalog_add(run: RunDir) -> None:
 
 def catalog() -> list[RunDir]:
     """Known runs whose directory still exists, oldest first (no duplicates)."""
+    where = streamrl_home() / "catalog.jsonl"
     try:
-        lines = (streamrl_home() / "catalog.jsonl").read_text().splitlines()
+        lines = where.read_bytes().splitlines()
     except OSError:
         return []
     seen: dict[str, RunDir] = {}
-    for line in lines:
+    skipped = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
-            path = Path(json.loads(line)["path"])
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue  # a torn last line must not hide every other run
+            path = Path(json.loads(line.decode("utf-8"))["path"])
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+            skipped.append(n)  # a torn or damaged line must not hide every other run
+            continue
         if RunDir(path).run_json.exists():
             seen[str(path)] = RunDir(path)
+    if skipped and skipped != [len(lines)]:  # a torn last line is a crash mid-append: not worth a word
+        _warn_once(f"{where}: skipped unreadable line(s) {', '.join(map(str, skipped[:10]))}")
     return list(seen.values())
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A warning on stderr (once per message per process): damaged files are said, not hidden."""
+    if message not in _warned:
+        _warned.add(message)
+        print(f"warning: {message}", file=sys.stderr)
 
 
 def find(query: str) -> RunDir:

@@ -58,9 +58,11 @@ def payload_offset(manifest: rw.Manifest, transmission: int) -> int:
     """Offset, in the server-to-client bytes of a one-stream fetch with batch=1, of the middle of the
     payload of its `transmission`-th chunk (0-based); every chunk before it is full-size."""
     frame = lambda m: 4 + len(msgspec.msgpack.encode(m))  # noqa: E731
-    pre = frame(rw.Challenge(rw.PROTOCOL, b"\0" * 16)) + frame(rw.Welcome(b"\0" * 32)) + frame(manifest)
-    header = frame(rw.ChunkHeader(manifest.version, 1, "none", CHUNK, CHUNK, b"\0" * 4))
-    return pre + transmission * (header + CHUNK) + header + CHUNK // 2
+    # Sealed frames (from the manifest on) and payloads each carry a 16-byte tag.
+    pre = frame(rw.Challenge(rw.PROTOCOL, b"\0" * 16)) + frame(rw.Welcome(b"\0" * 32))
+    pre += frame(manifest) + rw.TAG
+    header = frame(rw.ChunkHeader(manifest.version, 1, "none", CHUNK, CHUNK, b"\0" * 4)) + rw.TAG
+    return pre + transmission * (header + CHUNK + rw.TAG) + header + CHUNK // 2
 
 
 def test_fetch_over_several_streams_equals_the_source(server):

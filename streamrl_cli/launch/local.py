@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 
 from streamrl_cli.launch.plan import JobSpec
-from streamrl_cli.rundir import RunDir, read_json, write_json
+from streamrl_cli.rundir import RunDir, read_json_checked, write_json
 
 
 @dataclass
@@ -105,7 +105,50 @@ def start_job(run: RunDir, job: JobSpec, spec_path: Path) -> list[LocalProc]:
 
 
 def procs(run: RunDir) -> list[LocalProc]:
-    return [LocalProc(**r) for r in read_json(run.local_json, [])]
+    """The run's local processes as recorded in local.json; when that file is damaged, the live
+    ones found in the process table (a run that keeps running must not look like nothing)."""
+    records, problem = read_json_checked(run.local_json, [])
+    try:
+        if problem is None and isinstance(records, list):
+            return [LocalProc(**r) for r in records]
+    except TypeError:
+        pass
+    found = recover_procs(run)
+    print(
+        f"warning: {run.local_json} is damaged; found {len(found)} live process(es) of this run "
+        "in the process table (role processes started in its directory)",
+        file=sys.stderr,
+    )
+    return found
+
+
+def recover_procs(run: RunDir) -> list[LocalProc]:
+    """Live role processes of `run`: started with its directory as working directory (spawn does)."""
+    out = []
+    want = str(run.path.resolve())
+    for p in psutil.process_iter(["pid", "cmdline", "cwd", "create_time"]):
+        try:
+            cmd, cwd = p.info["cmdline"] or [], p.info["cwd"]
+        except psutil.Error:
+            continue
+        if cwd != want or "streamrl_cli.roles" not in cmd:
+            continue
+        at = cmd.index("streamrl_cli.roles") + 1
+        role = Path(cmd[at]).stem if at < len(cmd) else "?"  # roles/<role>.yaml
+        try:
+            rank = int(cmd[cmd.index("--rank") + 1])
+        except (ValueError, IndexError):
+            rank = 0
+        out.append(
+            LocalProc(
+                role=role,
+                rank=rank,
+                pid=p.info["pid"],
+                created=p.info["create_time"],
+                log=str(run.local_log(role, rank)),
+            )
+        )
+    return out
 
 
 def exit_code(rec: LocalProc) -> int | None:

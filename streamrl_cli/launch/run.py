@@ -17,10 +17,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from rich.console import Console
 
 from streamrl_cli import rundir
-from streamrl_cli.errors import ClusterError, RendezvousError, StreamRLError
+from streamrl_cli.errors import ClusterError, RendezvousError, ResumeError, StreamRLError
 from streamrl_cli.launch import local, plan, slurm
 from streamrl_cli.launch.plan import JobSpec
 from streamrl_cli.recipe.load import Composed
@@ -99,11 +100,27 @@ def reopen(run: RunDir) -> Prepared:
         raise ClusterError(
             f"run {run.name} still has roles running: stop it first (`streamrl cancel {run.name}`)"
         )
+    from omegaconf.errors import OmegaConfBaseException
+
+    from streamrl_cli.errors import RecipeError
+    from streamrl_cli.recipe import safe_yaml
+
+    config = run.config
     try:
-        tree = OmegaConf.load(run.config)
+        safe_yaml.check_document(config, safe_yaml.read_text(config))
+        tree = OmegaConf.load(config)
         recipe = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Recipe), tree))
-    except (OSError, ValueError) as e:
-        raise ClusterError(f"cannot read {run.config} to resume: {e}") from None
+    except RecipeError as e:
+        raise ResumeError(f"cannot resume run {run.name}: {'; '.join(e.problems)}") from None
+    except (OSError, ValueError, OmegaConfBaseException, yaml.YAMLError) as e:
+        raise ResumeError(f"cannot resume run {run.name}: {config} is damaged: {e}") from None
+    # The trainer resumes from run_dir/checkpoints/iter-N/ (complete once its state.json exists).
+    ckpts = run.checkpoints
+    if not (ckpts.is_dir() and any((p / "state.json").is_file() for p in ckpts.glob("iter-*"))):
+        raise ResumeError(
+            f"cannot resume run {run.name}: it has no complete checkpoint in {ckpts} "
+            "(train.checkpoint_every sets how often one is written); start it anew with `streamrl run`"
+        )
     n = len(list(run.attempts.glob("*"))) + 1 if run.attempts.is_dir() else 1
     for path in run.attempt_leftovers():
         if path.exists():
@@ -370,6 +387,12 @@ def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:
     # Said before any signal is sent, so that a `streamrl run` watching the roles reads their
     # exits as a cancel, not as a failure.
     run.update_info(state="cancelling")
+    _, damaged = rundir.read_json_checked(run.path / "jobs.json")
+    if damaged:
+        errors.append(
+            f"{damaged}: cannot tell which SLURM jobs to cancel; find them with "
+            f"`squeue --name {run.info().get('name') or run.name}` and scancel them"
+        )
     for job in run.jobs():
         try:
             slurm.cancel(job.get("slurm_cluster"), job["job_id"])

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from streamrl_cli.errors import RecipeError
-from streamrl_cli.recipe import checks
+from streamrl_cli.recipe import checks, safe_yaml
 from streamrl_cli.recipe.schema import Recipe
 from streamrl_cli.recipe.walk import walk
 
@@ -87,6 +87,7 @@ def load(recipe: str, overrides: list[str] | None = None) -> Composed:
     ok_groups = [o.input_line for o in group_ovr if not o.__dict__.get("_bad")]
 
     try:
+        safe_yaml.check_recipe_files(path, [path.parent, shipped])
         cfg, choices = _compose(path, shipped, ok_groups)
     except RecipeError as e:
         raise RecipeError(problems + e.problems, source=str(path)) from None
@@ -212,6 +213,8 @@ def _compose(path: Path, shipped: Path, group_overrides: list[str]) -> tuple[dic
             cfg = compose(path.stem, overrides=[search, *group_overrides], return_hydra_config=True)
     except (HydraException, OmegaConfBaseException, yaml.YAMLError) as e:
         raise RecipeError([f"{path}: {str(e).strip()}"]) from None
+    except (RecursionError, UnicodeDecodeError) as e:  # what the checks before should have caught
+        raise RecipeError([f"{path}: cannot compose this recipe: {type(e).__name__}: {e}"]) from None
     finally:
         GlobalHydra.instance().clear()
     choices = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -49,6 +50,9 @@ def walk(value: Any, typ: Any, path: str, report: Report) -> None:
             walk(v, item_type, f"{path}[{i}]", report)
     elif typ in _TYPE_NAMES and not _scalar_ok(value, typ):
         report(path, f"expected {_TYPE_NAMES[typ]}, got {_show(value)}")
+    elif typ is float and not math.isfinite(float(value)):
+        # nan passes every comparison a later check would make; inf overflows the first update.
+        report(path, f"expected a finite number, got {_show(value)}")
 
 
 def _walk_dataclass(value: Any, typ: type, path: str, report: Report) -> None:

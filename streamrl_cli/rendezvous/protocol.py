@@ -10,6 +10,7 @@ forbid unknown fields, so a misspelt field is an error rather than silently igno
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Any
 
 import msgspec
@@ -21,6 +22,7 @@ MAX_TRANSFER = 128 * 1024  # a proposal's transfer document: a weight group layo
 MAX_KEYS = 64
 MAX_DEPTH = 8  # free-form documents are journaled with the json module: keep them shallow
 MAX_POLL_S = 60.0
+MAX_BODY_DEPTH = 32  # any body, before the free-form documents' own MAX_DEPTH is checked
 # HTTP status of each state-machine refusal (state.Rejected.code); anything else is 409.
 REJECT_STATUS = {"unknown_member": 404, "unknown_version": 404, "member_left": 410}
 
@@ -138,13 +140,37 @@ async def decode_body(request: web.Request, typ: Any) -> Any:
         )
     raw = await request.read()  # raises 413 past the application's client_max_size
     try:
-        return msgspec.json.decode(raw, type=typ)
+        return msgspec.convert(clean(msgspec.json.decode(raw)), type=typ)
     except msgspec.ValidationError as e:
         raise invalid(request.path, str(e)) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec lets bad UTF-8 in strings through
         raise ApiError(400, "invalid_json", f"the body is not a JSON document: {e}", **example) from None
     except RecursionError:
         raise ApiError(400, "invalid_json", "the body is nested too deeply", **example) from None
+
+
+# What members' strings must not carry into metrics.jsonl, the journal, logs or a terminal: C0/C1
+# control characters (ANSI escapes start with ESC), DEL, the line and paragraph separators (a
+# JSON line reader may split on them), bidirectional overrides (text that reads other than it
+# is) and lone surrogates (not encodable as UTF-8). Each is replaced by its visible \uXXXX form.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def clean_text(s: str) -> str:
+    return _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", s)
+
+
+def clean(obj: Any, depth: int = 0) -> Any:
+    """`obj` (decoded JSON) with every string, keys included, made safe by :func:`clean_text`."""
+    if depth > MAX_BODY_DEPTH:
+        raise ApiError(400, "invalid_json", f"the body nests deeper than {MAX_BODY_DEPTH} levels")
+    if isinstance(obj, str):
+        return clean_text(obj)
+    if isinstance(obj, dict):
+        return {clean_text(k): clean(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clean(v, depth + 1) for v in obj]
+    return obj
 
 
 def check_addresses(path: str, addresses: dict[str, str]) -> None:

@@ -128,7 +128,9 @@ class RendezvousServer:
 
     def _authenticate(self, request: web.Request) -> None:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._token):
+        # Tokens are ASCII; a header with other bytes is a wrong token (401), not a server error.
+        given = token.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given, self._token):
             return
         why = "missing" if not token else "wrong"
         log.warning(

@@ -58,6 +58,7 @@ def collect(run: RunDir) -> dict[str, Any]:
                 or "none reported"
             )
         )
+    problems = [*run.damage(), *problems]
     return {
         "schema": SCHEMA_VERSION,
         "run": run.name,

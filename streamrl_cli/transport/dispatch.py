@@ -80,7 +80,59 @@ class Dispatcher:
         self.policy = policy or LeastLoaded()
         self.ledger = Ledger()
         self._alive: dict[str, None] = {}  # generators that may take work, in join order
+        # Once the service follows the rendezvous: the generators registered there (alive). A
+        # hello alone (any holder of the run's token can send one) then makes no generator.
+        self._registered: set[str] | None = None
+        self._hello: set[str] = set()  # said hello on the stream, registered or not (yet)
+        self.unregistered_hellos = 0
         self._lock = threading.Lock()
+
+    def require_registration(self, registered: Iterable[str]) -> Assignments:
+        """From now on only generators registered in the rendezvous (and said hello) take work."""
+        with self._lock:
+            self._registered = set(registered)
+            for g in [g for g in self._alive if g not in self._registered]:
+                self._alive.pop(g)
+                self.ledger.lose(g)
+            for g in self._hello & self._registered:
+                self._alive.setdefault(g)
+            return self._assign_open()
+
+    def registered(self, generator: str) -> Assignments:
+        """The rendezvous knows `generator` (registered, revived): it takes work once it said hello."""
+        with self._lock:
+            if self._registered is not None:
+                self._registered.add(generator)
+            if generator in self._hello:
+                self._alive.setdefault(generator)
+            return self._assign_open()
+
+    def restarted(self, generator: str) -> Assignments:
+        """The rendezvous saw `generator` register again as a new process: the old one's work is
+        lost, and the new one takes work once it says hello (the old hello does not count)."""
+        with self._lock:
+            self._alive.pop(generator, None)
+            self._hello.discard(generator)
+            if self._registered is not None:
+                self._registered.add(generator)
+            self.ledger.lose(generator)
+            return self._assign_open()
+
+    def working(self, generator: str) -> bool:
+        """May take work now (the receiver keeps such peers when its table is full)."""
+        with self._lock:
+            return generator in self._alive or (
+                self._registered is not None and generator in self._registered
+            )
+
+    def forget_generator(self, generator: str) -> None:
+        """The receiver dropped this peer (it only said hello): forget that hello."""
+        with self._lock:
+            if generator not in self._alive:
+                self._hello.discard(generator)
+
+    def _may_work(self, generator: str) -> bool:
+        return self._registered is None or generator in self._registered
 
     def submit(self, requests: Iterable[Request]) -> Assignments:
         """New prompts; assigned at once if any generator is alive, else when one joins."""
@@ -91,6 +143,17 @@ class Dispatcher:
 
     def generator_joined(self, generator: str) -> Assignments:
         with self._lock:
+            self._hello.add(generator)
+            if not self._may_work(generator):
+                self.unregistered_hellos += 1
+                if self.unregistered_hellos % 100 == 1:  # a flood must not flood the log too
+                    log.warning(
+                        "%s said hello but is not a registered generator of this run; no work for it "
+                        "(%d such hello(s) so far)",
+                        generator,
+                        self.unregistered_hellos,
+                    )
+                return {}
             self._alive.setdefault(generator)
             return self._assign_open()
 
@@ -98,6 +161,8 @@ class Dispatcher:
         """`generator` is gone (lease expired, left): re-dispatch everything it had not delivered."""
         with self._lock:
             self._alive.pop(generator, None)
+            if self._registered is not None:
+                self._registered.discard(generator)
             lost = self.ledger.lose(generator)
             if lost:
                 log.warning(
@@ -111,7 +176,9 @@ class Dispatcher:
         """Same id, new process: its predecessor's work is lost, the newcomer can take work."""
         with self._lock:
             self.ledger.lose(generator)
-            self._alive.setdefault(generator)
+            self._hello.add(generator)
+            if self._may_work(generator):
+                self._alive.setdefault(generator)
             return self._assign_open()
 
     def admit(self, sample: Sample) -> bool:
@@ -172,11 +239,12 @@ class DispatchService:
     def revived(self, generator: str) -> None:
         # Only one whose stream is connected takes work again. A generator that was lost before its
         # hello (its heartbeats starved while its engine started, a late joiner still waiting for
-        # weights) is added by that hello; added now, work would wait on a stream that is not there.
+        # weights), or whose stream is gone, takes work once it says hello (again): its old hello
+        # no longer counts.
         connected = getattr(self.receiver, "generators", None)
         if connected is not None and generator not in connected():
-            return
-        self._send(self.dispatcher.generator_joined(generator))
+            self.dispatcher.forget_generator(generator)
+        self._send(self.dispatcher.registered(generator))
 
     def get(self, timeout: float | None = None) -> Sample | None:
         return self.receiver.get(timeout)
@@ -192,6 +260,13 @@ class DispatchService:
     def watch(self, rdv: RendezvousClient, role: str = "generator", since: int | None = None) -> None:
         """Follow the rendezvous events in a daemon thread: lost/left members of `role` are re-dispatched."""
         start = rdv.versions()["event_seq"] if since is None else since
+        # Registered members first (events from `start` on keep it current): dispatch goes only
+        # to generators the rendezvous knows, never to a peer that merely said hello.
+        self._send(
+            self.dispatcher.require_registration(
+                m["member_id"] for m in rdv.members(role) if m["state"] == "alive"
+            )
+        )
         self._watcher = threading.Thread(
             target=self._watch, args=(rdv, f"{role}-", start), name="dispatch-watch", daemon=True
         )
@@ -229,10 +304,13 @@ class DispatchService:
             self.lost(member)
         elif event["type"] == "member_revived":
             self.revived(member)
-        elif event["type"] == "member_registered" and event["data"].get("incarnation", 1) > 1:
-            # A new process under the same id (restarted within a lease, so never lost): its
-            # predecessor's work died with it; the newcomer takes work once it says hello.
-            self.lost(member)
+        elif event["type"] == "member_registered":
+            if event["data"].get("incarnation", 1) > 1:
+                # A new process under the same id (restarted within a lease, so never lost): its
+                # predecessor's work died with it; the newcomer takes work once it says hello.
+                self._send(self.dispatcher.restarted(member))
+            else:
+                self.revived(member)
 
     def _resync(self, rdv: RendezvousClient, prefix: str) -> None:
         for m in rdv.members():

@@ -37,11 +37,14 @@ class StreamConfig:
     # the seconds a sample takes to generate.
     max_delay_s: float = 0.05
     send_timeout_s: float = 600.0  # default time send() waits for window room before raising
+    # Generator ids the receiver keeps a peer entry for; a hello with a new id beyond is refused
+    # (a peer holding the run's token cannot grow the trainer's tables without bound).
+    max_generators: int = 1024
 
     def __post_init__(self) -> None:
         problems = [
             f"{k} must be >= 1, got {getattr(self, k)}"
-            for k in ("window", "queue", "max_batch")
+            for k in ("window", "queue", "max_batch", "max_generators")
             if getattr(self, k) < 1
         ]
         if self.max_delay_s < 0:

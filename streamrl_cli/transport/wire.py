@@ -11,6 +11,8 @@ peer's routing id in a frame in front):
                            b"S" Batch(seqs, [Sample, ...])         a batch of samples
                            b"a" upto: int                          requests received up to seq
     trainer -> generator   b"W" Welcome                            answer to Hello
+                           b"X" reason: str                        Hello refused (other protocol
+                                                                   version, peer table full)
                            b"A" seqs: list[int]                    samples acknowledged
                            b"R" Batch(seqs, [Request, ...])        a batch of requests
 
@@ -29,9 +31,12 @@ from typing import Any
 import msgspec
 
 HELLO, SAMPLES, REQUEST_ACK = b"H", b"S", b"a"
-WELCOME, ACK, REQUESTS = b"W", b"A", b"R"
+WELCOME, ACK, REQUESTS, REFUSED = b"W", b"A", b"R", b"X"
 
 PROTOCOL = 2  # 2: one frame per message
+# Largest message either end reads (ZeroMQ's ZMQ_MAXMSGSIZE: a longer one drops that peer's
+# connection before anything is allocated). A full batch of 64 samples of 32K tokens is ~27 MB.
+MAX_MESSAGE = 64 << 20
 
 
 class Sample(msgspec.Struct, array_like=True, kw_only=True):
@@ -146,3 +151,10 @@ def decode_hello(data: bytes | memoryview) -> Hello:
 
 def decode_welcome(data: bytes | memoryview) -> Welcome:
     return _welcome_dec.decode(data)
+
+
+_str_dec = msgspec.msgpack.Decoder(str)
+
+
+def decode_str(data: bytes | memoryview) -> str:
+    return _str_dec.decode(data)

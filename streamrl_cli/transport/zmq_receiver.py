@@ -61,10 +61,12 @@ class ZmqSampleReceiver(SampleReceiver):
             "rejected": 0,
             "handshake_failures": 0,
             "requests_sent": 0,
+            "refused": 0,  # hellos refused: other protocol version, or peer table full
         }
         self._ctx = zmq.Context(io_threads=1)
         self._sock, self._auth = make_server_socket(self._ctx, curve_keys(token), self.stats)
         self._sock.rcvhwm = 1000
+        self._sock.maxmsgsize = w.MAX_MESSAGE  # a longer frame drops its sender, unread
         try:
             self._sock.bind(config.bind.replace(":0", ":*") if config.bind.endswith(":0") else config.bind)
         except zmq.ZMQError as e:
@@ -183,8 +185,9 @@ class ZmqSampleReceiver(SampleReceiver):
                 else:
                     self.stats["malformed"] += 1
             except (msgspec.DecodeError, msgspec.ValidationError, IndexError, ValueError) as e:
-                self.stats["malformed"] += 1
-                log.warning("sample stream: malformed %r message: %s", kind, e)
+                n = self.stats["malformed"] = self.stats["malformed"] + 1
+                if n % 100 == 1:  # a peer sending garbage must not flood the log too
+                    log.warning("sample stream: malformed %r message (%d so far): %s", kind, n, e)
             with self._cond:
                 if len(self._queue) >= self.config.queue:
                     return
@@ -211,10 +214,31 @@ class ZmqSampleReceiver(SampleReceiver):
             self.stats["delivered"] += len(admitted)
         self._send(sock, rid, w.message(w.ACK, seqs))
 
+    def _refuse(self, sock: zmq.Socket, rid: bytes, reason: str) -> None:
+        n = self.stats["refused"] = self.stats["refused"] + 1
+        if n % 100 == 1:  # a flood must not flood the log too
+            log.warning("sample stream: refused a hello (%d so far): %s", n, reason)
+        self._send(sock, rid, w.message(w.REFUSED, reason))
+
     def _on_hello(self, sock: zmq.Socket, rid: bytes, hello: w.Hello) -> None:
         g = hello.generator
+        if hello.protocol != w.PROTOCOL:
+            self._refuse(
+                sock,
+                rid,
+                f"the trainer speaks sample-stream protocol {w.PROTOCOL}, this generator "
+                f"{hello.protocol}: run the same StreamRL version on every member",
+            )
+            return
         with self._cond:
             peer = self._peers.get(g)
+            full = peer is None and len(self._peers) >= self.config.max_generators
+        if full and not self._evict_idle():
+            self._refuse(
+                sock, rid, f"the trainer already knows {self.config.max_generators} generators (the limit)"
+            )
+            return
+        with self._cond:
             if peer is not None and peer.routing_id is not None and peer.session != hello.session:
                 # The same generator id from a new process: the old one's requests died with it.
                 log.warning("sample stream: %s came back as a new process; re-dispatching what it owed", g)
@@ -234,6 +258,26 @@ class ZmqSampleReceiver(SampleReceiver):
         if hook is not None:
             for gen, reqs in (self._call_hook(hook, g) or {}).items():
                 self._enqueue_requests(sock, gen, list(reqs))
+
+    def _evict_idle(self) -> bool:
+        """Make room in a full peer table: drop the oldest peer that owes nothing and that the
+        hooks do not count as a working generator (a phantom that only said hello)."""
+        working = getattr(self.hooks, "working", None)
+        if working is None:
+            return False
+        with self._cond:
+            for g, p in self._peers.items():
+                if not p.unacked and not working(g):
+                    del self._peers[g]
+                    if p.routing_id is not None:
+                        self._by_routing.pop(p.routing_id, None)
+                    break
+            else:
+                return False
+        forget = getattr(self.hooks, "forget_generator", None)
+        if forget is not None:
+            forget(g)
+        return True
 
     def _send_outbound(self, sock: zmq.Socket) -> None:
         while True:

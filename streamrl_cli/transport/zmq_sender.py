@@ -171,6 +171,7 @@ class ZmqSampleSender(SampleSender):
     def _run(self) -> None:
         sock = make_client_socket(self._ctx, self._keys)
         sock.sndhwm = sock.rcvhwm = self.config.window + 64
+        sock.maxmsgsize = w.MAX_MESSAGE
         mon = sock.get_monitor_socket(_MONITOR_EVENTS)
         sock.connect(self.endpoint)
         poller = zmq.Poller()
@@ -308,6 +309,13 @@ class ZmqSampleSender(SampleSender):
                     if welcome.session != self._trainer_session:  # a new trainer process: its seqs restart
                         self._trainer_session, self._req_expected = welcome.session, 1
                 self._welcomed.set()
+            elif kind == w.REFUSED:
+                reason = w.decode_str(body)
+                log.error("%s: the trainer refused this generator: %s", self.generator, reason)
+                with self._cond:
+                    self._refused = f"the trainer refused this generator: {reason}"
+                    self._cond.notify_all()
+                    self._arrived.notify_all()
             else:
                 log.warning("%s: ignoring a message of unknown kind %r", self.generator, kind)
 

@@ -32,6 +32,8 @@ from streamrl_cli.weights import relay_wire as rw
 from streamrl_cli.weights.plan import ChunkPlanner, chunk_count, chunk_range, stream_layout
 
 log = logging.getLogger("streamrl.weights.relay")
+MAX_CONNECTIONS = 256  # served at once; beyond, a connection is closed at once
+HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class VersionSuperseded(WeightTransferError):
@@ -73,7 +75,10 @@ class WeightServer:
         if compression != "none":
             rw.compress(compression, b"probe")
         self.min_saving, self.timeout_s = min_saving, timeout_s
-        self.stats = {"connections": 0, "rejected": 0, "chunks": 0, "bytes": 0}
+        self.stats = {"connections": 0, "rejected": 0, "chunks": 0, "bytes": 0, "turned_away": 0}
+        # Connections being served at once (one thread each): a stranger opening thousands and
+        # sitting on them must not make thousands of threads. Relays need a few streams each.
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._current: _Snapshot | None = None
         self._lock = threading.Lock()
         outer = self
@@ -82,8 +87,11 @@ class WeightServer:
             def handle(self) -> None:
                 outer._serve(self.request)
 
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self._tcp = socketserver.ThreadingTCPServer((host, port), Handler)
+        class Server(socketserver.ThreadingTCPServer):
+            allow_reuse_address = True
+            request_queue_size = 128  # relays open several streams at once, and reconnect together
+
+        self._tcp = Server((host, port), Handler)
         self._tcp.daemon_threads = True
         bound = self._tcp.server_address[1]
         self.address = f"{advertise_host or (socket.gethostname() if host == '0.0.0.0' else host)}:{bound}"
@@ -116,10 +124,23 @@ class WeightServer:
     # ---- one connection ----
 
     def _serve(self, sock: socket.socket) -> None:
-        conn = rw.Conn(sock, self.timeout_s)
+        if not self._slots.acquire(blocking=False):
+            self.stats["turned_away"] += 1
+            sock.close()
+            return
+        try:
+            self._serve_conn(sock)
+        finally:
+            self._slots.release()
+
+    def _serve_conn(self, sock: socket.socket) -> None:
+        # Strangers get HANDSHAKE_TIMEOUT_S to prove themselves, members the full timeout after.
+        conn = rw.Conn(sock, min(self.timeout_s, HANDSHAKE_TIMEOUT_S))
         self.stats["connections"] += 1
         try:
-            if not rw.server_handshake(conn, self.token):
+            ok = rw.server_handshake(conn, self.token)
+            sock.settimeout(self.timeout_s)
+            if not ok:
                 self.stats["rejected"] += 1
                 conn.send(rw.Error("unauthorized", "the relay client does not hold this run's token"))
                 log.warning(
@@ -356,11 +377,12 @@ class _Fetch:
         dest = self.view[start:end]
         ok = True
         if h.codec == "none" and h.wire_len == h.raw_len:
-            conn.recv_into(dest)  # straight into place; not visible to anyone until all is verified
+            # Straight into place; not visible to anyone until all is verified.
+            ok = conn.recv_payload_into(dest)
         else:
-            payload = conn.recv_exact(h.wire_len)
+            payload = conn.recv_payload(h.wire_len)
             try:
-                raw = rw.decompress(h.codec, payload, h.raw_len)
+                raw = rw.decompress(h.codec, payload, h.raw_len) if payload is not None else b""
             except rw.ProtocolError:
                 raise
             except Exception:  # zlib.error, zstd.ZstdError: the compressed bytes were corrupted

@@ -16,9 +16,17 @@ can be received straight into the destination buffer.
         GetChunks(version, [ids]) ─────────►
                  ◄─────────── ChunkHeader(id, codec, raw_len, wire_len, digest) + wire_len bytes, ...
 
-The MACs prove both ends hold the run's token; the per-chunk digest (of the raw bytes, before
-compression) detects corruption end to end. The link is not encrypted: weights of an open
-model are not secret, and a private model's run should use a tunnel between its sites.
+The MACs prove both ends hold the run's token. Until they are checked, a frame may be at most
+``PREAUTH_MAX_FRAME`` bytes: a stranger cannot make the server allocate anything large. From
+Welcome on, every frame and every chunk payload is sealed with AES-128-GCM under keys derived
+(HKDF-SHA256) from the token and both nonces, one key per direction, the nonce a per-direction
+frame counter: the manifest, the chunk headers and the weights are encrypted and authenticated
+(a proxy that shifts an offset or swaps two names is detected), and a frame replayed or
+reordered fails its tag. A sealed frame is its 4-byte length (bound into the tag as associated
+data) and ciphertext + 16-byte tag; a chunk payload is wire_len + 16 bytes after its header.
+The per-chunk digest (of the raw bytes, before compression) still checks end to end what was
+reassembled; a chunk whose tag fails is asked again like a corrupted one (the stream stays in
+step: its length came in an authenticated header).
 """
 
 from __future__ import annotations
@@ -33,12 +41,19 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from streamrl_cli.weights import WeightTransferError
 from streamrl_cli.weights.plan import TensorSpec
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: sealed frames (AES-GCM) after the handshake
 MAX_FRAME = 64 << 20  # a manifest of a huge model is a few MB; anything larger is garbage
+PREAUTH_MAX_FRAME = 1024  # Challenge, Hello, Welcome, Error are < 200 bytes
+TAG = 16  # AES-GCM tag bytes
 
 
 class ProtocolError(WeightTransferError):
@@ -97,35 +112,117 @@ _dec = msgspec.msgpack.Decoder(Message)
 
 
 class Conn:
-    """A framed connection (blocking socket with a timeout: a silent peer counts as broken)."""
+    """A framed connection (blocking socket with a timeout: a silent peer counts as broken).
+
+    Plain (and limited to ``PREAUTH_MAX_FRAME``) until :meth:`secure` is called after the
+    handshake; sealed with AES-GCM from then on.
+    """
 
     def __init__(self, sock: socket.socket, timeout: float):
         sock.settimeout(timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.bytes_in = 0
+        self.max_frame = PREAUTH_MAX_FRAME
+        self._tx: AESGCM | None = None
+        self._tx_key = self._rx_key = b""
+        self._tx_n = self._rx_n = 0
+        self._scratch = bytearray()
+
+    def secure(self, tx_key: bytes, rx_key: bytes) -> None:
+        self._tx, self._tx_key, self._rx_key = AESGCM(tx_key), tx_key, rx_key
+        self.max_frame = MAX_FRAME + TAG
+
+    @property
+    def sealed(self) -> bool:
+        return self._tx is not None
+
+    def _next_tx_nonce(self) -> bytes:
+        self._tx_n += 1
+        return self._tx_n.to_bytes(12, "big")
+
+    def _next_rx_nonce(self) -> bytes:
+        self._rx_n += 1
+        return self._rx_n.to_bytes(12, "big")
+
+    def _frame(self, body: bytes) -> bytes:
+        if self._tx is None:
+            return struct.pack(">I", len(body)) + body
+        head = struct.pack(">I", len(body) + TAG)
+        return head + self._tx.encrypt(self._next_tx_nonce(), body, head)
 
     def send(self, *msgs: Message) -> None:
-        self.sock.sendall(b"".join(struct.pack(">I", len(b)) + b for b in map(_enc.encode, msgs)))
+        self.sock.sendall(b"".join(self._frame(b) for b in map(_enc.encode, msgs)))
 
     def send_raw(self, data: Any) -> None:
-        self.sock.sendall(data)
+        """A chunk payload: sealed (ciphertext + tag, no length: the header gave it) once secured."""
+        if self._tx is None:
+            self.sock.sendall(data)
+            return
+        # Into a scratch buffer kept per connection: half the cost of update() + concatenation
+        # (a fresh 8 MiB bytes object per chunk, copied again to append the tag).
+        n = len(memoryview(data).cast("B"))
+        if len(self._scratch) < n + 16:
+            self._scratch = bytearray(n + 16)
+        enc = Cipher(algorithms.AES(self._tx_key), modes.GCM(self._next_tx_nonce())).encryptor()
+        done = enc.update_into(data, self._scratch)
+        enc.finalize()
+        self.sock.sendall(memoryview(self._scratch)[:done])
+        self.sock.sendall(enc.tag)
 
     def recv(self) -> Message:
-        (n,) = struct.unpack(">I", self.recv_exact(4))
-        if n > MAX_FRAME:
-            raise ProtocolError(f"frame of {n} bytes announced; not our protocol or out of step")
+        head = self.recv_exact(4)
+        (n,) = struct.unpack(">I", head)
+        if n > self.max_frame:
+            raise ProtocolError(
+                f"frame of {n} bytes announced (limit {self.max_frame}"
+                f"{'' if self.sealed else ' before authentication'}); not our protocol or out of step"
+            )
+        body = self.recv_exact(n)
+        if self._tx is not None:
+            try:
+                body = AESGCM(self._rx_key).decrypt(self._next_rx_nonce(), body, head)
+            except (InvalidTag, ValueError):
+                raise ProtocolError("a frame failed authentication (tampered or corrupted)") from None
         try:
-            return _dec.decode(self.recv_exact(n))
+            return _dec.decode(body)
         except msgspec.DecodeError as e:
             raise ProtocolError(f"undecodable frame: {e}") from None
 
     def recv_exact(self, n: int) -> bytes:
         buf = bytearray(n)
-        self.recv_into(memoryview(buf))
+        self._recv_into(memoryview(buf))
         return bytes(buf)
 
-    def recv_into(self, view: memoryview) -> None:
+    def recv_payload(self, n: int) -> bytes | None:
+        """A chunk payload of `n` bytes; None when its tag fails (the stream stays in step)."""
+        if self._tx is None:
+            return self.recv_exact(n)
+        buf = bytearray(n)
+        return bytes(buf) if self.recv_payload_into(memoryview(buf)) else None
+
+    def recv_payload_into(self, view: memoryview) -> bool:
+        """Receive a chunk payload straight into `view`, decrypting it there; False if its tag fails."""
+        self._recv_into(view)
+        if self._tx is None:
+            return True
+        tag = self.recv_exact(TAG)
+        dec = Cipher(algorithms.AES(self._rx_key), modes.GCM(self._next_rx_nonce(), tag)).decryptor()
+        # In place: OpenSSL's GCM allows output == input. update_into wants room for a block
+        # more than it is given, so the last 15 bytes go through a small scratch buffer.
+        n = len(view)
+        cut = max(0, n - 15)
+        done = dec.update_into(view[:cut], view) if cut else 0
+        tail = bytearray(32)
+        m = dec.update_into(view[cut:], tail) if n > cut else 0
+        view[done : done + m] = tail[:m]
+        try:
+            dec.finalize()
+        except InvalidTag:
+            return False
+        return True
+
+    def _recv_into(self, view: memoryview) -> None:
         pos, n = 0, len(view)
         while pos < n:
             got = self.sock.recv_into(view[pos:], n - pos)
@@ -140,6 +237,14 @@ class Conn:
         except OSError:
             pass
         self.sock.close()
+
+
+def session_keys(token: str, nonce_s: bytes, nonce_c: bytes) -> tuple[bytes, bytes]:
+    """(client-to-server, server-to-client) AES-128 keys for one connection."""
+    okm = HKDF(
+        algorithm=hashes.SHA256(), length=32, salt=nonce_s + nonce_c, info=b"streamrl-relay/keys"
+    ).derive(token.encode())
+    return okm[:16], okm[16:]
 
 
 def _mac(token: str, label: bytes, *parts: bytes) -> bytes:
@@ -161,12 +266,19 @@ def server_handshake(conn: Conn, token: str) -> bool:
     ):
         return False
     conn.send(Welcome(_mac(token, b"server", msg.nonce, nonce_s)))
+    c2s, s2c = session_keys(token, nonce_s, msg.nonce)
+    conn.secure(tx_key=s2c, rx_key=c2s)
     return True
 
 
 def client_handshake(conn: Conn, token: str) -> None:
     msg = conn.recv()
-    if not isinstance(msg, Challenge) or msg.protocol != PROTOCOL:
+    if isinstance(msg, Challenge) and msg.protocol != PROTOCOL:
+        raise WeightTransferError(
+            f"the relay server speaks protocol {msg.protocol}, this relay {PROTOCOL}: "
+            "run the same StreamRL version at both sites"
+        )
+    if not isinstance(msg, Challenge):
         raise ProtocolError(f"expected a protocol {PROTOCOL} challenge, got {type(msg).__name__}")
     nonce_c = os.urandom(16)
     conn.send(Hello(nonce_c, _mac(token, b"client", msg.nonce, nonce_c)))
@@ -177,6 +289,8 @@ def client_handshake(conn: Conn, token: str) -> None:
         answer.mac, _mac(token, b"server", nonce_c, msg.nonce)
     ):
         raise WeightTransferError("the relay server could not prove it holds this run's token")
+    c2s, s2c = session_keys(token, msg.nonce, nonce_c)
+    conn.secure(tx_key=c2s, rx_key=s2c)
 
 
 # ---- checksums: name -> function(bytes-like) -> digest ----
