@@ -31,7 +31,7 @@ class CountTask(Task):
     name = "count"
 
     def __init__(self, n: int):
-        self._prompts = [Prompt(prompt_id=f"c/{i}", text=f"p{i}", answer=i) for i in range(n)]
+        self._prompts = [Prompt(prompt_id=f"c/{i}", text=f"p{i}", columns={"index": i}) for i in range(n)]
 
     def prompts(self):
         return self._prompts
@@ -190,7 +190,7 @@ class LengthRanker:
         self.updates = []
 
     def rank(self, prompts):
-        return [float(p.answer) for p in prompts]
+        return [float(p.columns["index"]) for p in prompts]
 
     def update(self, prompts, lengths):
         self.updates.append((len(prompts), list(lengths)))
@@ -263,3 +263,33 @@ def test_reproducible_sampling_seeds_each_sample_from_the_prompt(reproducible):
     # vLLM gives the k-th sample of a request seed + k: a lone re-dispatch of sample 1 matches it
     assert sample_seed(3, "c/0", 1) == sample_seed(3, "c/0", 0) + 1
     assert sample_seed(4, "c/0", 0) != sample_seed(3, "c/0", 0)
+
+
+class HalfScoredTask(CountTask):
+    """Cannot score the first sample of each group (length 1): returns None for it."""
+
+    def reward(self, prompts, completions):
+        return [None if len(c) == 1 else float(len(c)) for c in completions]
+
+
+def test_unscored_samples_are_not_learnt_from_and_are_counted():
+    events: list = []
+    gens = Generators(events)
+    driver = Driver(events)
+    records: list = []
+    cfg = PipelineConfig(mode="sync-stream", group_size=3, global_batch=2, micro_batch=2)
+    task = HalfScoredTask(8)
+    pipe = Pipeline(
+        cfg, task=task, sampler=ListSampler(task.prompts(), 2), tokenize=lambda t: [5, 6],
+        detokenize=lambda ids: "x" * len(ids), svc=gens, driver=driver,
+        publisher=Publisher(events, gens), on_record=records.append, clock=Clock(),
+    )  # fmt: skip
+    pipe.run(0, 1, 0)
+    rows = [r for rnd in driver.rounds for r in rnd]
+    assert len(rows) == 6  # groups stay whole
+    unscored = [r for r in rows if not r.scored]
+    assert len(unscored) == 2 and all(r.advantage == 0.0 and r.response_len == 1 for r in unscored)
+    # GRPO normalises over the scored two of each group (rewards 2 and 3): ±1
+    assert sorted(round(r.advantage, 3) for r in rows if r.scored) == [-1.0, -1.0, 1.0, 1.0]
+    assert records[0]["reward/unscored"] == 2
+    assert records[0]["reward_mean"] == 2.5  # over the scored samples only

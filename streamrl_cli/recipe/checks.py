@@ -10,6 +10,7 @@ import difflib
 from collections.abc import Iterator
 from pathlib import Path
 
+from streamrl_cli.recipe.paths import is_reward_file
 from streamrl_cli.recipe.schema import LOGGERS, ClusterConfig, Recipe, RoleJobConfig
 
 Problem = tuple[str, str]
@@ -26,6 +27,7 @@ def check(r: Recipe) -> list[Problem]:
         *_generator(r),
         *_rendezvous(r),
         *_workload(r),
+        *_task(r),
     ]
 
 
@@ -293,6 +295,42 @@ def _training(r: Recipe) -> Iterator[Problem]:
             "model.num_kv_heads",
             (f"{r.model.num_kv_heads} KV heads do not divide {r.model.num_attention_heads} attention heads"),
         )
+
+
+def _task(r: Recipe) -> Iterator[Problem]:
+    """The task's files exist (found here rather than by a trainer that waited in the queue)."""
+    t = r.task
+    if t.dataset is not None:
+        p = Path(t.dataset).expanduser()
+        if not p.exists():
+            yield (
+                "task.dataset",
+                f"no such file or directory: {t.dataset} (JSONL, Parquet or a save_to_disk directory)",
+            )
+        if not t.reward:
+            yield (
+                "task.reward",
+                "a dataset needs a reward function: `module:function` or `path/to/file.py:function` "
+                "(shipped: streamrl_cli.tasks.rewards:exact_match, streamrl_cli.tasks.rewards:math_answer)",
+            )
+    if not t.prompt_key:
+        yield "task.prompt_key", "must name the dataset field holding the prompt"
+    if t.reward:
+        target, sep, attr = t.reward.rpartition(":")
+        if not sep or not target or not attr:
+            yield (
+                "task.reward",
+                f"{t.reward!r} is not `module:function` or `path/to/file.py:function`",
+            )
+        elif is_reward_file(target) and not Path(target).expanduser().is_file():
+            yield "task.reward", f"no such file: {target}"
+    if t.chat_template is not None:
+        if not t.chat_template.strip():
+            yield "task.chat_template", "empty; use null (no template), tokenizer, or a Jinja template"
+        elif t.chat_template.endswith(".jinja") and not Path(t.chat_template).expanduser().is_file():
+            yield "task.chat_template", f"no such file: {t.chat_template}"
+    if t.system_prompt is not None and t.dataset is None:
+        yield "task.system_prompt", "the built-in task has no chat prompts; set task.dataset to use one"
 
 
 def _divisors(n: int) -> str:

@@ -172,11 +172,18 @@ class AlgorithmConfig:
 @dataclass(kw_only=True)
 class TaskConfig:
     name: str = "???"  # task name
-    dataset: str | None = None  # JSONL/Parquet of prompts (null: the task's built-in prompts)
-    prompt_key: str = "prompt"  # dataset: field holding the prompt text
-    # Reward: `module:function` called with a batch (see streamrl_cli.tasks.rewards); null: the
-    # built-in task's own verifier (a dataset needs one).
+    # Prompts: a JSONL or Parquet file, or a directory written by datasets' save_to_disk (null: the
+    # built-in task). A relative path is taken from the directory streamrl is started in.
+    dataset: str | None = None
+    prompt_key: str = "prompt"  # dataset: field holding the prompt (text, or a list of chat messages)
+    # Reward, called TRL-style as fn(prompts, completions, **columns) (streamrl_cli.tasks.rewards):
+    # `module:function` or `path/to/file.py:function`; null: the built-in task's own verifier.
     reward: str | None = None
+    # Chat template (streamrl_cli.tasks.datasets.ChatFormat): null: text prompts as they are, chat
+    # prompts through the tokenizer's template; "tokenizer": every prompt through the tokenizer's
+    # template; else a Jinja template (inline, or a .jinja file) used instead of the tokenizer's.
+    chat_template: str | None = None
+    system_prompt: str | None = None  # system message put first in every chat without one
     num_prompts: int = 4096  # built-in task: prompts in its dataset
     max_prompt_len: int = 512  # prompt tokens
     max_output_len: int = 1024  # output tokens

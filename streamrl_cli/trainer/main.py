@@ -39,6 +39,10 @@ def main(spec: RoleSpec, rank: int) -> int:
     return TrainerRole(spec, rank).run()
 
 
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -168,7 +172,7 @@ class TrainerRole:
         a, t, task_cfg, skew = self.spec.algorithm, self.spec.train, self.spec.task, self.spec.skewness
         seed = int(t.get("seed", 0))
         random.seed(seed)
-        task = make_task(task_cfg, seed)
+        task = make_task(task_cfg, seed, model_path=os.path.expanduser(self.spec.model["path"]))
         sampler = PromptSampler(list(task.prompts()), int(t["global_batch"]), seed)
         tok = AutoTokenizer.from_pretrained(os.path.expanduser(self.spec.model["path"]))
         max_prompt = int(task_cfg["max_prompt_len"])
@@ -214,7 +218,7 @@ class TrainerRole:
                 rec = {**rec, **dict.fromkeys(bad)}
             self.rdv.post_metrics(rec)
             self.rdv.post_progress(
-                i + 1, iterations=iterations, reward=round(rec["reward_mean"], 4),
+                i + 1, iterations=iterations, reward=_round(rec["reward_mean"], 4),
                 samples_per_s=round(rec["samples_per_s"], 2), trainer_idle=round(rec["idle/trainer"], 3),
                 generator_idle=round(rec["idle/generator"], 3), mode=rec["mode"],
                 **({"ranker_recall20": round(rec["ranker/recall@20"], 3)} if "ranker/recall@20" in rec
@@ -222,8 +226,8 @@ class TrainerRole:
             )  # fmt: skip
             for sink in sinks:
                 sink.log(rec, i)
-            log.info("iteration %d: reward %.3f, %.1f samples/s, trainer idle %.0f%%, generator idle %.0f%%",
-                     i, rec["reward_mean"], rec["samples_per_s"], 100 * rec["idle/trainer"],
+            log.info("iteration %d: reward %s, %.1f samples/s, trainer idle %.0f%%, generator idle %.0f%%",
+                     i, _round(rec["reward_mean"], 3), rec["samples_per_s"], 100 * rec["idle/trainer"],
                      100 * rec["idle/generator"])  # fmt: skip
 
         def on_checkpoint(i: int, state: dict[str, Any]) -> None:

@@ -315,17 +315,22 @@ class Pipeline:
             len(s.token_ids) for s in sorted(samples, key=lambda s: s.sample_index)
         ]
         texts = [self.detokenize(s.token_ids) for s in samples]
-        rewards = [float(r) for r in self.task.reward([prompt] * len(samples), texts)]
+        scores = self.task.reward([prompt] * len(samples), texts)
         batch.done_groups += 1
         import torch
 
-        if self.cfg.algorithm == "grpo":
-            adv = grpo_advantages(torch.tensor(rewards), self.cfg.grpo_std_norm).tolist()
-        else:
-            adv = [0.0] * len(rewards)
+        # None ("cannot score"): the sample is not learnt from (masked out of the loss), and GRPO
+        # normalises the group over the samples that were scored.
+        scored = [k for k, r in enumerate(scores) if r is not None]
+        rewards = [float(r) if r is not None else 0.0 for r in scores]
+        adv = [0.0] * len(rewards)
+        if self.cfg.algorithm == "grpo" and scored:
+            group = grpo_advantages(torch.tensor([rewards[k] for k in scored]), self.cfg.grpo_std_norm)
+            for k, a in zip(scored, group.tolist(), strict=True):
+                adv[k] = a
         return [
-            Rollout(prompt_tokens=tokens, sample=s, reward=r, advantage=a)
-            for s, r, a in zip(samples, rewards, adv, strict=True)
+            Rollout(prompt_tokens=tokens, sample=s, reward=r, advantage=a, scored=sc is not None)
+            for s, r, a, sc in zip(samples, rewards, adv, scores, strict=True)
         ]
 
     # ---- weights ----
@@ -360,7 +365,8 @@ class Pipeline:
 
     def _record(self, i, batch, started, end, train_spans, step_span, wait_s, stats) -> dict[str, Any]:  # noqa: ANN001
         rows = batch.trained
-        rewards = [r.reward for r in rows]
+        # Reward statistics over scored samples (an unscored one has no reward to average).
+        rewards = [r.reward for r in rows if r.scored] or [float("nan")]  # none scored: recorded as null
         lengths = sorted(r.response_len for r in rows)
         stale = [r.staleness for r in rows]
         elapsed = max(end - started, 1e-9)
@@ -375,6 +381,7 @@ class Pipeline:
             "reward_mean": statistics.fmean(rewards),
             "reward_std": statistics.pstdev(rewards),
             "reward_max": max(rewards),
+            "reward/unscored": sum(not r.scored for r in rows),
             "samples": len(rows),
             "tokens": tokens,
             "len/mean": tokens / len(rows),
