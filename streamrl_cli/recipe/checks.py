@@ -267,6 +267,14 @@ def _training(r: Recipe) -> Iterator[Problem]:
         yield "algorithm.clip_ratio", "clip ratios must be positive"
     if a.temperature <= 0:
         yield "algorithm.temperature", f"must be positive (logits are divided by it), got {a.temperature}"
+    if not 0 < a.top_p <= 1:
+        yield "algorithm.top_p", f"a probability mass: must be in (0, 1] (1: off), got {a.top_p}"
+    if a.top_k < 0:
+        yield "algorithm.top_k", f"must be 0 (off) or a number of tokens, got {a.top_k}"
+    if not 0 <= a.min_p <= 1:
+        yield "algorithm.min_p", f"a probability ratio: must be in [0, 1] (0: off), got {a.min_p}"
+    if any(not isinstance(x, str) or not x for x in a.stop):
+        yield "algorithm.stop", f"stop strings must be non-empty strings, got {a.stop!r}"
     if a.is_cap < 1:
         yield "algorithm.is_cap", f"importance weights are truncated at is_cap: must be ≥ 1, got {a.is_cap}"
     if a.name == "ppo" and a.kl_mode == "loss":

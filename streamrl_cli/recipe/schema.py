@@ -167,6 +167,13 @@ class AlgorithmConfig:
     is_correction: str = choices(*IS_MODES, default="auto")
     is_cap: float = 2.0  # truncation of the importance weights
     temperature: float = 1.0  # sampling temperature (the trainer's log-probs use the same)
+    # Truncated sampling, passed to vLLM; the trainer's and the reference's log-probs apply the same
+    # truncation (vLLM's order: temperature, min_p, top_k, top_p), so they are of the distribution
+    # sampled from. The sampling seed is train.seed (and train.reproducible_sampling).
+    top_p: float = 1.0  # nucleus: keep the most likely tokens up to this probability mass (1: off)
+    top_k: int = 0  # keep the k most likely tokens (0: off)
+    min_p: float = 0.0  # drop tokens below min_p × the most likely token's probability (0: off)
+    stop: list[str] = field(default_factory=list)  # strings that end a completion, besides EOS
 
 
 @dataclass(kw_only=True)

@@ -45,6 +45,9 @@ class LossConfig:
     importance_sampling: bool = False
     is_cap: float = 2.0
     temperature: float = 1.0
+    top_k: int = 0  # the generators' truncation, applied to the trainer's log-probs too
+    top_p: float = 1.0
+    min_p: float = 0.0
     max_len: int = 1024  # task.max_output_len (seq-mean-token-sum-norm's constant)
 
     @classmethod
@@ -67,7 +70,17 @@ class LossConfig:
             importance_sampling=is_mode == "on" or (is_mode == "auto" and algorithm.get("mode") == "async"),
             is_cap=float(algorithm.get("is_cap", 2.0)),
             temperature=float(algorithm.get("temperature", 1.0)),
+            top_k=int(algorithm.get("top_k", 0)),
+            top_p=float(algorithm.get("top_p", 1.0)),
+            min_p=float(algorithm.get("min_p", 0.0)),
             max_len=max_len,
+        )
+
+    @property
+    def sampling(self) -> L.SamplingTransform:
+        """The generators' sampling distribution, which the actor's and reference's log-probs use."""
+        return L.SamplingTransform(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p
         )
 
 
@@ -145,12 +158,12 @@ class Learner:
         accumulation: the gradient reduction happens in that backward)."""
         c = self.loss
         self.actor.train()
-        logp, ent = policy_forward(self.actor, mb, c.temperature, entropy=True)
+        logp, ent = policy_forward(self.actor, mb, c.sampling, entropy=True)
         old_logp, mask = logp.detach(), mb.mask
         kl = None
         if self.ref is not None:
             with torch.no_grad():
-                ref_logp, _ = policy_forward(self.ref, mb, c.temperature)
+                ref_logp, _ = policy_forward(self.ref, mb, c.sampling)
             kl = L.kl_estimate(logp, ref_logp, c.kl_estimator)
         if c.name == "ppo":
             values = critic_forward(self.critic, mb)

@@ -39,6 +39,20 @@ def main(spec: RoleSpec, rank: int) -> int:
     return TrainerRole(spec, rank).run()
 
 
+def sampling_keys(a: dict[str, Any]) -> dict[str, Any]:
+    """The recipe's sampling keys beyond temperature that differ from "off", as requests carry them."""
+    out: dict[str, Any] = {}
+    if int(a.get("top_k", 0)) > 0:
+        out["top_k"] = int(a["top_k"])
+    if float(a.get("top_p", 1.0)) < 1.0:
+        out["top_p"] = float(a["top_p"])
+    if float(a.get("min_p", 0.0)) > 0.0:
+        out["min_p"] = float(a["min_p"])
+    if a.get("stop"):
+        out["stop"] = [str(x) for x in a["stop"]]
+    return out
+
+
 def _round(x: float | None, digits: int) -> float | None:
     return None if x is None else round(x, digits)
 
@@ -201,7 +215,8 @@ class TrainerRole:
             mode=a["mode"], algorithm=a["name"], group_size=int(a["group_size"]),
             global_batch=int(t["global_batch"]), micro_batch=int(t["micro_batch"]), world=self.spec.world,
             max_staleness=int(a["max_staleness"]), max_output_len=int(task_cfg["max_output_len"]),
-            temperature=float(a.get("temperature", 1.0)), grpo_std_norm=bool(a.get("grpo_std_norm", True)),
+            temperature=float(a.get("temperature", 1.0)), sampling=sampling_keys(a),
+            grpo_std_norm=bool(a.get("grpo_std_norm", True)),
             seed=seed, dispatch=skew.get("dispatch", "random"), schedule=skew.get("schedule", "fifo"),
             long_tail=float(skew.get("long_tail", 0.2)), engine_max_seqs=self.spec.generator_max_seqs,
             reproducible=bool(t.get("reproducible_sampling", False)),

@@ -54,6 +54,9 @@ class PipelineConfig:
     max_staleness: int = 1
     max_output_len: int = 64
     temperature: float = 1.0
+    # Sampling beyond temperature (the recipe's algorithm.top_p, ...), sent with every request:
+    # {"top_p": 0.9, "stop": ["\n\n"]}; only what differs from vLLM's defaults.
+    sampling: dict[str, Any] = field(default_factory=dict)
     grpo_std_norm: bool = True
     seed: int = 0
     sample_timeout_s: float = 1800.0  # no sample at all for this long: something is wrong
@@ -214,6 +217,7 @@ class Pipeline:
         sampling: dict[str, Any] = {
             "temperature": self.cfg.temperature,
             "max_tokens": self.cfg.max_output_len,
+            **self.cfg.sampling,
         }
         if self.cfg.reproducible:
             sampling["seed"] = sample_seed(self.cfg.seed, seed_key, indices[0])
