@@ -90,6 +90,9 @@ def test_relative_dataset_and_reward_file_are_resolved_where_streamrl_starts(pro
     r = load("local", ["task.dataset=data/train.jsonl", "task.reward=rewards/my_reward.py:score"]).recipe
     assert r.task.dataset == str(project / "data" / "train.jsonl")
     assert r.task.reward == f"{project / 'rewards' / 'my_reward.py'}:score"
+    r = load("local", ["task.dataset=data/train.jsonl", "task.reward=rewards/my_reward.py:score",
+                       "task.eval_dataset=data/train.jsonl"]).recipe  # fmt: skip
+    assert r.task.eval_dataset == str(project / "data" / "train.jsonl")
     # a module name is left as it is
     r = load("local", ["task.dataset=data/train.jsonl", "task.reward=streamrl_cli.tasks.rewards:exact_match"])
     assert r.recipe.task.reward == "streamrl_cli.tasks.rewards:exact_match"
@@ -108,6 +111,12 @@ def test_relative_dataset_and_reward_file_are_resolved_where_streamrl_starts(pro
         (["task.chat_template=' '"], ["task.chat_template", "empty"]),
         (["task.system_prompt=hi"], ["task.system_prompt", "built-in task"]),
         (["task.answer_key=gold"], ["answer_key"]),  # not a key (the columns carry every field)
+        (["task.eval_every=2"], ["task.eval_every", "no effect without task.eval_dataset"]),
+        (["task.dataset=data/train.jsonl", "task.reward=rewards/my_reward.py:score",
+          "task.eval_dataset=data/held.jsonl"], ["task.eval_dataset", "no such file", "held.jsonl"]),
+        (["task.dataset=data/train.jsonl", "task.reward=rewards/my_reward.py:score",
+          "task.eval_dataset=data/train.jsonl", "task.eval_samples=0", "task.eval_temperature=-1"],
+         ["task.eval_samples", "at least 1", "task.eval_temperature"]),
     ],
 )  # fmt: skip
 def test_bad_task_keys_are_reported_at_load(project, monkeypatch, overrides, needles):

@@ -293,3 +293,40 @@ def test_unscored_samples_are_not_learnt_from_and_are_counted():
     assert sorted(round(r.advantage, 3) for r in rows if r.scored) == [-1.0, -1.0, 1.0, 1.0]
     assert records[0]["reward/unscored"] == 2
     assert records[0]["reward_mean"] == 2.5  # over the scored samples only
+
+
+def test_evaluation_runs_between_iterations_and_at_the_end_without_being_trained_on():
+    from streamrl_cli.trainer.evaluation import EvalConfig, Evaluator
+
+    events: list = []
+    gens = Generators(events)
+    driver = Driver(events)
+    records: list = []
+    evals: list = []
+    held_out = HalfScoredTask(5)
+    clock = Clock()
+    evaluator = Evaluator(
+        held_out, EvalConfig(every=2, samples=3, temperature=0.0, max_tokens=9, sampling={"top_p": 0.5}),
+        tokenize=lambda t: [5, 6], detokenize=lambda ids: "x" * len(ids), on_eval=evals.append, clock=clock,
+    )  # fmt: skip
+    cfg = PipelineConfig(mode="sync-stream", group_size=2, global_batch=4, micro_batch=2)
+    task = CountTask(64)
+    pipe = Pipeline(
+        cfg, task=task, sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],
+        detokenize=lambda ids: "x" * len(ids), svc=gens, driver=driver, publisher=Publisher(events, gens),
+        on_record=records.append, clock=clock, evaluator=evaluator,
+    )  # fmt: skip
+    pipe.run(0, 5, 0)
+    assert [r["iteration"] for r in records] == [0, 1, 2, 3, 4]
+    assert sum(len(r) for r in driver.rounds) == 5 * 8  # evaluation samples are never trained on
+    # after iterations 1 and 3 (every 2), and the final one after the last (4)
+    assert [(e["eval/iteration"], e["eval/final"]) for e in evals] == [(1, False), (3, False), (4, True)]
+    final = evals[-1]
+    assert final["eval/weight_version"] == 5 and final["eval/samples"] == 3
+    assert final["eval/unscored"] == 3  # HalfScoredTask cannot score a 1-token completion
+    assert final["eval/reward_mean"] is None and final["eval/length_mean"] == 1.0
+    evals_sent = [e for e in events if e[0] == "dispatch" and e[1].startswith("eval")]
+    assert len(evals_sent) == 9 and {e[1].split("/", 1)[1] for e in evals_sent} == {"c/0", "c/1", "c/2"}
+    # an evaluation goes out once its weights are served, after the batch due with them
+    first = events.index(("dispatch", "eval1/c/0"))
+    assert events.index(("weights", 2)) < first and events.index(("dispatch", "it2/c/8")) < first

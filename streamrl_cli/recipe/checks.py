@@ -337,6 +337,21 @@ def _task(r: Recipe) -> Iterator[Problem]:
             yield "task.chat_template", "empty; use null (no template), tokenizer, or a Jinja template"
         elif t.chat_template.endswith(".jinja") and not Path(t.chat_template).expanduser().is_file():
             yield "task.chat_template", f"no such file: {t.chat_template}"
+    if t.eval_dataset is not None:
+        if not Path(t.eval_dataset).expanduser().exists():
+            yield "task.eval_dataset", f"no such file or directory: {t.eval_dataset}"
+        if not t.reward:
+            yield "task.reward", "evaluation scores with the task's reward function: set task.reward"
+    else:
+        for key, off in (("eval_every", 0), ("eval_samples", None), ("eval_temperature", 0.0)):
+            if getattr(t, key) != off:
+                yield f"task.{key}", "has no effect without task.eval_dataset (the held-out prompts)"
+    if t.eval_every < 0:
+        yield "task.eval_every", f"must be 0 (only a final evaluation) or more, got {t.eval_every}"
+    if t.eval_samples is not None and t.eval_samples < 1:
+        yield "task.eval_samples", f"must be at least 1 (or null: every eval prompt), got {t.eval_samples}"
+    if t.eval_temperature < 0:
+        yield "task.eval_temperature", f"must be 0 (greedy) or positive, got {t.eval_temperature}"
     if t.system_prompt is not None and t.dataset is None:
         yield "task.system_prompt", "the built-in task has no chat prompts; set task.dataset to use one"
 

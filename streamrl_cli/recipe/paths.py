@@ -30,6 +30,8 @@ def resolve(r: Recipe, base: Path) -> None:
     t = r.task
     if t.dataset:
         t.dataset = absolute(t.dataset, base)
+    if t.eval_dataset:
+        t.eval_dataset = absolute(t.eval_dataset, base)
     if t.reward:
         target, sep, attr = t.reward.rpartition(":")
         if sep and target and is_reward_file(target):

@@ -191,6 +191,13 @@ class TaskConfig:
     # template; else a Jinja template (inline, or a .jinja file) used instead of the tokenizer's.
     chat_template: str | None = None
     system_prompt: str | None = None  # system message put first in every chat without one
+    # Held-out evaluation on the generators (streamrl_cli.trainer.evaluation): a dataset like `dataset`
+    # (same prompt_key, chat template and reward), evaluated at the end of the run and every
+    # `eval_every` iterations; records eval/reward_mean, eval/reward_std, eval/length_mean, ...
+    eval_dataset: str | None = None
+    eval_every: int = 0  # iterations between evaluations (0: only the final one)
+    eval_samples: int | None = None  # eval prompts per evaluation, the first ones (null: all)
+    eval_temperature: float = 0.0  # sampling temperature of evaluation (0: greedy)
     num_prompts: int = 4096  # built-in task: prompts in its dataset
     max_prompt_len: int = 512  # prompt tokens
     max_output_len: int = 1024  # output tokens
@@ -213,6 +220,9 @@ class TrainConfig:
     reproducible_sampling: bool = False
     checkpoint_every: int = 5  # iterations between checkpoints (0: only the last one)
     keep_checkpoints: int = 2  # checkpoints kept (older ones are deleted)
+    # At the end of the run, write the last iteration's policy as a Hugging Face model directory
+    # (config, tokenizer, safetensors) to <run dir>/model (`streamrl export` does it for any checkpoint).
+    export_final: bool = True
     loggers: list[str] = field(default_factory=list)  # extra metric sinks: tensorboard, wandb
     wandb_project: str = "streamrl"  # W&B project (loggers=[wandb])
 

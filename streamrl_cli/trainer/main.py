@@ -69,6 +69,7 @@ class TrainerRole:
         self.run_dir = Path(spec.run_dir)
         self.rdv: Any = None
         self.closers: list[Any] = []
+        self._last_step = 0  # the latest iteration logged to the metric sinks
 
     def run(self) -> int:
         from streamrl_cli.rendezvous import RendezvousClient, read_secret
@@ -223,6 +224,7 @@ class TrainerRole:
         )  # fmt: skip
         ranker = self._ranker(task, seed)
         sinks = self._sinks()
+        evaluator = self._evaluator(task_cfg, seed, tokenize, tok, sinks)
         every, keep = int(t.get("checkpoint_every", 0)), int(t.get("keep_checkpoints", 2))
 
         def on_record(rec: dict[str, Any]) -> None:
@@ -239,6 +241,7 @@ class TrainerRole:
                 **({"ranker_recall20": round(rec["ranker/recall@20"], 3)} if "ranker/recall@20" in rec
                    else {}),
             )  # fmt: skip
+            self._last_step = i
             for sink in sinks:
                 sink.log(rec, i)
             log.info("iteration %d: reward %s, %.1f samples/s, trainer idle %.0f%%, generator idle %.0f%%",
@@ -258,14 +261,64 @@ class TrainerRole:
             cfg, task=task, sampler=sampler, tokenize=tokenize,
             detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True), svc=svc, driver=driver,
             publisher=publisher, on_record=on_record, on_checkpoint=on_checkpoint, ranker=ranker,
+            evaluator=evaluator,
         )  # fmt: skip
         try:
             pipe.run(start, iterations, version, push_first=push)
+            if t.get("export_final", True):
+                self._export_final()
         finally:
             for sink in sinks:
                 sink.close()
             if ranker is not None:
                 ranker.close()
+
+    def _export_final(self) -> None:
+        """The last checkpoint (the final iteration's: always saved) as a HF model in the run directory."""
+        from streamrl_cli.trainer import checkpoint as ckpt
+        from streamrl_cli.trainer.export import EXPORT_DIR, export_checkpoint
+
+        last = ckpt.latest(self.run_dir)
+        if last is None:
+            raise StreamRLError(f"train.export_final: {self.run_dir} has no complete checkpoint to export")
+        self.rdv.set_status(state="exporting")
+        m = self.spec.model
+        out = export_checkpoint(last, m["path"], self.run_dir / EXPORT_DIR, m.get("dtype") or "float32")
+        log.info("exported %s as a Hugging Face model to %s", last.name, out)
+
+    def _evaluator(self, task_cfg: dict, seed: int, tokenize: Any, tok: Any, sinks: list[Any]) -> Any:
+        """The held-out evaluation (task.eval_dataset), or None."""
+        if not task_cfg.get("eval_dataset"):
+            return None
+        from streamrl_cli.tasks import make_task
+        from streamrl_cli.trainer.evaluation import EvalConfig, Evaluator
+
+        a = self.spec.algorithm
+        path = os.path.expanduser(self.spec.model["path"])
+        held_out = make_task({**task_cfg, "dataset": task_cfg["eval_dataset"]}, seed, model_path=path)
+        cfg = EvalConfig(
+            every=int(task_cfg.get("eval_every", 0)), samples=task_cfg.get("eval_samples"),
+            temperature=float(task_cfg.get("eval_temperature", 0.0)),
+            max_tokens=int(task_cfg["max_output_len"]), sampling=sampling_keys(a), seed=seed,
+        )  # fmt: skip
+
+        def on_eval(rec: dict[str, Any]) -> None:
+            self.rdv.post_metrics(rec)
+            # W&B drops steps older than its latest: an evaluation finishes during a later iteration
+            step = max(rec["eval/iteration"], self._last_step)
+            for sink in sinks:
+                sink.log(rec, step)
+            kind = "final" if rec["eval/final"] else "periodic"
+            log.info("evaluation of iteration %d (%s): reward %s over %d prompts, mean length %.1f",
+                     rec["eval/iteration"], kind, _round(rec["eval/reward_mean"], 3), rec["eval/samples"],
+                     rec["eval/length_mean"])  # fmt: skip
+
+        def detokenize(ids: list[int]) -> str:
+            return tok.decode(ids, skip_special_tokens=True)
+
+        return Evaluator(
+            held_out, cfg, tokenize=tokenize, detokenize=detokenize, on_eval=on_eval, clock=time.time
+        )
 
     def _ranker(self, task: Any, seed: int) -> Any:
         from streamrl_cli.ranker.base import make_ranker

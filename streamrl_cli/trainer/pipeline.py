@@ -35,7 +35,9 @@ import xxhash
 
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.trainer.batch import GroupCollector, Rollout
+from streamrl_cli.trainer.evaluation import Evaluator
 from streamrl_cli.trainer.losses import grpo_advantages
+from streamrl_cli.trainer.seeds import sample_seed
 from streamrl_cli.transport.wire import Request, Sample
 
 log = logging.getLogger("streamrl.trainer")
@@ -108,6 +110,7 @@ class Pipeline:
         on_checkpoint: Callable[[int, dict[str, Any]], None] | None = None,
         clock: Callable[[], float] = time.time,
         ranker: Any = None,
+        evaluator: Evaluator | None = None,
     ):
         self.cfg, self.task, self.sampler = cfg, task, sampler
         self.tokenize, self.detokenize = tokenize, detokenize
@@ -122,6 +125,8 @@ class Pipeline:
         self.recent_lengths: deque[int] = deque(maxlen=4096)  # for Algorithm 2's P90 / P50
         self.priority_base = 0  # LPT priorities of later batches come after earlier ones'
         self.rng = random.Random(cfg.seed)
+        self.evaluator = evaluator
+        self.evals_due: list[tuple[int, int]] = []  # (iteration, weight version) to evaluate once confirmed
 
     # ---- the loop ----
 
@@ -142,7 +147,26 @@ class Pipeline:
             record = self._iteration(i, prev_end)
             prev_end = record["timeline"]["end"]
             self.on_record(record)
+            if self.evaluator is not None and self.evaluator.due(i, end):
+                self.evals_due.append((i, self.version))
+                self._dispatch_due()
         self._wait_transfers()
+        if self.evaluator is not None and end > start:
+            self._final_eval(end - 1)
+
+    def _final_eval(self, i: int) -> None:
+        """Evaluate the last weights (every generator serves them now), and wait for every evaluation."""
+        assert self.evaluator is not None
+        self._dispatch_due()  # a periodic evaluation still waiting for its weights goes first
+        self.svc.submit(self.evaluator.dispatch(i, final=True))
+        last = self.clock()
+        while self.evaluator.pending:
+            sample = self.svc.get(timeout=GET_POLL_S)
+            if sample is not None:
+                self._route(sample)
+                last = self.clock()
+            elif self.clock() - last > self.cfg.sample_timeout_s:
+                raise TimeoutError(f"no evaluation sample for {self.cfg.sample_timeout_s:.0f}s")
 
     def _dispatch_due(self) -> None:
         """Dispatch every batch whose weight version requirement is met (j - ahead <= confirmed)."""
@@ -151,6 +175,11 @@ class Pipeline:
         while self.next_batch < self.end and self.next_batch - self.cfg.ahead + self.offset <= confirmed:
             self._dispatch(self.next_batch)
             self.next_batch += 1
+        # Evaluations go out once their weights are served, after the training batch due with them.
+        while self.evals_due and self.evals_due[0][1] <= confirmed:
+            assert self.evaluator is not None
+            i, _ = self.evals_due.pop(0)
+            self.svc.submit(self.evaluator.dispatch(i))
 
     def _versions_ready(self, version: int) -> None:
         with self._cv:
@@ -285,6 +314,9 @@ class Pipeline:
     # ---- samples ----
 
     def _route(self, sample: Sample) -> None:
+        if self.evaluator is not None and self.evaluator.owns(sample.prompt_id):
+            self.evaluator.add(sample)
+            return
         j = int(sample.prompt_id.split("/", 1)[0].removeprefix("it"))
         batch = self.batches.get(j)
         if batch is None:
@@ -456,13 +488,3 @@ def _covered(spans: list[list[float]], start: float, end: float) -> float:
     if cur_b is not None:
         total += cur_b - cur_a
     return total
-
-
-def sample_seed(seed: int, prompt_id: str, index: int) -> int:
-    """The sampling seed of a request whose first sample is `index` (train.reproducible_sampling).
-
-    vLLM seeds the k-th sample of a request with n > 1 by ``seed + k``, so sample k of a prompt
-    always gets base + k, whether it is generated with its group or alone (a re-dispatch).
-    """
-    base = xxhash.xxh64_intdigest(f"{seed}/{prompt_id}".encode()) >> 16  # 48 bits: room to add indices
-    return base + index
