@@ -270,3 +270,23 @@ def test_prompt_columns_default_to_none_where_a_record_lacks_them():
 
     Reward(fn)([Prompt("a", "x", {"k": 1}), Prompt("b", "y", {"j": 2})], ["1", "2"])
     assert seen == {"j": [None, 2], "k": [1, None]}
+
+
+def test_slurm_jobs_get_the_users_files_as_absolute_paths(project, tmp_path):
+    """Role processes start elsewhere (a SLURM job on another node): their specs carry absolute paths."""
+    from pathlib import Path
+
+    import yaml
+    from conftest import streamrl
+
+    root = tmp_path / "runs"
+    out = streamrl(
+        "run", "slurm-local", "--dry-run", "--root", str(root), "task.dataset=data/train.jsonl",
+        "task.reward=rewards/my_reward.py:score", "task.eval_dataset=data/train.jsonl", cwd=project,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    run_dir = Path(out.stdout.strip().splitlines()[-1])
+    for role in ("trainer", "generator"):
+        task = yaml.safe_load((run_dir / "roles" / f"{role}.yaml").read_text())["task"]
+        assert task["dataset"] == task["eval_dataset"] == str(project / "data" / "train.jsonl")
+        assert task["reward"] == f"{project / 'rewards' / 'my_reward.py'}:score"
