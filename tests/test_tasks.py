@@ -154,7 +154,7 @@ def test_reward_names_the_function_that_misbehaves():
     for fn in (too_short, not_floats, not_a_list, nan):
         with pytest.raises(TaskError, match=fn.__name__):
             Reward(fn)([p, p], ["a", "b"])
-    assert Reward(lambda ps, cs: [1] * len(cs))([p], ["a"]) == [1.0]
+    assert Reward(lambda prompts, completions: [1] * len(completions))([p], ["a"]) == [1.0]
 
 
 def test_exact_match():

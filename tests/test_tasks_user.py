@@ -25,6 +25,9 @@ def score(prompts, completions, solution, difficulty, **kwargs):
         for p, c, s, d in zip(prompts, completions, solution, difficulty)
     ]
 
+def accuracy(completions, solution, **kwargs):  # TRL's own examples leave prompts to **kwargs
+    return [float(c.strip().lower() == s.lower()) for c, s in zip(completions, solution)]
+
 def seen_kwargs(prompts, completions, **kwargs):
     return [float(len(kwargs)) for _ in completions]
 
@@ -62,6 +65,19 @@ def test_a_trl_style_reward_with_extra_columns_scores_right(project):
     assert got == [1.0, 2.0, 0.0]  # columns aligned with the batch, the "hard" one doubled
     # a batch in another order gets its own rows' columns
     assert task.reward([ps[1], ps[0]], ["ouagadougou", "nope"]) == [2.0, 0.0]
+
+
+def test_arguments_are_passed_by_keyword_as_trl_passes_them(project, tmp_path):
+    task = make_task(
+        {"dataset": str(project / "data" / "train.jsonl"),
+         "reward": f"{project}/rewards/my_reward.py:accuracy"}
+    )  # fmt: skip
+    assert task.reward(list(task.prompts()), ["Paris", "Lima", "santiago"]) == [1.0, 0.0, 1.0]
+    (tmp_path / "clash.jsonl").write_text(json.dumps({"prompt": "x", "completions": 1}) + "\n")
+    with pytest.raises(TaskError, match="field named 'completions'.*rename"):
+        make_task(
+            {"dataset": str(tmp_path / "clash.jsonl"), "reward": f"{project}/rewards/my_reward.py:accuracy"}
+        )
 
 
 def test_every_field_but_the_prompt_is_a_column(project):

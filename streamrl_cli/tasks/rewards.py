@@ -4,10 +4,11 @@ A reward function is called on a batch, the way TRL (and, in spirit, verl and Op
 
     def reward(prompts: list[str], completions: list[str], **columns) -> list[float | None]
 
-``prompts`` are the prompts as the policy saw them (chat template applied, if any); ``completions``
-the generated text without the prompt or EOS; ``columns`` every other field of the dataset, one list
-per field aligned with the batch (a field a record lacks is ``None`` there). So a reward written for
-TRL's ``GRPOTrainer`` works unchanged. It is batched because real verifiers (a reward model, a
+Every argument is passed by keyword, as TRL passes them, so ``def reward(completions, solution,
+**kwargs)`` works too. ``prompts`` are the prompts as the policy saw them (chat template applied,
+if any); ``completions`` the generated text without the prompt or EOS; ``columns`` every other
+field of the dataset, one list per field aligned with the batch (a field a record lacks is ``None``
+there). So a reward written for TRL's ``GRPOTrainer`` works unchanged. It is batched because real verifiers (a reward model, a
 sandbox running code) are far cheaper per batch than per sample.
 
 - ``async def`` rewards are awaited (a reward calling a remote judge can overlap its requests).
@@ -58,15 +59,21 @@ class Reward:
     def check_columns(self, columns: Iterable[str]) -> None:
         """Fail now (not at the first scored group) if the function needs a column the data lacks."""
         names = sorted(set(columns))
+        clash = sorted({"prompts", "completions"} & set(names))
+        if clash:
+            raise TaskError(
+                f"task.reward: the dataset has a field named {clash[0]!r}, which is also the reward's own "
+                "argument; rename that field"
+            )
         try:
             sig = inspect.signature(self.fn)
         except (TypeError, ValueError):  # a builtin or C callable: nothing to check against
             return
         try:
-            sig.bind([], [], **dict.fromkeys(names, []))
+            sig.bind(prompts=[], completions=[], **dict.fromkeys(names, []))
         except TypeError as e:
             raise TaskError(
-                f"task.reward: {self.name} cannot be called as reward(prompts, completions, **columns) "
+                f"task.reward: {self.name} cannot be called as reward(prompts=, completions=, **columns) "
                 f"with this dataset's columns ({', '.join(names) or 'none'}): {e}. "
                 "Every field of a record except the prompt reaches the function as a keyword argument; "
                 "accept **kwargs to ignore the ones it does not use"
@@ -77,7 +84,8 @@ class Reward:
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
         keys = sorted({k for p in prompts for k in p.columns})
         columns = {k: [p.columns.get(k) for p in prompts] for k in keys}
-        out = self.fn([p.text for p in prompts], list(completions), **columns)
+        # By keyword, as TRL calls it: `def reward(completions, solution, **kwargs)` is common there.
+        out = self.fn(prompts=[p.text for p in prompts], completions=list(completions), **columns)
         if inspect.isawaitable(out):
             out = _wait(out)
         return self._values(out, len(completions))

@@ -69,7 +69,7 @@ class TrainerRole:
         self.run_dir = Path(spec.run_dir)
         self.rdv: Any = None
         self.closers: list[Any] = []
-        self._last_step = 0  # the latest iteration logged to the metric sinks
+        self._last_step = 0  # the latest iteration recorded (eval records are logged at it)
 
     def run(self) -> int:
         from streamrl_cli.rendezvous import RendezvousClient, read_secret
@@ -304,6 +304,11 @@ class TrainerRole:
 
         def on_eval(rec: dict[str, Any]) -> None:
             self.rdv.post_metrics(rec)
+            # progress is merged, not replaced: `streamrl status` shows the latest eval reward
+            self.rdv.post_progress(
+                self._last_step + 1, eval_reward=_round(rec["eval/reward_mean"], 4),
+                eval_iteration=rec["eval/iteration"],
+            )  # fmt: skip
             # W&B drops steps older than its latest: an evaluation finishes during a later iteration
             step = max(rec["eval/iteration"], self._last_step)
             for sink in sinks:
