@@ -8,8 +8,8 @@ Every argument is passed by keyword, as TRL passes them, so ``def reward(complet
 **kwargs)`` works too. ``prompts`` are the prompts as the policy saw them (chat template applied,
 if any); ``completions`` the generated text without the prompt or EOS; ``columns`` every other
 field of the dataset, one list per field aligned with the batch (a field a record lacks is ``None``
-there). So a reward written for TRL's ``GRPOTrainer`` works unchanged. It is batched because real verifiers (a reward model, a
-sandbox running code) are far cheaper per batch than per sample.
+there). So a reward written for TRL's ``GRPOTrainer`` works unchanged. It is batched because real
+verifiers (a reward model, a sandbox running code) are far cheaper per batch than per sample.
 
 - ``async def`` rewards are awaited (a reward calling a remote judge can overlap its requests).
 - ``None`` for a completion means "cannot score this one" (TRL's convention): the trainer does not
