@@ -233,6 +233,8 @@ def test_the_tokenizers_own_template_is_used_and_text_prompts_can_go_through_it(
     text.write_text(json.dumps({"prompt": "hello"}) + "\n")
     plain = DatasetTask(text, reward=ZERO, chat=ChatFormat(tokenizer=tok))
     assert plain.prompts()[0].text == "hello"  # no template asked for: text as it is
+    with pytest.raises(TaskError, match="system_prompt.*chat_template=tokenizer"):
+        DatasetTask(text, reward=ZERO, chat=ChatFormat(system_prompt="be brief", tokenizer=tok))
     chat = DatasetTask(text, reward=ZERO, chat=ChatFormat(template="tokenizer", tokenizer=tok))
     assert chat.prompts()[0].text == "[user]hello\n[assistant]"
 

@@ -167,7 +167,14 @@ def _load(path: Path, prompt_key: str, chat: ChatFormat) -> list[Prompt]:
 
 def _prompt_text(value: Any, chat: ChatFormat, at: str) -> str:
     if isinstance(value, str):
-        return chat.render([{"role": "user", "content": value}]) if chat.applies_to_text() else value
+        if chat.applies_to_text():
+            return chat.render([{"role": "user", "content": value}])
+        if chat.system_prompt:
+            raise TaskError(
+                f"task.system_prompt: {at} is text, which is used as it is without a chat template; "
+                "set task.chat_template=tokenizer (the model's own) to give it a system message"
+            )
+        return value
     if not isinstance(value, list) or not value:
         raise TaskError(
             f"{at} must be a string or a non-empty list of chat messages, got {type(value).__name__}"

@@ -75,7 +75,8 @@ class Evaluator:
         self.tokenize, self.detokenize = tokenize, detokenize
         self.on_eval, self.clock = on_eval, clock
         self.rounds: dict[str, _Round] = {}
-        self._tokens: dict[str, list[int]] = {}
+        # Tokenized now: a prompt too long for task.max_prompt_len fails the run before it trains.
+        self._tokens = {p.prompt_id: tokenize(p.text) for p in self.prompts}
 
     def due(self, iteration: int, iterations: int) -> bool:
         """An evaluation after ``iteration`` (the last one always gets the final evaluation instead)."""
@@ -87,9 +88,7 @@ class Evaluator:
         rnd = _Round(iteration=iteration, final=final, prompts={}, dispatched_at=self.clock())
         requests = []
         for p in self.prompts:
-            tokens = self._tokens.get(p.prompt_id)
-            if tokens is None:
-                tokens = self._tokens[p.prompt_id] = self.tokenize(p.text)
+            tokens = self._tokens[p.prompt_id]
             rid = f"{key}/{p.prompt_id}"
             rnd.prompts[rid] = p
             sampling = {
