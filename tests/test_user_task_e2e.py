@@ -5,7 +5,6 @@ and the final export; then `streamrl export` of an earlier checkpoint. Real vLLM
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import yaml
@@ -46,10 +45,11 @@ def chat_rows(n: int, seed: int) -> str:
     return "\n".join(json.dumps(r) for r in rows) + "\n"
 
 
-def make_project(project):
-    """A user's project directory: chat data, a reward file with its helper, a chat template."""
+@pytest.fixture(scope="module")
+def user_run(tmp_path_factory):
+    project = tmp_path_factory.mktemp("project")
     for d in ("data", "rewards", "templates"):
-        (project / d).mkdir(parents=True)
+        (project / d).mkdir()
     (project / "data" / "train.jsonl").write_text(chat_rows(64, seed=1))
     (project / "data" / "held_out.jsonl").write_text(chat_rows(16, seed=2))
     (project / "rewards" / "repeat_reward.py").write_text(REWARD)
@@ -57,21 +57,12 @@ def make_project(project):
     (project / "templates" / "plain.jinja").write_text(
         "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     )
-    return project
-
-
-USER_TASK = (
-    "task.dataset=data/train.jsonl", "task.prompt_key=messages", "task.chat_template=templates/plain.jinja",
-    "task.reward=rewards/repeat_reward.py:score", "task.eval_dataset=data/held_out.jsonl",
-)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def user_run(tmp_path_factory):
-    project = make_project(tmp_path_factory.mktemp("project"))
     root = project / "runs"
     out = streamrl(
-        "run", "local", "--root", str(root), *USER_TASK, "task.eval_every=2", "task.eval_samples=6",
+        "run", "local", "--root", str(root),
+        "task.dataset=data/train.jsonl", "task.prompt_key=messages",
+        "task.chat_template=templates/plain.jinja", "task.reward=rewards/repeat_reward.py:score",
+        "task.eval_dataset=data/held_out.jsonl", "task.eval_every=2", "task.eval_samples=6",
         "algorithm.top_k=40", "algorithm.top_p=0.95", "algorithm.is_correction=on",
         "train.iterations=4", "train.global_batch=4", "train.checkpoint_every=2", "train.keep_checkpoints=3",
         cwd=project, timeout=900,
@@ -130,29 +121,3 @@ def test_export_of_an_earlier_checkpoint_and_its_errors(user_run, tmp_path):
     (tmp_path / "full" / "f").write_text("x")
     bad = streamrl("export", str(run_dir), "--out", str(tmp_path / "full"), timeout=300)
     assert bad.returncode != 0 and "not empty" in bad.stderr and "Traceback" not in bad.stderr
-
-
-@pytest.mark.slurm
-def test_a_user_task_runs_through_real_slurm(slurm, tmp_path):
-    """The jobs start in another directory: the reward file, data and template reach them by the
-    absolute paths resolved where `streamrl run` was started."""
-    project = make_project(tmp_path / "project")
-    root = project / "runs"
-    out = streamrl(
-        "run", "slurm-local", "--root", str(root), *USER_TASK, "task.eval_samples=4",
-        "train.iterations=2", "train.global_batch=4", cwd=project, env={"STREAMRL_JOB_POLL_S": "1"},
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    (run_dir,) = [p for p in root.iterdir() if p.is_dir()]
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        doc = json.loads(streamrl("status", str(run_dir), "--json").stdout)
-        if doc["state"] in ("finished", "failed", "ended"):
-            break
-        time.sleep(3)
-    logs = "\n".join(p.read_text()[-2000:] for p in (run_dir / "logs").rglob("*.err"))
-    assert doc["state"] == "finished", f"{doc['state']}: {doc.get('problems')}\n{logs}"
-    recs = records(run_dir)
-    assert [r["iteration"] for r in recs if r.get("role") == "trainer" and "iteration" in r] == [0, 1]
-    assert [(e["eval/iteration"], e["eval/final"]) for e in recs if "eval/iteration" in e] == [(1, True)]
-    assert (run_dir / "model" / "model.safetensors").is_file()
