@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from streamrl_cli.errors import StreamRLError
+from streamrl_cli.errors import StreamRLError, UsageError
 
 app = typer.Typer(
     name="streamrl",
@@ -26,20 +26,54 @@ app = typer.Typer(
 console = Console()
 err = Console(stderr=True)
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        from streamrl_cli import __version__
+
+        console.print(f"streamrl {__version__}", markup=False, highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="print the version and exit"),
+    ] = False,
+) -> None:
+    """Disaggregated stream-generation RL post-training of LLMs, on SLURM clusters or this machine."""
+
+
 RecipeArg = Annotated[
-    str, typer.Argument(help="recipe name (`local`, `paper/qwen2.5-7b-ppo`) or path to a YAML file")
+    str,
+    typer.Argument(
+        metavar="RECIPE", help="recipe name (`local`, `paper/qwen2.5-7b-ppo`) or path to a YAML file"
+    ),
 ]
 OverridesArg = Annotated[
     list[str] | None,
-    typer.Argument(help="overrides: key=value, +key=value (add), ++key=value, ~key (delete), group=option"),
+    typer.Argument(
+        help="overrides: key=value, +key=value (add), ++key=value, ~key (delete), group=option; "
+        "@FILE reads one override per line from FILE (`#` comments)"
+    ),
 ]
+
+
+def _overrides(given: list[str] | None) -> list[str]:
+    """The command line's overrides with every @FILE expanded in place."""
+    from streamrl_cli.recipe.argfiles import expand
+
+    return expand(given or [])
 
 
 @app.command()
 def run(
     recipe: Annotated[
         str | None,
-        typer.Argument(help="recipe name (`local`, `paper/qwen2.5-7b-ppo`) or path to a YAML file"),
+        typer.Argument(
+            metavar="[RECIPE]", help="recipe name (`local`, `paper/qwen2.5-7b-ppo`) or path to a YAML file"
+        ),
     ] = None,
     overrides: OverridesArg = None,
     dry_run: Annotated[
@@ -59,7 +93,7 @@ def run(
 
     if resume is not None:
         if recipe is not None or overrides or dry_run:
-            raise StreamRLError(
+            raise UsageError(
                 "--resume RUN continues a run with its own recipe: give no RECIPE, overrides or --dry-run"
             )
         from streamrl_cli import rundir
@@ -68,8 +102,8 @@ def run(
         console.print(f"resuming run {prepared.run.name}: {prepared.run.path}", markup=False, highlight=False)
         raise typer.Exit(launcher.launch(prepared, console))
     if recipe is None:
-        raise StreamRLError("missing RECIPE (see `streamrl recipes`), or --resume RUN")
-    composed = load(recipe, overrides or [])
+        raise UsageError("missing RECIPE (see `streamrl recipes`), or --resume RUN")
+    composed = load(recipe, _overrides(overrides))
     prepared = launcher.prepare(composed, root=root, dry_run=dry_run)
     if dry_run:
         _print_plan(prepared)
@@ -190,7 +224,7 @@ def show(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
 
     from streamrl_cli.recipe.load import load
 
-    composed = load(recipe, overrides or [])
+    composed = load(recipe, _overrides(overrides))
     console.print(OmegaConf.to_yaml(OmegaConf.structured(composed.recipe)), markup=False, highlight=False)
 
 
@@ -203,14 +237,42 @@ def recipes() -> None:
         console.print(name, markup=False, highlight=False)
 
 
-def main() -> None:
-    """Console-script entry: user errors are printed once, without a traceback."""
+def _click_exceptions() -> tuple[type[Exception], type[Exception]]:
+    """(ClickException, NoArgsIsHelpError) of the click that typer uses.
+
+    Recent typer vendors its own copy of click (``typer._click``), whose exceptions are not
+    ``click``'s; older typer uses ``click`` itself. Both are caught, whichever is installed.
+    """
     try:
-        # Without standalone mode click returns the code of typer.Exit instead of exiting.
-        code = app(standalone_mode=False)
+        from typer._click.exceptions import ClickException, NoArgsIsHelpError
+    except ImportError:  # typer < 0.29: the real click
+        from click.exceptions import ClickException, NoArgsIsHelpError
+    return ClickException, NoArgsIsHelpError
+
+
+def _usage_line(e: Exception) -> str:
+    """One line: what was wrong, and where the valid forms are listed."""
+    message = " ".join(e.format_message().split()).rstrip(".")  # type: ignore[attr-defined]
+    ctx = getattr(e, "ctx", None)
+    if ctx is None:
+        return message
+    return f"{message} (see `{ctx.command_path} --help`)"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry: every error is printed once, as a message, never as a traceback.
+
+    Exit codes: 0 success, 1 a failure (cluster, run), 2 a usage error (unknown command or
+    option, missing or bad argument, invalid recipe), 130 interrupted.
+    """
+    click_exception, no_args_help = _click_exceptions()
+    try:
+        # Without standalone mode click returns the code of typer.Exit instead of exiting, and
+        # raises its usage errors here instead of printing them its own way.
+        code = app(args=argv, prog_name="streamrl", standalone_mode=False)
     except StreamRLError as e:
         err.print(f"[bold red]error:[/bold red] {type(e).__name__}: ", end="")
-        err.print(str(e), markup=False, highlight=False)
+        err.print(str(e), markup=False, highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except typer.Exit as e:
         sys.exit(e.exit_code)
@@ -220,13 +282,13 @@ def main() -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
-    except Exception as e:  # click's usage errors
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        raise
+    except no_args_help as e:  # `streamrl` or `streamrl GROUP` alone: the help is the answer
+        console.print(e.format_message(), markup=False, highlight=False, soft_wrap=True)  # type: ignore[attr-defined]
+        sys.exit(2)
+    except click_exception as e:
+        err.print("[bold red]error:[/bold red] ", end="")
+        err.print(_usage_line(e), markup=False, highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)  # type: ignore[attr-defined]
     sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -276,7 +338,8 @@ def tune_split(
     from streamrl_cli.planner import problem, report
     from streamrl_cli.recipe.load import load
 
-    composed = load(recipe, overrides or [])
+    overrides = _overrides(overrides)
+    composed = load(recipe, overrides)
     tuned = problem.tune(
         composed.recipe,
         gpus=gpus,
@@ -292,12 +355,16 @@ def tune_split(
         from omegaconf import OmegaConf
 
         lines = problem.overrides(best, composed.recipe)
-        checked = problem.check_overrides(recipe, overrides or [], lines)
+        checked = problem.check_overrides(recipe, overrides, lines)
         header = (
             f"written by `streamrl tune-split {recipe}`: {best.gen.gpus} generation GPUs "
             f"({best.gen.hardware}) + {best.train.gpus} training GPUs ({best.train.hardware}), "
             f"predicted {best.estimate.iteration_s:.1f} s per iteration ({tuned.workload.mode})"
         )
+        if write.suffix not in (".yaml", ".yml"):
+            import shlex
+
+            header += "\nuse: " + shlex.join(["streamrl", "run", recipe, *overrides, f"@{write}"])
         yaml_text = OmegaConf.to_yaml(OmegaConf.structured(checked))
         report.write(write, lines, yaml_text, header)
     if as_json:
@@ -347,7 +414,7 @@ def profile(
     from streamrl_cli.planner import profile as prof
     from streamrl_cli.recipe.load import load
 
-    r = load(recipe, overrides or []).recipe
+    r = load(recipe, _overrides(overrides)).recipe
     if not local and profile_jobs.on_slurm(r):
         if kind is not None:
             raise ProfileError(
@@ -395,7 +462,7 @@ def rank(
     from streamrl_cli.recipe.load import load
     from streamrl_cli.tasks import make_task
 
-    r = load(recipe, overrides or []).recipe
+    r = load(recipe, _overrides(overrides)).recipe
     skew = {**dataclasses.asdict(r.skewness), "cache": None}  # scoring from a cache would only copy it
     kind = skew["ranker"]
     if kind == "none":

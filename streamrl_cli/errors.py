@@ -39,3 +39,9 @@ class RunNotFoundError(StreamRLError):
 
 class RendezvousError(StreamRLError):
     """The rendezvous server could not be reached or answered with an error."""
+
+
+class UsageError(StreamRLError):
+    """The command line itself is wrong (a missing or conflicting argument, an unreadable @file)."""
+
+    exit_code = 2
