@@ -102,3 +102,37 @@ def test_run_reads_the_overrides_file_tune_split_writes(tmp_path):
     assert dry.returncode == 0, dry.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert (run_dir / "run.json").read_text().count("roles.generator.instances=") == 1
+
+
+# --- hints that work when followed ---------------------------------------------------------------
+
+# A mistyped override; the message suggests a command line, which must then be accepted.
+TYPOS = [
+    "roles.generator.instance=4",
+    "+roles.generator.instance=4",
+    "++roles.generator.instance=4",
+    "roles.generatr.instancs=4",
+    "+roles.generator.instances=4",  # exists: set it, don't add it
+    "algorithm=grp",
+    "train.itterations=3",
+    "clusters.extra.launcher=local",  # a new entry of an open mapping is added with +
+]
+
+
+@pytest.mark.parametrize("typo", TYPOS)
+def test_following_the_hint_works(typo, tmp_path):
+    import re
+
+    bad = streamrl("show", "local", typo, cwd=tmp_path)
+    assert bad.returncode == 2, bad.stdout
+    hints = re.findall(r"`([^`]+)`", bad.stderr)
+    assert hints, bad.stderr
+    assert not any(h.startswith("+") and "instances" in h for h in hints), bad.stderr
+    fixed = streamrl("show", "local", hints[-1], cwd=tmp_path)
+    assert fixed.returncode == 0, f"hint {hints[-1]!r} from {bad.stderr!r} failed:\n{fixed.stderr}"
+
+
+def test_no_hint_to_add_a_key_the_schema_has_no_place_for(tmp_path):
+    out = streamrl("show", "local", "roles.generator.zzzz=1", cwd=tmp_path)
+    assert out.returncode == 2 and "+roles" not in out.stderr
+    assert "valid keys of roles.generator:" in out.stderr and "instances" in out.stderr
