@@ -142,11 +142,21 @@ def _print_plan(prepared) -> None:  # type: ignore[no-untyped-def]
 def cancel(
     run_name: Annotated[str, typer.Argument(metavar="RUN", help="run id, prefix, name or directory")],
 ) -> None:
-    """Cancel every job of RUN on every cluster (and stop its local processes)."""
+    """Cancel every job of RUN on every cluster (and stop its local processes).
+
+    A run that has already ended is left as it is (its recorded state is kept); that is not an
+    error, so the exit code is 0 either way.
+    """
     from streamrl_cli import rundir
+    from streamrl_cli import status as st
     from streamrl_cli.launch import run as launcher
 
     r = rundir.find(run_name)
+    state = st.current_state(r)
+    if state not in st.ACTIVE_STATES:
+        how = "was a dry run" if state == "dry-run" else f"has already ended ({state})"
+        console.print(f"run {r.name} {how}: nothing to cancel, left as it is", markup=False, highlight=False)
+        return
     done = launcher.cancel(r)
     for line in done or ["nothing was running"]:
         console.print(line, markup=False, highlight=False)
@@ -161,8 +171,15 @@ def status(
     as_json: Annotated[
         bool, typer.Option("--json", help="print one JSON document (docs/status-json.md)")
     ] = False,
-    watch: Annotated[bool, typer.Option("--watch", help="refresh in place until Ctrl-C")] = False,
-    interval: Annotated[float, typer.Option(help="seconds between refreshes with --watch")] = 2.0,
+    watch: Annotated[
+        bool,
+        typer.Option(
+            "--watch",
+            help="refresh until the run ends (or Ctrl-C); in place on a terminal, else one snapshot "
+            "after another",
+        ),
+    ] = False,
+    interval: Annotated[float, typer.Option(min=0.1, help="seconds between refreshes with --watch")] = 2.0,
 ) -> None:
     """What every role of RUN is doing; without RUN, a table of runs."""
     import json
@@ -177,25 +194,40 @@ def status(
         return st.collect(run) if run else {"schema": st.SCHEMA_VERSION, "runs": st.runs_summary()}
 
     def render(doc: dict):  # type: ignore[no-untyped-def]
-        return view.run_view(doc) if run else view.runs_table(doc["runs"])
+        return view.run_view(doc) if run else view.runs_table(doc["runs"], width=console.width)
+
+    def active(doc: dict) -> bool:
+        states = [doc["state"]] if run else [r["state"] for r in doc["runs"]]
+        return any(s in st.ACTIVE_STATES for s in states)
 
     if as_json:
         print(json.dumps(document(), indent=2, sort_keys=True, default=str))
         return
+    doc = document()
     if not watch:
-        console.print(render(document()))
+        console.print(render(doc), soft_wrap=run is None)  # runs: never crop an id
         return
     import time
 
-    from rich.live import Live
+    try:
+        if console.is_terminal:
+            from rich.live import Live
 
-    with Live(render(document()), console=console, auto_refresh=False) as live:
-        try:
+            with Live(render(doc), console=console, auto_refresh=False) as live:
+                while active(doc):
+                    time.sleep(interval)
+                    doc = document()
+                    live.update(render(doc), refresh=True)
+        else:  # a file or a pipe: no cursor to move, so each refresh is printed after the last
             while True:
+                console.print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}", markup=False, highlight=False)
+                console.print(render(doc), soft_wrap=run is None)  # runs: never crop an id
+                if not active(doc):
+                    break
                 time.sleep(interval)
-                live.update(render(document()), refresh=True)
-        except KeyboardInterrupt:
-            pass
+                doc = document()
+    except KeyboardInterrupt:
+        pass
 
 
 @app.command()

@@ -28,6 +28,7 @@ from streamrl_cli.launch.plan import JobSpec, RoleSpec
 from streamrl_cli.recipe.load import Composed
 from streamrl_cli.rundir import RunDir, write_atomic
 
+ENDED_STATES = ("finished", "failed", "cancelled", "dry-run")
 RENDEZVOUS_START_S = 60.0  # a local server starts in about a second
 RENDEZVOUS_JOB_START_S = 900.0  # a server job may wait in the queue first
 
@@ -283,6 +284,8 @@ def watch_local(run: RunDir, console: Console) -> int:
 def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:
     """Cancel every job of the run on every cluster and stop its local processes. Returns what was done."""
     done, errors = [], []
+    if run.info().get("state") in ENDED_STATES:
+        return done  # its record of how it ended stays as it is
     # Said before any signal is sent, so that a `streamrl run` watching the roles reads their
     # exits as a cancel, not as a failure.
     run.update_info(state="cancelling")
