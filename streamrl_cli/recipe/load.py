@@ -27,9 +27,11 @@ from streamrl_cli.recipe.walk import walk
 
 
 def shipped_recipes_dir() -> Path:
-    """recipes/ of this checkout (or $STREAMRL_RECIPES)."""
+    """Shipped recipes: in the installed package, else recipes/ of the checkout ($STREAMRL_RECIPES wins)."""
+    from streamrl_cli.resources import data_dir
+
     env = os.environ.get("STREAMRL_RECIPES")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "recipes"
+    return Path(env) if env else data_dir("recipes")
 
 
 def list_recipes(root: Path | None = None) -> list[str]:
