@@ -237,7 +237,8 @@ def plot(
         Path | None, typer.Option("--out", help="directory for the PNGs (default RUN/plots)")
     ] = None,
 ) -> None:
-    """Draw RUN's metrics as PNGs: reward and KL, throughput and idle time, pipeline timeline, lengths."""
+    """Draw RUN's metrics as PNGs: reward (and eval reward), training health (KL, grad norm, clip
+    fraction, entropy, value loss), throughput and idle time, pipeline timeline, lengths."""
     from streamrl_cli import rundir
     from streamrl_cli.metrics.plots import plot_run
 

@@ -375,6 +375,7 @@ class Pipeline:
             "reward_mean": statistics.fmean(rewards),
             "reward_std": statistics.pstdev(rewards),
             "reward_max": max(rewards),
+            "reward_min": min(rewards),  # with reward_max: the range the plots clip the ±std band to
             "samples": len(rows),
             "tokens": tokens,
             "len/mean": tokens / len(rows),
