@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +19,20 @@ def installed(tmp_path_factory) -> Path:
     """The wheel built from this repository, installed (without dependencies) into a new prefix."""
     tmp = tmp_path_factory.mktemp("install")
     pip = [sys.executable, "-m", "pip"]
+    # pip builds in the source tree (build/, *.egg-info): build from a copy, leaving the checkout as it is.
+    src = tmp / "src"
+    junk = shutil.ignore_patterns(
+        ".*",
+        "runs",
+        "build",
+        "dist",
+        "*.egg-info",
+        "__pycache__",  # .* : .git, .venv, caches, wheels
+    )
+    shutil.copytree(REPO, src, ignore=junk)
     # Offline: the build uses this environment's setuptools, the install only this wheel.
     subprocess.run(
-        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp / "wheel"), str(REPO)],
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp / "wheel"), str(src)],
         check=True,
         capture_output=True,
         cwd=tmp,
