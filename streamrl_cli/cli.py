@@ -6,6 +6,7 @@ Heavy imports (torch, vllm, deepspeed, hydra, submitit) stay inside command bodi
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -292,6 +293,21 @@ def _usage_line(e: Exception) -> str:
     return f"{message} (see `{ctx.command_path} --help`)"
 
 
+def _save_traceback() -> Path:
+    import time
+    import traceback
+
+    from streamrl_cli.rundir import streamrl_home
+
+    path = streamrl_home() / "errors" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(" ".join(sys.argv) + "\n\n" + traceback.format_exc())
+    except OSError:
+        return Path("(could not be saved)")
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry: every error is printed once, as a message, never as a traceback.
 
@@ -322,6 +338,23 @@ def main(argv: list[str] | None = None) -> None:
         err.print("[bold red]error:[/bold red] ", end="")
         err.print(_usage_line(e), markup=False, highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)  # type: ignore[attr-defined]
+    except OSError as e:  # a file or directory the user named: permissions, a full disk, ...
+        where = f": {e.filename}" if e.filename else ""
+        err.print("[bold red]error:[/bold red] ", end="")
+        err.print(f"{e.strerror or e}{where}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except Exception as e:  # a bug: one line here, the traceback in a file for the report
+        if os.environ.get("STREAMRL_TRACEBACK"):
+            raise
+        path = _save_traceback()
+        err.print("[bold red]internal error:[/bold red] ", end="")
+        err.print(
+            f"{type(e).__name__}: {e} (a bug in streamrl; traceback in {path}, or set STREAMRL_TRACEBACK=1)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -136,3 +136,47 @@ def test_no_hint_to_add_a_key_the_schema_has_no_place_for(tmp_path):
     out = streamrl("show", "local", "roles.generator.zzzz=1", cwd=tmp_path)
     assert out.returncode == 2 and "+roles" not in out.stderr
     assert "valid keys of roles.generator:" in out.stderr and "instances" in out.stderr
+
+
+# --- no traceback for failures that are not usage errors ----------------------------------------
+
+
+def test_an_os_error_on_a_path_the_user_named_is_one_line(tmp_path):
+    from test_metrics_plots import make_run, simulate
+
+    run_dir = make_run(tmp_path, simulate("async"))
+    (tmp_path / "a-file").write_text("")
+    out = streamrl("plot", str(run_dir), "--out", str(tmp_path / "a-file" / "plots"))
+    assert out.returncode == 1 and "Traceback" not in out.stdout + out.stderr
+    assert out.stderr.startswith("error: Not a directory: ") and "a-file" in out.stderr
+
+
+BUG = """
+import sys
+from streamrl_cli import cli
+
+@cli.app.command()
+def boom() -> None:
+    raise ValueError("a bug")
+
+cli.main(sys.argv[1:])
+"""
+
+
+def test_a_bug_is_one_line_and_its_traceback_is_kept(tmp_path, streamrl_home):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", BUG, "boom"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("internal error: ValueError: a bug (a bug in streamrl; traceback in ")
+    (saved,) = (streamrl_home / "errors").iterdir()
+    assert "Traceback" in saved.read_text() and "ValueError: a bug" in saved.read_text()
+    shown = subprocess.run(
+        [sys.executable, "-c", BUG, "boom"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**__import__("os").environ, "STREAMRL_TRACEBACK": "1"},
+    )
+    assert shown.returncode == 1 and "Traceback" in shown.stderr
