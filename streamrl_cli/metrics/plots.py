@@ -20,7 +20,6 @@ from typing import Any
 
 from streamrl_cli.metrics import MetricsError
 from streamrl_cli.metrics.read import read_iterations
-from streamrl_cli.rendezvous import METRICS_FILE
 from streamrl_cli.rundir import RunDir
 
 Record = dict[str, Any]
@@ -42,7 +41,7 @@ def plot_run(run_dir: Path, out_dir: Path) -> PlotFiles:
     run_dir = Path(run_dir)
     iters = read_iterations(run_dir)
     if not iters:
-        raise MetricsError(f"no iterations recorded yet in {run_dir / METRICS_FILE}")
+        raise MetricsError(f"no iterations recorded yet in {RunDir(run_dir).metrics}")
     import matplotlib
 
     if "matplotlib.pyplot" not in sys.modules:  # never switch the backend under an interactive session

@@ -31,6 +31,15 @@ def check(r: Recipe) -> list[Problem]:
     ]
 
 
+def resolve(r: Recipe) -> Recipe:
+    """Settings whose value follows from others, made explicit once (after ``check`` found nothing):
+    the roles read what runs, and the run's config.yaml shows it."""
+    a = r.algorithm
+    if a.is_correction == "auto":  # truncated IS corrects the lag of async samples; others have none
+        a.is_correction = "on" if a.mode == "async" else "off"
+    return r
+
+
 def _clusters(r: Recipe) -> Iterator[Problem]:
     if not r.clusters:
         yield "clusters", "no cluster defined; add one, e.g. `- cluster@clusters.local: local` to defaults"
@@ -286,6 +295,8 @@ def _training(r: Recipe) -> Iterator[Problem]:
         )
     if not 0 <= k.long_tail <= 1:
         yield "skewness.long_tail", f"a share of the prompts: must be in [0, 1], got {k.long_tail}"
+    if not t.stall_after_s > 0 or t.stall_after_s == float("inf"):
+        yield "train.stall_after_s", f"must be a positive number of seconds, got {t.stall_after_s}"
     if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
         yield "train.checkpoint_every", "checkpoint_every must be ≥ 0 and keep_checkpoints ≥ 1"
     if r.model.num_attention_heads < 1 or r.model.num_kv_heads < 1:

@@ -201,6 +201,10 @@ class TrainConfig:
     keep_checkpoints: int = 2  # checkpoints kept (older ones are deleted)
     loggers: list[str] = field(default_factory=list)  # extra metric sinks: tensorboard, wandb
     wandb_project: str = "streamrl"  # W&B project (loggers=[wandb])
+    # Bound on a run without progress, seconds: past it `streamrl status` shows the run `stalled`
+    # (with each member's last error), and the trainer ends the run, saying why, when no generator
+    # has been alive for this long or no sample came for this long.
+    stall_after_s: float = 900.0
 
 
 @dataclass(kw_only=True)
@@ -219,7 +223,7 @@ class PlannerConfig:
 
 @dataclass(kw_only=True)
 class SkewnessConfig:
-    """Skewness-aware generation (DESIGN.md §1): length ranker, dispatch, order inside an instance."""
+    """Skewness-aware generation (docs/architecture.md): length ranker, dispatch, order inside an instance."""
 
     dispatch: str = choices(*SKEW_DISPATCH, default="random")  # prompts to instances: random or Algorithm 2
     schedule: str = choices(*SKEW_SCHEDULE, default="fifo")  # order inside an instance: FIFO or longest first

@@ -46,6 +46,8 @@ class HeartbeatBody(msgspec.Struct, forbid_unknown_fields=True):
     incarnation: Annotated[int, msgspec.Meta(ge=1)] | None = None
     weight_version: Version | None = None
     state: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
+    # Why the member cannot do its job (shown by `streamrl status`); "" clears it.
+    error: Annotated[str, msgspec.Meta(max_length=1000)] | None = None
 
 
 class LeaveBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -87,6 +89,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         "incarnation": 1,
         "weight_version": 3,
         "state": "generating",
+        "error": "",
     },
     "/v1/leave": {"member_id": "generator-0", "reason": "done"},
     "/v1/versions/propose": {"version": 4, "required_roles": ["generator"]},

@@ -11,24 +11,24 @@ import time
 from pathlib import Path
 
 from streamrl_cli.launch import slurm
-from streamrl_cli.launch.plan import RoleSpec
+from streamrl_cli.roles.spec import RendezvousSpec
 from streamrl_cli.rundir import RunDir
 
 POLL_S = float(os.environ.get("STREAMRL_JOB_POLL_S", "15"))
 
 
-def main(spec: RoleSpec, rank: int) -> int:
+def main(spec: RendezvousSpec, rank: int) -> int:
     from streamrl_cli.rendezvous.server import serve
 
     s = spec.settings
     threading.Thread(target=_stop_when_jobs_end, args=(RunDir(Path(spec.run_dir)),), daemon=True).start()
     serve(
         Path(spec.run_dir),
-        host=s.get("bind_host", "127.0.0.1"),
-        port=int(s.get("port", 0)),
-        lease_s=float(s.get("lease_s", 10.0)),
-        tls_cert=Path(s["tls_cert"]).expanduser() if s.get("tls_cert") else None,
-        tls_key=Path(s["tls_key"]).expanduser() if s.get("tls_key") else None,
+        host=s.bind_host,
+        port=s.port,
+        lease_s=s.lease_s,
+        tls_cert=Path(s.tls_cert).expanduser() if s.tls_cert else None,
+        tls_key=Path(s.tls_key).expanduser() if s.tls_key else None,
     )
     return 0
 
@@ -37,7 +37,7 @@ def _stop_when_jobs_end(run: RunDir) -> None:
     ended_polls = 0
     while True:
         time.sleep(POLL_S)
-        if not (run.path / "run.json").exists():  # the run directory was deleted: nothing to serve
+        if not run.run_json.exists():  # the run directory was deleted: nothing to serve
             os.kill(os.getpid(), signal.SIGTERM)
             return
         jobs = [j for j in run.jobs() if j["role"] != "rendezvous"]
