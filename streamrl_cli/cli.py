@@ -155,7 +155,10 @@ def cancel(
     r = rundir.find(run_name)
     state = st.current_state(r)
     if state not in st.ACTIVE_STATES:
-        how = "was a dry run" if state == "dry-run" else f"has already ended ({state})"
+        how = {
+            "dry-run": "was a dry run",
+            "ended": "has already ended (its processes are gone)",
+        }.get(state, f"has already ended ({state})")
         console.print(f"run {r.name} {how}: nothing to cancel, left as it is", markup=False, highlight=False)
         return
     done = launcher.cancel(r)
