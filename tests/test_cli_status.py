@@ -121,3 +121,13 @@ def test_cancel_leaves_an_ended_run_alone(tmp_path, state):
     assert out.returncode == 0, out.stderr
     assert f"has already ended ({state}): nothing to cancel" in " ".join(out.stdout.split())
     assert ((run / "run.json").read_text(), (run / "events.jsonl").read_text()) == before
+
+
+def test_cancel_of_a_dry_run_changes_nothing(tmp_path):
+    dry = streamrl("run", "local", "--dry-run", "--root", str(tmp_path / "runs"))
+    assert dry.returncode == 0, dry.stderr
+    (run,) = (tmp_path / "runs").iterdir()
+    before = (run / "run.json").read_text()
+    out = streamrl("cancel", run.name)
+    assert out.returncode == 0 and "was a dry run: nothing to cancel" in out.stdout
+    assert (run / "run.json").read_text() == before and not (run / "events.jsonl").exists()
