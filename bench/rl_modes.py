@@ -91,13 +91,14 @@ def wide_model() -> list[str]:
     """The wider model (built and warmed up on the repeat task once), as recipe overrides."""
     from streamrl_cli.models.tiny import TinySpec, build_tiny_model
     from streamrl_cli.models.warmup import warm_up
+    from streamrl_cli.recipe.schema import TaskConfig
     from streamrl_cli.tasks import make_task
 
     path = Path("~/.cache/streamrl/models/bench-repeat-384x4").expanduser()
     with console.status("building and warming up the 384×4 model (once, cached) ..."):
         spec = TinySpec(**WIDE, intermediate_size=4 * WIDE["hidden_size"])
         base = build_tiny_model(Path(f"{path}-base"), spec)
-        task = make_task({"name": "builtin", "dataset": None, "max_output_len": 64, "num_prompts": 4096})
+        task = make_task(TaskConfig(name="builtin", dataset=None, max_output_len=64, num_prompts=4096))
         warm_up(base, path, task, steps=WARMUP_STEPS)
     return [f"model.path={path}", "model.builder=null", "model.name=bench-384x4",
             *(f"model.{k}={v}" for k, v in WIDE.items())]  # fmt: skip

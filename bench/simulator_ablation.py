@@ -1,6 +1,6 @@
 """The StreamRL paper's ablation, replayed by the discrete-event simulator.
 
-Paper (DESIGN §3; 72B, 20K max output, normalised throughput): colocated 1.00; + skewness-aware
+Paper (its ablation; 72B, 20K max output, normalised throughput): colocated 1.00; + skewness-aware
 1.08; + disaggregation & streaming 1.23; + asynchrony 1.48. Here, on the allocation tune-split
 recommends for each setup, 5 seeds each:
 

@@ -120,6 +120,32 @@ def cancel(
 
 
 @app.command()
+def scale(
+    run_name: Annotated[str, typer.Argument(metavar="RUN", help="run id, prefix, name or directory")],
+    generators: Annotated[
+        str, typer.Option("--generators", help="instances wanted: N, or +N to add, -N to release")
+    ],
+    wait: Annotated[float, typer.Option(help="seconds to wait until the run applied it")] = 120.0,
+) -> None:
+    """Grow or shrink RUN's generator instances while it trains (local processes or SLURM array jobs)."""
+    from streamrl_cli import rundir
+    from streamrl_cli.elastic.request import request
+
+    r = rundir.find(run_name)
+    ev = request(r, generators, wait_s=wait)
+    if ev["event"] == "scale_superseded":
+        console.print(f"superseded by a newer scale request ({ev['by']}); see `streamrl status {r.name}`")
+        return
+    what = [f"started {', '.join(f'generator-{k}' for k in ev['added'])}"] if ev["added"] else []
+    what += [f"released {', '.join(f'generator-{k}' for k in ev['released'])}"] if ev["released"] else []
+    what += [f"array job {j}" for j in ev["jobs"]]
+    done = f" ({'; '.join(what)})" if what else ""
+    console.print(
+        f"run {r.name}: generators {ev['before']} -> {ev['after']}{done}", markup=False, highlight=False
+    )
+
+
+@app.command()
 def status(
     run_name: Annotated[
         str | None, typer.Argument(metavar="[RUN]", help="run id, prefix, name or directory")
@@ -135,7 +161,7 @@ def status(
 
     from streamrl_cli import rundir
     from streamrl_cli import status as st
-    from streamrl_cli import status_view as view
+    from streamrl_cli.status import view
 
     run = rundir.find(run_name) if run_name else None
 
@@ -176,7 +202,7 @@ def plot(
     from streamrl_cli.metrics.plots import plot_run
 
     r = rundir.find(run_name)
-    files = plot_run(r.path, out or r.path / "plots")
+    files = plot_run(r.path, out or r.plots)
     for path in files:
         console.print(f"wrote {path}", markup=False, highlight=False, soft_wrap=True)
     for name, why in files.skipped.items():
@@ -343,8 +369,10 @@ def profile(
     Roles on SLURM clusters: one job per hardware kind, on the roles' partitions. Otherwise (or
     with --local): this machine's engines.
     """
-    from streamrl_cli.planner import ProfileError, profile_jobs
-    from streamrl_cli.planner import profile as prof
+    from streamrl_cli.planner import ProfileError
+    from streamrl_cli.planner import profile as fmt
+    from streamrl_cli.profiling import jobs as profile_jobs
+    from streamrl_cli.profiling import local as prof
     from streamrl_cli.recipe.load import load
 
     r = load(recipe, overrides or []).recipe
@@ -363,7 +391,7 @@ def profile(
         path = out / default if out is not None and out.is_dir() else out or default
         written = [(path, _profile_here(prof, replace(base, hardware=kind, out=str(path))))]
     for path, result in written:
-        console.print(prof.summary(path, result), markup=False, highlight=False, soft_wrap=True)
+        console.print(fmt.summary(path, result), markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -386,54 +414,13 @@ def rank(
     device: Annotated[str, typer.Option(help="where the learned ranker runs: cpu, cuda, cuda:1")] = "cpu",
 ) -> None:
     """Score RECIPE's prompts once with skewness.ranker; point skewness.cache at the file written."""
-    import dataclasses
-
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from streamrl_cli.ranker import cache as rc
-    from streamrl_cli.ranker.base import RankerError, make_ranker
+    from streamrl_cli.ranker.command import rank_recipe
     from streamrl_cli.recipe.load import load
-    from streamrl_cli.tasks import make_task
 
     r = load(recipe, overrides or []).recipe
-    skew = {**dataclasses.asdict(r.skewness), "cache": None}  # scoring from a cache would only copy it
-    kind = skew["ranker"]
-    if kind == "none":
-        raise RankerError(
-            "skewness.ranker is none: name the ranker to score with, e.g. skewness.ranker=learned "
-            "(or skewness.ranker=oracle with the built-in task)"
-        )
-    if fit is not None and kind not in ("learned", "history"):
-        raise RankerError(f"--fit teaches a learned or history ranker, not skewness.ranker={kind}")
-    task = make_task(dataclasses.asdict(r.task), r.train.seed)
-    model = r.skewness.ranker_model or r.model.path
-    if kind in ("learned", "history") and not r.skewness.ranker_model:
-        from streamrl_cli.models.warmup import ensure_model
-
-        with err.status(f"preparing {r.model.name} (once, cached)"):
-            model = str(ensure_model(dataclasses.asdict(r.model), dataclasses.asdict(r.task)))
-    prompts = list(task.prompts())[:limit]
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
-    with make_ranker(skew, model_path=model, task=task, seed=r.train.seed, device=device) as ranker:
-        if fit is not None:
-            pairs = rc.read_lengths(fit, task)
-            with err.status(f"fitting the {kind} ranker on {len(pairs[0])} lengths from {fit}"):
-                ranker.fit(*pairs)
-        with Progress(*columns, TimeElapsedColumn(), console=err, transient=True) as progress:
-            bar = progress.add_task(f"scoring with the {kind} ranker", total=len(prompts))
-            scores = rc.score(ranker, prompts, progress=lambda done, _: progress.update(bar, completed=done))
-    out = out or Path(f"rank-{task.name}-{kind}.json")
-    meta = {
-        "ranker": kind,
-        "model": model if kind in ("learned", "history") else None,
-        "task": task.name,
-        "seed": r.train.seed,
-        "prompts": len(scores),
-        "fit": str(fit) if fit else None,
-    }
-    rc.write_cache(out, scores, meta)
+    out, count, kind = rank_recipe(r, out=out, limit=limit, fit=fit, device=device, console=err)
     console.print(
-        f"wrote {out}: {len(scores)} scores ({kind} ranker); use it with skewness.cache={out}",
+        f"wrote {out}: {count} scores ({kind} ranker); use it with skewness.cache={out}",
         markup=False,
         highlight=False,
         soft_wrap=True,

@@ -1,18 +1,26 @@
 """The run directory and the catalog of runs.
 
 A run directory holds everything a later command (status, cancel, plot, resume) needs, so that
-no command depends on the process that launched the run:
+no command depends on the process that launched the run. :class:`RunDir` is the one owner of its
+layout: every path inside a run directory comes from it, nowhere else spells a file name::
 
     runs/<name>-<YYYYmmdd-HHMMSS>/
-      run.json          what was launched, how, and its lifecycle state
-      config.yaml       the fully resolved recipe
-      roles/<role>.yaml each role's slice (see launch.plan.RoleSpec)
-      secret            the run's token (mode 0600; never in argv, env or job scripts)
-      jobs/             rendered job scripts (sbatch, or the local command lines)
-      jobs.json         submitted jobs keyed by (cluster, job id)
-      logs/<role>/      per-role logs
-      members/          start records written by each role process
-      events.jsonl      lifecycle events (submitted, cancelled, finished, ...)
+      run.json                 what was launched, how, and its lifecycle state      RunDir.run_json
+      config.yaml              the fully resolved recipe                            RunDir.config
+      roles/<role>.yaml        each role's typed spec (see roles.spec)              RunDir.role_spec()
+      secret                   the run's token (mode 0600; never in argv or env)    RunDir.secret
+      rendezvous.json          where the rendezvous server listens                  RunDir.endpoint
+      rendezvous/              the server's journal and snapshot                    RunDir.rendezvous_state
+      metrics.jsonl            every metrics record posted to the server            RunDir.metrics
+      jobs/                    rendered job scripts (sbatch, or the local commands) RunDir.job_script()
+      jobs.json                submitted jobs keyed by (cluster, job id)            RunDir.jobs_json
+      local.json               processes started on this machine                    RunDir.local_json
+      logs/<role>/             per-role logs                                        RunDir.role_logs()
+      members/<role>-<rank>.json  start records written by each role process        RunDir.member_record()
+      events.jsonl             lifecycle events (submitted, cancelled, finished)    RunDir.events_jsonl
+      checkpoints/             the trainer's checkpoints                            RunDir.checkpoints
+      plots/                   `streamrl plot`'s default output                     RunDir.plots
+      attempts/<n>/            what an earlier attempt left (--resume)              RunDir.attempt()
 
 The catalog ($STREAMRL_HOME/catalog.jsonl, default ~/.streamrl) lists run directories so that
 `streamrl status NAME` works from any directory.
@@ -96,8 +104,98 @@ class RunDir:
     def name(self) -> str:
         return self.path.name
 
+    # ---- the layout (see the module docstring) ----
+
+    @property
+    def run_json(self) -> Path:
+        return self.path / "run.json"
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def roles(self) -> Path:
+        return self.path / "roles"
+
+    def role_spec(self, role: str) -> Path:
+        return self.roles / f"{role}.yaml"
+
+    @property
+    def secret(self) -> Path:
+        return self.path / "secret"
+
+    @property
+    def endpoint(self) -> Path:
+        return self.path / "rendezvous.json"
+
+    @property
+    def rendezvous_state(self) -> Path:
+        return self.path / "rendezvous"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.path / "jobs"
+
+    def job_script(self, key: str, launcher: str) -> Path:
+        return self.jobs_dir / f"{key}.{'sbatch' if launcher == 'slurm' else 'sh'}"
+
+    @property
+    def jobs_json(self) -> Path:
+        return self.path / "jobs.json"
+
+    @property
+    def local_json(self) -> Path:
+        return self.path / "local.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    def role_logs(self, role: str) -> Path:
+        return self.logs / role
+
+    def local_log(self, role: str, rank: int) -> Path:
+        return self.role_logs(role) / f"{role}-{rank}.log"
+
+    @property
+    def members(self) -> Path:
+        return self.path / "members"
+
+    def member_record(self, role: str, rank: int) -> Path:
+        return self.members / f"{role}-{rank}.json"
+
+    @property
+    def events_jsonl(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
+    def plots(self) -> Path:
+        return self.path / "plots"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def attempts(self) -> Path:
+        return self.path / "attempts"
+
+    def attempt(self, n: int) -> Path:
+        return self.attempts / str(n)
+
+    # What a new attempt moves aside: the old process table, job list and server address.
+    def attempt_leftovers(self) -> list[Path]:
+        return [self.local_json, self.jobs_json, self.endpoint]
+
+    # ---- records ----
+
     def info(self) -> dict:
-        info, problem = read_json_checked(self.path / "run.json", {})
+        info, problem = read_json_checked(self.run_json, {})
         if problem:
             _warn_once(problem + "; the run's name, recipe and state are unknown")
         return info if isinstance(info, dict) else {}
@@ -114,7 +212,7 @@ class RunDir:
         return out
 
     def update_info(self, **changes: Any) -> dict:
-        path = self.path / "run.json"
+        path = self.run_json
         problem = read_json_checked(path)[1]
         if problem and not path.with_suffix(".json.damaged").exists():
             # Keep the damaged bytes for a person to look at; the new run.json starts without them.
@@ -127,29 +225,21 @@ class RunDir:
     def event(self, kind: str, **fields: Any) -> None:
         """Append a lifecycle event (one JSON line; appends of one line are atomic enough here)."""
         rec = {"time": time.time(), "event": kind, **fields}
-        with open(self.path / "events.jsonl", "a") as f:
+        with open(self.events_jsonl, "a") as f:
             f.write(json.dumps(rec, sort_keys=True) + "\n")
 
     def events(self) -> list[dict]:
         try:
-            lines = (self.path / "events.jsonl").read_text().splitlines()
+            lines = self.events_jsonl.read_text().splitlines()
         except OSError:
             return []
         return [json.loads(line) for line in lines if line.strip()]
 
     def jobs(self) -> list[dict]:
-        return read_json(self.path / "jobs.json", [])
+        return read_json(self.jobs_json, [])
 
     def add_job(self, record: dict) -> None:
-        write_json(self.path / "jobs.json", [*self.jobs(), record])
-
-    def ensure_secret(self) -> str:
-        """The run's token, created (mode 0600, never overwritten) on first use."""
-        from streamrl_cli.rendezvous import SECRET_FILE, create_secret, read_secret
-
-        if (self.path / SECRET_FILE).exists():
-            return read_secret(self.path)
-        return create_secret(self.path)
+        write_json(self.jobs_json, [*self.jobs(), record])
 
 
 def create(root: Path, name: str, now: float | None = None) -> RunDir:
@@ -163,9 +253,10 @@ def create(root: Path, name: str, now: float | None = None) -> RunDir:
             path.mkdir()
         except FileExistsError:
             continue
-        for sub in ("roles", "jobs", "logs", "members"):
-            (path / sub).mkdir()
-        return RunDir(path)
+        run = RunDir(path)
+        for sub in (run.roles, run.jobs_dir, run.logs, run.members):
+            sub.mkdir()
+        return run
     raise RuntimeError(f"could not create a run directory under {root}")
 
 
@@ -193,7 +284,7 @@ def catalog() -> list[RunDir]:
         except (ValueError, UnicodeDecodeError, KeyError, TypeError):
             skipped.append(n)  # a torn or damaged line must not hide every other run
             continue
-        if (path / "run.json").exists():
+        if RunDir(path).run_json.exists():
             seen[str(path)] = RunDir(path)
     if skipped and skipped != [len(lines)]:  # a torn last line is a crash mid-append: not worth a word
         _warn_once(f"{where}: skipped unreadable line(s) {', '.join(map(str, skipped[:10]))}")
@@ -213,7 +304,7 @@ def _warn_once(message: str) -> None:
 def find(query: str) -> RunDir:
     """A run by directory path, full run id, unique id prefix, or run name (the newest of that name)."""
     p = Path(query).expanduser()
-    if (p / "run.json").exists():
+    if RunDir(p).run_json.exists():
         return RunDir(p.resolve())
     runs = catalog()
     exact = [r for r in runs if r.name == query]

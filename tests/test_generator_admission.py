@@ -17,7 +17,8 @@ import pytest
 from streamrl_cli.generator.admission import Admission
 from streamrl_cli.generator.engine import Completion, GenerationResult
 from streamrl_cli.generator.main import GeneratorRole
-from streamrl_cli.launch.plan import RoleSpec
+from streamrl_cli.recipe.schema import GeneratorConfig, ModelConfig, TaskConfig, TrainConfig
+from streamrl_cli.roles.spec import GeneratorSpec
 from streamrl_cli.skew.dispatch import lpt_priorities
 from streamrl_cli.transport.samples import SampleSender
 from streamrl_cli.transport.wire import Request
@@ -109,14 +110,15 @@ def test_random_interleavings_keep_the_limit_and_the_order():
 # ---- the generator role's wiring, with a fake engine ----
 
 
-def role_spec() -> RoleSpec:
-    return RoleSpec(
+def role_spec() -> GeneratorSpec:
+    return GeneratorSpec(
         run_name="t", run_dir="/tmp/none", role="generator", cluster="local", site="local", world=2,
         expected={"trainer": 1, "generator": 1}, program="streamrl_cli.generator.main:main",
         weight_transport="broadcast", rendezvous_file="/tmp/none/rendezvous.json",
-        secret_file="/tmp/none/secret", settings={"engine": "vllm", "gpus_per_instance": 0},
-        model={"name": "m", "path": "/tmp/none/m"}, task={"max_prompt_len": 64, "max_output_len": 128},
-        train={"seed": 0},
+        secret_file="/tmp/none/secret",
+        settings=GeneratorConfig(cluster="local", engine="vllm", gpus_per_instance=0),
+        model=ModelConfig(name="m", path="/tmp/none/m"),
+        task=TaskConfig(name="builtin", max_prompt_len=64, max_output_len=128), train=TrainConfig(seed=0),
     )  # fmt: skip
 
 

@@ -9,7 +9,6 @@ SPEC --rank N``). One set of processes serves the whole module (each vLLM start 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import subprocess
@@ -18,13 +17,13 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import REPO
 from test_generator_engine import LONG_PROMPT, Trainer, hf_greedy, load_hf, randomize
 
-from streamrl_cli.launch.plan import RoleSpec
 from streamrl_cli.models.tiny import build_tiny_model
+from streamrl_cli.recipe.schema import GeneratorConfig, ModelConfig, TaskConfig, TrainConfig
 from streamrl_cli.rendezvous import RendezvousClient, create_secret
+from streamrl_cli.roles.spec import GeneratorSpec, spec_yaml
 from streamrl_cli.transport.dispatch import DispatchService
 from streamrl_cli.transport.samples import StreamConfig
 from streamrl_cli.transport.wire import Request
@@ -104,18 +103,19 @@ class Harness:
         )  # fmt: skip
 
     def write_spec(self, instances: int, transport: str) -> Path:
-        spec = RoleSpec(
+        spec = GeneratorSpec(
             run_name="gen-test", run_dir=str(self.run_dir), role="generator", cluster="local", site="local",
             world=instances, expected={"trainer": 1, "generator": instances},
             program="streamrl_cli.generator.main:main", weight_transport=transport,
             rendezvous_file=str(self.run_dir / "rendezvous.json"), secret_file=str(self.run_dir / "secret"),
-            settings={"engine": "vllm", "tensor_parallel": 1, "gpus_per_instance": 0},
-            model={"name": "tiny-test", "path": str(self.model), "dtype": "float32"},
-            task={"max_prompt_len": 256, "max_output_len": 256}, train={"seed": 0},
+            settings=GeneratorConfig(cluster="local", engine="vllm", tensor_parallel=1, gpus_per_instance=0),
+            model=ModelConfig(name="tiny-test", path=str(self.model), dtype="float32"),
+            task=TaskConfig(name="builtin", max_prompt_len=256, max_output_len=256),
+            train=TrainConfig(seed=0),
         )  # fmt: skip
         path = self.run_dir / "roles" / "generator.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(dataclasses.asdict(spec), sort_keys=False))
+        path.write_text(spec_yaml(spec))
         return path
 
     def generating(self) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.generator.engine import Completion, GenerationResult
@@ -17,21 +18,23 @@ from streamrl_cli.generator.weights import (
     make_weight_path,
     weight_source,
 )
-from streamrl_cli.launch.plan import RoleSpec
+from streamrl_cli.recipe.schema import GeneratorConfig, ModelConfig, TaskConfig, TrainConfig
+from streamrl_cli.roles.spec import GeneratorSpec
 from streamrl_cli.transport.wire import Request
+from streamrl_cli.weights.broadcast import process_backend
 
 
-def spec(**overrides) -> RoleSpec:
+def spec(**overrides) -> GeneratorSpec:
     base = dict(
         run_name="t", run_dir="/tmp/none", role="generator", cluster="local", site="local", world=3,
         expected={"trainer": 1, "generator": 3}, program="streamrl_cli.generator.main:main",
         weight_transport="broadcast", rendezvous_file="/tmp/none/rendezvous.json",
         secret_file="/tmp/none/secret",
-        settings={"engine": "vllm", "tensor_parallel": 2, "gpus_per_instance": 2},
-        model={"name": "m", "path": "~/models/m", "dtype": "bfloat16"},
-        task={"max_prompt_len": 100, "max_output_len": 300}, train={"seed": 5},
+        settings=GeneratorConfig(cluster="local", engine="vllm", tensor_parallel=2, gpus_per_instance=2),
+        model=ModelConfig(name="m", path="~/models/m", dtype="bfloat16"),
+        task=TaskConfig(name="builtin", max_prompt_len=100, max_output_len=300), train=TrainConfig(seed=5),
     )  # fmt: skip
-    return RoleSpec(**{**base, **overrides})
+    return GeneratorSpec(**{**base, **overrides})
 
 
 def request(indices=(0, 1, 2, 3), **sampling) -> Request:
@@ -100,7 +103,9 @@ def test_engine_settings_come_from_the_recipe():
     kw = engine_kwargs(spec())
     assert kw["model"].endswith("/models/m") and not kw["model"].startswith("~")
     assert (kw["dtype"], kw["max_model_len"], kw["tensor_parallel"], kw["seed"]) == ("bfloat16", 400, 2, 5)
-    cpu = spec(settings={"engine": "vllm", "tensor_parallel": 1, "gpus_per_instance": 0})
+    cpu = spec(
+        settings=GeneratorConfig(cluster="local", engine="vllm", tensor_parallel=1, gpus_per_instance=0)
+    )
     assert engine_kwargs(cpu)["dtype"] is None  # the engine picks float32 on CPUs
     assert kw["cpu_cores"] is None  # GPUs: no CPU binding
 
@@ -120,7 +125,9 @@ def test_cpu_instances_on_one_host_get_their_own_cores():
 def test_weight_source_follows_the_trainer_or_the_recipe_layout():
     trainer = {"member_id": "trainer-0", "addresses": {"weights": "node1:29501"}, "info": {}}
     src = weight_source(spec(), 2, trainer)  # 3 instances x TP 2: ranks 1..6, instance 2 takes 5 and 6
-    assert (src.host, src.port, src.world_size, src.first_rank, src.backend) == ("node1", 29501, 7, 5, "nccl")
+    # The backend follows what this process has (no CUDA here: gloo), not the recipe's GPU count.
+    assert (src.host, src.port, src.world_size, src.first_rank) == ("node1", 29501, 7, 5)
+    assert src.backend == process_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
     trainer["info"] = {"weight_group": {"world_size": 4, "backend": "gloo"}}
     src = weight_source(spec(), 0, trainer)
     assert (src.world_size, src.first_rank, src.backend) == (4, 1, "gloo")

@@ -1,4 +1,5 @@
-"""Rendered job scripts of every shipped recipe, compared with checked-in golden files.
+"""Rendered job scripts and role specs (roles/<role>.yaml, the typed contract every role reads)
+of every shipped recipe, compared with checked-in golden files.
 
 To accept a deliberate change: STREAMRL_UPDATE_GOLDEN=1 python -m pytest tests/test_golden.py
 then review `git diff tests/golden`.
@@ -13,6 +14,7 @@ import pytest
 
 from streamrl_cli.launch import local, plan, slurm
 from streamrl_cli.recipe.load import list_recipes, load
+from streamrl_cli.roles.spec import spec_yaml
 
 GOLDEN = Path(__file__).parent / "golden"
 RUN_DIR = Path("/RUN_DIR")
@@ -27,6 +29,8 @@ def rendered(name: str) -> dict[str, str]:
             out[f"{job.key}.sbatch"] = slurm.render(job, r.run.name, RUN_DIR, python=PYTHON)
         else:
             out[f"{job.key}.sh"] = local.render(job, RUN_DIR / "roles" / f"{job.role}.yaml", python=PYTHON)
+    for role, spec in plan.role_specs(r, RUN_DIR).items():
+        out[f"role-{role}.yaml"] = spec_yaml(spec)
     return out
 
 

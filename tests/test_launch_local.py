@@ -159,3 +159,32 @@ def test_a_failing_role_fails_the_run_and_shows_its_log(runs_root):
     run_dir = run_dir_of(runs_root)
     assert json.loads((run_dir / "run.json").read_text())["state"] == "failed"
     assert none_alive(pids(run_dir))
+
+
+def test_a_run_without_progress_past_its_bound_shows_as_stalled(runs_root):
+    """Preflight roles hold and heartbeat but never train: past train.stall_after_s the run is
+    `stalled`, in the JSON and the table, with a problem that says for how long and the errors."""
+    proc = subprocess.Popen(
+        [*STREAMRL, "run", "local", *PREFLIGHT, HOLD, "train.stall_after_s=3", "--root", str(runs_root)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    try:
+        run_dir = wait_until(
+            lambda: runs_root.exists() and any(runs_root.iterdir()) and run_dir_of(runs_root),
+            what="run directory",
+        )
+        doc = wait_until(
+            lambda: (
+                (d := json.loads(streamrl("status", str(run_dir), "--json").stdout))["state"] == "stalled"
+                and d
+            ),
+            timeout=90,
+            what="the stalled state",
+        )
+        (problem,) = [p for p in doc["problems"] if p.startswith("no progress for")]
+        assert "train.stall_after_s=3" in problem and "last errors: none reported" in problem
+        assert "stalled" in streamrl("status", str(run_dir)).stdout
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)

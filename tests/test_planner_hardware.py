@@ -12,7 +12,7 @@ def test_shipped_kinds_in_si_units():
     hw = load_hardware()
     assert {"h800", "h20", "h100", "h200", "a100", "cpu"} <= set(hw.gpus)
     h20, h800 = hw.get("H20"), hw.get("h800")
-    # DESIGN §2's reference table.
+    # The StreamRL paper's H20/H800 reference table.
     assert h800.flops == pytest.approx(989.5e12) and h20.flops == pytest.approx(148e12)
     assert (h20.hbm_bytes, h800.hbm_bytes) == (96e9, 80e9)
     assert (h20.hbm_bw, h800.hbm_bw) == (pytest.approx(4.0e12), pytest.approx(3.35e12))

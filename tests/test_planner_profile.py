@@ -11,8 +11,9 @@ import sys
 import pytest
 from conftest import REPO, streamrl
 
+from streamrl_cli.curves import monotone
 from streamrl_cli.planner import ProfileError
-from streamrl_cli.planner.costmodel import ProfiledCostModel, monotone
+from streamrl_cli.planner.costmodel import ProfiledCostModel
 from streamrl_cli.planner.hardware import load_hardware
 from streamrl_cli.planner.profile import Profile, load_profile, save_profile
 from streamrl_cli.planner.workload import model_from_recipe
@@ -128,7 +129,7 @@ def test_deepspeed_zero_on_cpu_trainer_timing(profiled):
     # The DeepSpeed path of the profiler (ZeRO-1, gloo, one process), outside pytest's process.
     _, model_dir, _ = profiled
     code = (
-        "from streamrl_cli.planner.profile_worker import measure_train\n"
+        "from streamrl_cli.profiling.worker import measure_train\n"
         "from streamrl_cli.planner.profile import ProfileRequest\n"
         f"req = ProfileRequest(model_dir={str(model_dir)!r}, model='tiny-qwen2', trainer='deepspeed',"
         " zero_stage=1, train_tokens=(256, 512))\n"

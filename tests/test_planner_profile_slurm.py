@@ -19,8 +19,8 @@ from conftest import REPO, STREAMRL, streamrl
 from streamrl_cli.launch import slurm as sbatch
 from streamrl_cli.planner import ProfileError
 from streamrl_cli.planner.profile import Profile, ProfileRequest, load_profile, save_profile, summary
-from streamrl_cli.planner.profile_jobs import JOBS_FILE, Tail, describe, on_slurm, plan, slurm_job
-from streamrl_cli.planner.profile_worker import engine_args
+from streamrl_cli.profiling.jobs import JOBS_FILE, Tail, describe, on_slurm, plan, slurm_job
+from streamrl_cli.profiling.worker import engine_args
 from streamrl_cli.recipe.load import load
 
 

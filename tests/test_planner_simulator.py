@@ -19,7 +19,8 @@ from streamrl_cli.planner.simulator import PAPER_PTL_7B_H800, SimConfig, simulat
 from streamrl_cli.planner.workload import workload_from_recipe
 from streamrl_cli.recipe.load import load
 
-# DESIGN §3: 72B, 20K, normalised throughput. Our "baseline" (naive disaggregation) has no row.
+# The StreamRL paper's ablation: 72B, 20K, normalised throughput. Our "baseline" (naive
+# disaggregation) has no row.
 PAPER_ABLATION = {"colocated+skewness": 1.08, "sync-stream": 1.23, "async": 1.48}
 
 

@@ -13,9 +13,15 @@ from streamrl_cli.ranker import QualityTracker, RandomRanker, Ranker, RankerErro
 from streamrl_cli.ranker.cache import CachedRanker, load_cache, write_cache
 from streamrl_cli.ranker.history import HistoryRanker
 from streamrl_cli.ranker.quality import average_ranks, spearman
+from streamrl_cli.recipe.schema import SkewnessConfig, TaskConfig
 from streamrl_cli.tasks import Prompt, make_task
 from streamrl_cli.tasks.builtin import RepeatTask
 from tests.conftest import streamrl
+
+
+def builtin(num_prompts: int) -> TaskConfig:
+    """The built-in task with outputs of up to 64 tokens (the local recipe's)."""
+    return TaskConfig(name="builtin", num_prompts=num_prompts, max_output_len=64)
 
 
 def prompts(n: int) -> list[Prompt]:
@@ -71,8 +77,8 @@ def test_quality_tracker_keeps_the_last_iteration():
 
 
 def test_oracle_ranks_the_builtin_task_perfectly():
-    task = make_task({"num_prompts": 1000}, seed=3)
-    ranker = make_ranker({"ranker": "oracle"}, model_path=None, task=task, seed=3)
+    task = make_task(builtin(1000), seed=3)
+    ranker = make_ranker(SkewnessConfig(ranker="oracle"), model_path=None, task=task, seed=3)
     ps = list(task.prompts())
     q = quality([RepeatTask.expected_length(p) for p in ps], ranker.rank(ps))
     assert q["recall@20"] == q["recall@10"] == q["recall@5"] == 1.0
@@ -80,15 +86,16 @@ def test_oracle_ranks_the_builtin_task_perfectly():
 
 
 def test_factory_kinds_and_errors(tmp_path):
-    task = make_task({"num_prompts": 10})
-    assert make_ranker({"ranker": "none"}, model_path=None, task=task) is None
-    assert make_ranker({}, model_path=None, task=task) is None
+    task = make_task(builtin(10))
+    assert make_ranker(SkewnessConfig(ranker="none"), model_path=None, task=task) is None
+    assert make_ranker(SkewnessConfig(), model_path=None, task=task) is None
     with pytest.raises(RankerError, match="unknown ranker 'psychic'.*valid: none, learned"):
-        make_ranker({"ranker": "psychic"}, model_path=None, task=task)
+        make_ranker(SkewnessConfig(ranker="psychic"), model_path=None, task=task)
     with pytest.raises(RankerError, match="ranker_model.*does not exist"):
-        make_ranker({"ranker": "learned", "ranker_model": str(tmp_path / "nope")}, model_path=None, task=task)
+        learned = SkewnessConfig(ranker="learned", ranker_model=str(tmp_path / "nope"))
+        make_ranker(learned, model_path=None, task=task)
     with pytest.raises(RankerError, match="model.path.*does not exist"):
-        make_ranker({"ranker": "history"}, model_path=str(tmp_path), task=task)
+        make_ranker(SkewnessConfig(ranker="history"), model_path=str(tmp_path), task=task)
 
     from streamrl_cli.tasks.datasets import DatasetTask
 
@@ -96,11 +103,11 @@ def test_factory_kinds_and_errors(tmp_path):
     data.write_text('{"prompt": "hi"}\n')
     dataset = DatasetTask(data, reward=lambda ps, cs: [0.0] * len(cs))
     with pytest.raises(RankerError, match="oracle.*knows no expected output lengths"):
-        make_ranker({"ranker": "oracle"}, model_path=None, task=dataset)
+        make_ranker(SkewnessConfig(ranker="oracle"), model_path=None, task=dataset)
 
 
 def test_random_ranker_is_seeded_per_prompt_and_about_chance():
-    task = make_task({"num_prompts": 5000}, seed=1)
+    task = make_task(builtin(5000), seed=1)
     ps = list(task.prompts())
     scores = RandomRanker(7).rank(ps)
     assert RandomRanker(7).rank(ps[100:200]) == scores[100:200]  # batch-independent
@@ -177,10 +184,10 @@ def test_cache_round_trip_and_cached_ranker(tmp_path, name):
 
 
 def test_make_ranker_starts_from_a_cache(tmp_path):
-    task = make_task({"num_prompts": 20})
+    task = make_task(builtin(20))
     ps = list(task.prompts())
     path = write_cache(tmp_path / "c.json", {ps[0].prompt_id: 1000.0}, {})
-    ranker = make_ranker({"ranker": "oracle", "cache": str(path)}, model_path=None, task=task)
+    ranker = make_ranker(SkewnessConfig(ranker="oracle", cache=str(path)), model_path=None, task=task)
     scores = ranker.rank(ps[:2])
     assert scores == [1000.0, float(RepeatTask.expected_length(ps[1]))]
 
@@ -197,9 +204,9 @@ def test_unreadable_caches_are_clear_errors(tmp_path):
     lines.write_text('{"meta": {}}\n{"prompt_id": "a"}\n')
     with pytest.raises(RankerError, match="line 2 has no prompt_id or score"):
         load_cache(lines)
-    task = make_task({"num_prompts": 5})
+    task = make_task(builtin(5))
     with pytest.raises(RankerError, match="skewness.cache"):
-        make_ranker({"ranker": "oracle", "cache": str(bad)}, model_path=None, task=task)
+        make_ranker(SkewnessConfig(ranker="oracle", cache=str(bad)), model_path=None, task=task)
 
 
 # --- the learned ranker ---------------------------------------------------------------------------
@@ -221,7 +228,7 @@ def test_learned_ranker_never_blocks_on_a_refresh(tiny):
         return train(data, steps)
 
     ranker._train = slow_train
-    ps = list(make_task({"num_prompts": 64}).prompts())
+    ps = list(make_task(builtin(64)).prompts())
     before = ranker.rank(ps)
     ranker.update(ps[:32], [RepeatTask.expected_length(p) for p in ps[:32]])
     assert started.wait(10)
@@ -244,7 +251,7 @@ def test_learned_ranker_learns_the_long_tail_online(tiny):
     held-out prompts far better than chance."""
     from streamrl_cli.ranker.learned import LearnedRanker
 
-    task = make_task({"num_prompts": 600}, seed=0)
+    task = make_task(builtin(600), seed=0)
     ps = list(task.prompts())
     train, held = ps[:384], ps[384:]
     true = [RepeatTask.expected_length(p) for p in held]
@@ -304,7 +311,7 @@ def test_cli_rank_oracle_writes_a_cache(tmp_path):
     assert f"wrote {out}: 200 scores" in r.stdout
     cache = load_cache(out)
     assert cache.meta["ranker"] == "oracle" and cache.meta["task"] == "repeat"
-    ps = list(make_task({"num_prompts": 4096}).prompts())[:200]  # the local recipe's task, seed 0
+    ps = list(make_task(builtin(4096)).prompts())[:200]  # the local recipe's task, seed 0
     assert cache.scores == {p.prompt_id: float(RepeatTask.expected_length(p)) for p in ps}
 
 
@@ -334,7 +341,7 @@ def test_cli_rank_errors_without_tracebacks(tmp_path, args, message):
 
 @pytest.mark.slow
 def test_cli_rank_learned_with_fit(tmp_path, tiny):
-    task = make_task({"num_prompts": 4096})
+    task = make_task(builtin(4096))
     fit = tmp_path / "lengths.jsonl"
     rows = [
         {"prompt_id": p.prompt_id, "length": RepeatTask.expected_length(p)} for p in task.prompts()[1000:1300]

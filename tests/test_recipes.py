@@ -93,5 +93,35 @@ def test_a_fixed_policy_and_the_generators_batch_bound_reach_the_roles(tmp_path)
     r = load("local", ["algorithm.lr=0", "roles.generator.max_num_seqs=12"]).recipe
     assert not check(r)
     specs = plan.role_specs(r, tmp_path)
-    assert specs["trainer"].generator_max_seqs == 12
+    assert specs["trainer"].generator.max_num_seqs == 12
     assert engine_kwargs(specs["generator"])["max_num_seqs"] == 12
+
+
+@pytest.mark.parametrize("name", list_recipes())
+def test_role_specs_come_back_typed_from_their_files(name, tmp_path):
+    from streamrl_cli.recipe.schema import GeneratorConfig, ModelConfig, TrainerConfig
+    from streamrl_cli.roles.spec import GeneratorSpec, TrainerSpec, load_spec, spec_yaml
+
+    specs = plan.role_specs(load(name).recipe, tmp_path)
+    for role, spec in specs.items():
+        (tmp_path / f"{role}.yaml").write_text(spec_yaml(spec))
+        assert load_spec(tmp_path / f"{role}.yaml") == spec
+    trainer, gen = load_spec(tmp_path / "trainer.yaml"), load_spec(tmp_path / "generator.yaml")
+    assert isinstance(trainer, TrainerSpec) and isinstance(trainer.settings, TrainerConfig)
+    assert isinstance(trainer.model, ModelConfig) and trainer.generator == specs["generator"].settings
+    assert isinstance(gen, GeneratorSpec) and isinstance(gen.settings, GeneratorConfig)
+    assert trainer.algorithm.is_correction in ("on", "off")  # resolved once, by the recipe checks
+
+
+def test_a_role_spec_that_does_not_fit_is_refused_by_name(tmp_path):
+    from streamrl_cli.errors import StreamRLError
+    from streamrl_cli.roles.spec import load_spec, spec_yaml
+
+    spec = plan.role_specs(load("local").recipe, tmp_path)["generator"]
+    bad = tmp_path / "g.yaml"
+    bad.write_text(spec_yaml(spec).replace("role: generator", "role: juggler"))
+    with pytest.raises(StreamRLError, match="unknown role 'juggler'.*trainer, generator, rendezvous"):
+        load_spec(bad)
+    bad.write_text(spec_yaml(spec).replace("max_num_seqs: 64", "max_num_seqs: lots"))
+    with pytest.raises(StreamRLError, match=r"version of streamrl: settings.max_num_seqs: Value .lots."):
+        load_spec(bad)

@@ -22,7 +22,8 @@ import httpx
 import pytest
 
 from streamrl_cli.errors import RendezvousError
-from streamrl_cli.rendezvous import ENDPOINT_FILE, RendezvousClient, create_secret
+from streamrl_cli.rendezvous import RendezvousClient, create_secret
+from streamrl_cli.rundir import RunDir
 
 
 class Server:
@@ -65,7 +66,7 @@ class Server:
 
 def _endpoint(run_dir: Path) -> dict:
     try:
-        return json.loads((run_dir / ENDPOINT_FILE).read_text())
+        return json.loads((RunDir(run_dir).endpoint).read_text())
     except (OSError, ValueError):
         return {}
 

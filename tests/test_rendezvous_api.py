@@ -30,6 +30,7 @@ ENDPOINTS = [
     ("POST", "/v1/versions/confirm"),
     ("POST", "/v1/metrics"),
     ("POST", "/v1/progress"),
+    ("POST", "/v1/scale"),
     ("GET", "/v1/status"),
 ]
 
@@ -247,3 +248,31 @@ def test_rejected_requests_leave_no_trace(api, tmp_path):
     status = api.get("/v1/status").json()
     assert sorted(m["member_id"] for m in status["members"]) == ["generator-0"]
     assert status["versions"]["pending"] == [] and status["progress"] == {}
+
+
+def test_scale_request_is_an_event_and_in_status(api):
+    since = api.get("/v1/versions").json()["event_seq"]
+    r = api.post(
+        "/v1/scale", json={"role": "generator", "instances": 2, "source": "user", "reason": "by hand"}
+    )
+    assert r.status_code == 200, r.text
+    seq = r.json()["seq"]
+    events = api.get("/v1/events", params={"since": since}).json()["events"]
+    ev = next(e for e in events if e["seq"] == seq)
+    assert ev["type"] == "scale_requested"
+    assert ev["data"] == {"role": "generator", "instances": 2, "source": "user", "reason": "by hand"}
+    assert api.get("/v1/status").json()["scale"]["generator"]["instances"] == 2
+
+
+@pytest.mark.parametrize(
+    "body,status,needle",
+    [
+        ({"role": "trainer", "instances": 2}, 409, "only the generator role"),
+        ({"role": "generator", "instances": -1}, 422, "$.instances"),
+        ({"role": "generator", "instances": 1, "source": "someone"}, 422, "$.source"),
+        ({"role": "generator"}, 422, "`instances`"),
+    ],
+)
+def test_bad_scale_request_names_the_problem(api, body, status, needle):
+    r = api.post("/v1/scale", json=body)
+    assert r.status_code == status and needle in r.json()["message"], r.text

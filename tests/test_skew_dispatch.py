@@ -15,6 +15,7 @@ import random
 
 import pytest
 
+from streamrl_cli.planner.costmodel import ptl_from_profile
 from streamrl_cli.planner.profile import Profile
 from streamrl_cli.skew.dispatch import (
     PAPER_PTL_7B_H800,
@@ -25,7 +26,6 @@ from streamrl_cli.skew.dispatch import (
     plan_dispatch,
     plan_split,
     ptl_from_points,
-    ptl_from_profile,
     random_dispatch,
 )
 

@@ -5,23 +5,19 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from dataclasses import replace
 
 import pytest
 
 from streamrl_cli.errors import StreamRLError
+from streamrl_cli.recipe.schema import TaskConfig
 from streamrl_cli.tasks import Prompt, TaskError, make_task
 from streamrl_cli.tasks.builtin import WORDS, RepeatTask, repeat_score
 from streamrl_cli.tasks.datasets import DatasetTask
 from streamrl_cli.tasks.rewards import checked, exact_match, extract_answer, load_reward, math_answer
 from streamrl_cli.tasks.sampler import PromptSampler
 
-BUILTIN = {
-    "name": "builtin",
-    "dataset": None,
-    "num_prompts": 4096,
-    "max_prompt_len": 64,
-    "max_output_len": 64,
-}
+BUILTIN = TaskConfig(name="builtin", dataset=None, num_prompts=4096, max_prompt_len=64, max_output_len=64)
 
 
 @pytest.fixture(scope="module")
@@ -52,23 +48,23 @@ def test_builtin_lengths_are_long_tailed():
     p90 = lengths[int(0.9 * len(lengths))]
     assert 4 <= median <= 8
     assert p90 >= 3 * median
-    assert max(lengths) <= BUILTIN["max_output_len"]
+    assert max(lengths) <= BUILTIN.max_output_len
     assert statistics.mode(lengths) <= 6
 
 
 def test_builtin_lengths_fit_a_smaller_max_output_len():
-    task = make_task({**BUILTIN, "max_output_len": 16, "num_prompts": 500})
+    task = make_task(replace(BUILTIN, max_output_len=16, num_prompts=500))
     assert max(task.expected_length(p) for p in task.prompts()) <= 16
 
 
 def test_expected_length_is_the_tokenized_reference_plus_eos(tokenizer):
     for word in WORDS:
         assert len(tokenizer(f" {word}", add_special_tokens=False).input_ids) == 1, word
-    task = make_task({**BUILTIN, "num_prompts": 300})
+    task = make_task(replace(BUILTIN, num_prompts=300))
     for p in task.prompts():
         ids = tokenizer(task.reference_completion(p)).input_ids  # as vLLM would (special tokens on)
         assert len(ids) + 1 == task.expected_length(p), p
-        assert len(tokenizer(p.text).input_ids) <= BUILTIN["max_prompt_len"]
+        assert len(tokenizer(p.text).input_ids) <= BUILTIN.max_prompt_len
     assert tokenizer.eos_token == "<|endoftext|>"
 
 
@@ -95,7 +91,7 @@ def test_repeat_reward_is_graded():
 
 
 def test_repeat_reward_can_be_replaced_by_the_recipe():
-    task = make_task({**BUILTIN, "num_prompts": 4, "reward": "streamrl_cli.tasks.rewards:exact_match"})
+    task = make_task(replace(BUILTIN, num_prompts=4, reward="streamrl_cli.tasks.rewards:exact_match"))
     p = task.prompts()[0]
     assert task.reward([p], [task.reference_completion(p)]) == [0.0]  # answer is a dict: no match
 
@@ -199,7 +195,7 @@ def test_jsonl_dataset(tmp_path):
         json.dumps({"prompt": "2+2?", "answer": 4, "extra": True}),
     )
     task = make_task(
-        {"name": "math", "dataset": str(path), "reward": "streamrl_cli.tasks.rewards:math_answer"}
+        TaskConfig(name="math", dataset=str(path), reward="streamrl_cli.tasks.rewards:math_answer")
     )
     assert isinstance(task, DatasetTask) and task.name == "math"
     assert [(p.prompt_id, p.text, p.answer) for p in task.prompts()] == [
@@ -243,7 +239,7 @@ def test_dataset_path_and_reward_errors(tmp_path):
         DatasetTask(tmp_path / "d.csv", reward=exact_match)
     path = _jsonl(tmp_path / "d.jsonl", '{"prompt": "a"}')
     with pytest.raises(TaskError, match="task.reward.*exact_match"):
-        make_task({"name": "d", "dataset": str(path), "reward": None})
+        make_task(TaskConfig(name="d", dataset=str(path), reward=None))
     assert issubclass(TaskError, StreamRLError)
 
 

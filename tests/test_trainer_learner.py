@@ -17,11 +17,17 @@ import pytest
 import torch
 
 from streamrl_cli.models.tiny import build_tiny_model
+from streamrl_cli.recipe.schema import AlgorithmConfig
 from streamrl_cli.trainer import losses as L
 from streamrl_cli.trainer.batch import Rollout, collate
 from streamrl_cli.trainer.learner import Learner, LossConfig, OptimConfig, init_distributed, leave_group
 from streamrl_cli.trainer.models import load_policy, load_reference
 from streamrl_cli.transport.wire import Sample
+
+
+def loss_config(**algorithm) -> LossConfig:
+    """The loss of an algorithm section with the schema's defaults (outputs of at most 16 tokens)."""
+    return LossConfig.from_recipe(AlgorithmConfig(**algorithm), 16)
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +83,8 @@ def reference_grads(path: str, cfg: LossConfig, rows: list[Rollout]) -> dict[str
      ("seq-mean-token-mean", 2), ("seq-mean-token-sum-norm", 1)],
 )  # fmt: skip
 def test_streamed_micro_batches_give_the_whole_batch_gradient(model_dir, agg, stage):
-    cfg = LossConfig(name="grpo", loss_agg=agg, kl_coef=0.05, entropy_coef=0.01, importance_sampling=True,
-                     temperature=0.7, max_len=16)  # fmt: skip
+    cfg = loss_config(name="grpo", loss_agg=agg, kl_coef=0.05, entropy_coef=0.01, is_correction="on",
+                      temperature=0.7)  # fmt: skip
     rows = rollouts(12, seed=stage)
     expected = reference_grads(model_dir, cfg, rows)
     learner = Learner(
@@ -100,7 +106,7 @@ def assert_same(got: dict, expected: dict) -> None:
     assert any(expected[n].abs().sum() > 0 for n in expected)  # a zero gradient would prove nothing
 
 
-CFG = LossConfig(name="grpo", loss_agg="token-mean", kl_coef=0.05, importance_sampling=True, max_len=16)
+CFG = loss_config(name="grpo", loss_agg="token-mean", kl_coef=0.05, is_correction="on")
 
 
 def _rank_main(rank: int, port: int, path: str, out: str) -> None:
@@ -143,7 +149,7 @@ def test_two_data_parallel_ranks_give_the_whole_batch_gradient(model_dir, tmp_pa
 
 
 def test_ppo_trains_actor_and_critic(model_dir):
-    cfg = LossConfig(name="ppo", kl_mode="penalty", kl_estimator="k1", kl_coef=0.01, max_len=16)
+    cfg = loss_config(name="ppo", kl_mode="penalty", kl_estimator="k1", kl_coef=0.01, is_correction="off")
     learner = Learner(model_dir, cfg, OptimConfig(zero_stage=1, lr=1e-2, critic_lr=1e-2), torch.device("cpu"),
                       torch.float32)  # fmt: skip
     head = learner.critic.module.head.weight.detach().clone()

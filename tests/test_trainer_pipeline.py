@@ -13,6 +13,7 @@ from collections import deque
 
 import pytest
 
+from streamrl_cli.errors import StreamRLError
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.trainer.pipeline import Pipeline, PipelineConfig, sample_seed
 from streamrl_cli.transport.wire import Sample
@@ -263,3 +264,90 @@ def test_reproducible_sampling_seeds_each_sample_from_the_prompt(reproducible):
     # vLLM gives the k-th sample of a request seed + k: a lone re-dispatch of sample 1 matches it
     assert sample_seed(3, "c/0", 1) == sample_seed(3, "c/0", 0) + 1
     assert sample_seed(4, "c/0", 0) != sample_seed(3, "c/0", 0)
+
+
+def test_algorithm_2_uses_the_given_ptl_curve():
+    """The profiled decode curve (planner.profile_file), when the trainer passes one, is what
+    Algorithm 2 plans with; its batch limits follow it (a curve where batching costs nothing
+    lets every instance take its whole share at once)."""
+    asked: list[float] = []
+
+    def flat(bs: float) -> float:
+        asked.append(bs)
+        return 1.0
+
+    events: list = []
+    gens = PlacingGenerators(events)
+    cfg = PipelineConfig(mode="sync-stream", group_size=2, global_batch=4, micro_batch=2,
+                         dispatch="skewness-aware", schedule="lpt")  # fmt: skip
+    task = CountTask(64)
+    pipe = Pipeline(
+        cfg, task=task, sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],
+        detokenize=lambda ids: "x" * len(ids), svc=gens, driver=Driver(events),
+        publisher=Publisher(events, gens), on_record=[].append, clock=Clock(), ranker=LengthRanker(),
+        ptl=flat,
+    )  # fmt: skip
+    pipe.run(0, 1, 0)
+    assert asked and all(bs >= 1 for bs in asked)
+
+
+def test_the_trainer_reads_algorithm_2s_curve_from_the_profile_file(tmp_path):
+    from streamrl_cli.launch.plan import role_specs
+    from streamrl_cli.planner.profile import Profile, save_profile
+    from streamrl_cli.recipe.load import load
+    from streamrl_cli.trainer.main import TrainerRole
+
+    path = save_profile(
+        Profile(hardware="h20", model="m", decode=((1, 0.01), (16, 0.02))), tmp_path / "p.json"
+    )
+    r = load(
+        "local",
+        [f"planner.profile_file={path}", "skewness.dispatch=skewness-aware", "skewness.ranker=oracle"],
+    ).recipe
+    ptl = TrainerRole(role_specs(r, tmp_path)["trainer"], 0)._ptl()
+    assert ptl is not None and ptl(1) == 0.01 and ptl(16) == 0.02 and 0.01 < ptl(8) < 0.02
+    random = load("local", [f"planner.profile_file={path}"]).recipe  # random dispatch has no curve
+    assert TrainerRole(role_specs(random, tmp_path)["trainer"], 0)._ptl() is None
+
+
+class VanishingGenerators(Generators):
+    """Every generator goes away after `left` samples: nothing answers after that."""
+
+    def __init__(self, events: list, left: int):
+        super().__init__(events)
+        self.left = left
+
+    def get(self, timeout=None):
+        if self.left <= 0:
+            return None
+        self.left -= 1
+        return super().get(timeout)
+
+    def generators(self):
+        return ["generator-0"] if self.left > 0 else []
+
+
+def test_the_trainer_ends_the_run_with_the_reason_when_no_generator_is_left():
+    events: list = []
+    gens = VanishingGenerators(events, left=10)  # iteration 0 (8 samples) and part of iteration 1
+    cfg = PipelineConfig(group_size=2, global_batch=4, micro_batch=2, no_generator_s=0.5)
+    task = CountTask(64)
+    pipe = Pipeline(
+        cfg, task=task, sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],
+        detokenize=lambda ids: "x" * len(ids), svc=gens, driver=Driver(events),
+        publisher=Publisher(events, gens), on_record=lambda r: None, clock=Clock(),
+    )  # fmt: skip
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            pipe.run(0, 4, 0)
+        except StreamRLError as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout=120)  # liveness bound: a wait for generators that never come is a hang
+    assert not t.is_alive(), "the trainer waited for ever with no generator left"
+    assert outcome and "no generator left" in str(outcome[0]) and "train.stall_after_s" in str(outcome[0])
+    assert ("step",) in events  # iteration 0 was trained before they went

@@ -19,7 +19,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from streamrl_cli.rendezvous import ENDPOINT_FILE, RendezvousClient, create_secret
+from streamrl_cli.rendezvous import RendezvousClient, create_secret
+from streamrl_cli.rundir import RunDir
 from streamrl_cli.transport.dispatch import DispatchService
 from streamrl_cli.transport.samples import StreamConfig
 from streamrl_cli.transport.wire import Request
@@ -33,7 +34,7 @@ def start_rendezvous(run_dir: Path) -> subprocess.Popen:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
-            if json.loads((run_dir / ENDPOINT_FILE).read_text()).get("pid") == proc.pid:
+            if json.loads((RunDir(run_dir).endpoint).read_text()).get("pid") == proc.pid:
                 return proc
         except (OSError, ValueError):
             pass

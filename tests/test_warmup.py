@@ -10,14 +10,15 @@ import pytest
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.models.tiny import build_tiny_model, is_built
 from streamrl_cli.models.warmup import MARKER, ensure_model, warm_up
+from streamrl_cli.recipe.schema import ModelConfig, TaskConfig
 from streamrl_cli.tasks import make_task
 
-TASK = {"name": "builtin", "dataset": None, "num_prompts": 256, "max_prompt_len": 64, "max_output_len": 64}
+TASK = TaskConfig(name="builtin", dataset=None, num_prompts=256, max_prompt_len=64, max_output_len=64)
 
 
 def test_warm_up_lowers_the_loss_and_is_reused(tmp_path):
     losses: list[float] = []
-    model = {"path": str(tmp_path / "warm"), "builder": "tiny-warm", "warmup_steps": 25}
+    model = ModelConfig(path=str(tmp_path / "warm"), builder="tiny-warm", warmup_steps=25)
     # Two roles starting at once: one warms up, the other waits for it and reuses the result.
     with ThreadPoolExecutor(2) as pool:
         calls = [
@@ -55,13 +56,13 @@ def _temp_dirs(path):
 
 
 def test_ensure_model_builders(tmp_path):
-    assert ensure_model({"path": str(tmp_path / "t"), "builder": "tiny"}, TASK) == tmp_path / "t"
+    assert ensure_model(ModelConfig(path=str(tmp_path / "t"), builder="tiny"), TASK) == tmp_path / "t"
     assert is_built(tmp_path / "t")
     existing = build_tiny_model(tmp_path / "x")
-    assert ensure_model({"path": str(existing), "builder": None}, TASK) == existing
+    assert ensure_model(ModelConfig(path=str(existing), builder=None), TASK) == existing
     with pytest.raises(StreamRLError, match=r"does not exist.*model.builder=tiny"):
-        ensure_model({"path": str(tmp_path / "nope"), "builder": None}, TASK)
+        ensure_model(ModelConfig(path=str(tmp_path / "nope"), builder=None), TASK)
     with pytest.raises(StreamRLError, match=r"unknown builder 'big'.*tiny-warm"):
-        ensure_model({"path": str(tmp_path / "nope"), "builder": "big"}, TASK)
+        ensure_model(ModelConfig(path=str(tmp_path / "nope"), builder="big"), TASK)
     with pytest.raises(StreamRLError, match="warmup_steps"):
-        ensure_model({"path": str(tmp_path / "nope"), "builder": "tiny-warm", "warmup_steps": 0}, TASK)
+        ensure_model(ModelConfig(path=str(tmp_path / "nope"), builder="tiny-warm", warmup_steps=0), TASK)

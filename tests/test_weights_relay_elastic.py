@@ -8,7 +8,6 @@ The tests run in file order on one set of processes.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import subprocess
@@ -17,12 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import REPO
 from test_generator_role import wait_until
 from test_weights_elastic import Run, digest, state
 
-from streamrl_cli.launch.plan import RoleSpec
+from streamrl_cli.recipe.schema import GeneratorConfig, ModelConfig, TaskConfig, TrainConfig
+from streamrl_cli.roles.spec import GeneratorSpec, spec_yaml
 from streamrl_cli.trainer.publish import WeightPublisher
 from streamrl_cli.transport.dispatch import DispatchService
 from streamrl_cli.transport.samples import StreamConfig
@@ -47,17 +46,17 @@ class FarSite(Run):
         self.rdv.start_heartbeat()
         self.svc.watch(self.rdv)
         (root / "model").mkdir()
-        spec = RoleSpec(
+        spec = GeneratorSpec(
             run_name="relay-test", run_dir=str(self.run_dir), role="generator", cluster="far", site="far",
             world=3, expected={"trainer": 1, "generator": 3},
             program="streamrl_cli.generator.main:main", weight_transport="relay",
             rendezvous_file=str(self.run_dir / "rendezvous.json"), secret_file=str(self.run_dir / "secret"),
-            settings={"engine": "none", "tensor_parallel": 1, "gpus_per_instance": 0},
-            model={"name": "none", "path": str(root / "model")},
-            task={"max_prompt_len": 8, "max_output_len": 8}, train={"seed": 0},
+            settings=GeneratorConfig(cluster="local", engine="none", tensor_parallel=1, gpus_per_instance=0),
+            model=ModelConfig(name="none", path=str(root / "model")),
+            task=TaskConfig(name="builtin", max_prompt_len=8, max_output_len=8), train=TrainConfig(seed=0),
         )  # fmt: skip
         self.spec = root / "generator.yaml"
-        self.spec.write_text(yaml.safe_dump(dataclasses.asdict(spec), sort_keys=False))
+        self.spec.write_text(spec_yaml(spec))
         self.peers: dict[int, subprocess.Popen] = {}
 
     def start(self, rank: int, *extra: str) -> None:

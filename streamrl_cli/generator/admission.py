@@ -2,7 +2,7 @@
 
 Why not leave it to vLLM: its priority scheduling orders only the *waiting* requests, never preempts
 a running one, and admits as many as max_num_seqs and the KV cache allow. Skewness-aware
-scheduling (DESIGN.md §1) wants more: run at most BS sequences (Algorithm 2's batch size for this
+scheduling (docs/architecture.md) wants more: run at most BS sequences (Algorithm 2's batch size for this
 instance), admit requests in descending predicted length, and whenever one finishes admit the
 longest remaining one (Longest-Processing-Time first). So the generator role holds requests here
 and hands the engine only what fits:

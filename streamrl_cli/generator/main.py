@@ -1,7 +1,7 @@
 """The generator role: one process per generator instance (a SLURM array task, or a local process).
 
 Selected in a recipe with ``roles.generator.program=streamrl_cli.generator.main:main``. Data flow
-of one instance (DESIGN.md §1, §4):
+of one instance (docs/architecture.md):
 
     trainer rank 0 ── requests ──► sample sender ──► admission ──► engine.generate ──► finished group
          ▲                           (ZeroMQ)      (LPT, batch size)     (vLLM)               │
@@ -41,8 +41,8 @@ from streamrl_cli.generator.admission import Admission
 from streamrl_cli.generator.engine import GenerationEngine, GenerationRequest, make_engine
 from streamrl_cli.generator.stream import Meter, to_engine_request, to_samples
 from streamrl_cli.generator.weights import WeightPath, make_weight_path
-from streamrl_cli.launch.plan import RoleSpec
 from streamrl_cli.rendezvous.client import RendezvousClient, RendezvousRequestError
+from streamrl_cli.roles.spec import GeneratorSpec
 from streamrl_cli.weights.layout import STARTING, WAITING
 
 if TYPE_CHECKING:
@@ -55,25 +55,24 @@ METRICS_S = 5.0  # metrics report interval
 POLL_S = 0.5  # how long one blocking call in a thread may wait before checking for a stop
 
 
-def main(spec: RoleSpec, rank: int) -> int:
+def main(spec: GeneratorSpec, rank: int) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per rendezvous call otherwise
     return asyncio.run(GeneratorRole(spec, rank).run())
 
 
-def engine_kwargs(spec: RoleSpec, rank: int = 0) -> dict[str, Any]:
+def engine_kwargs(spec: GeneratorSpec, rank: int = 0) -> dict[str, Any]:
     """Engine settings from the recipe: the model, its dtype, the longest prompt + output, the batch bound,
     and on CPUs the core this instance's worker runs on."""
-    path = os.path.expanduser(spec.model["path"])
-    dtype = spec.model.get("dtype")
-    cpu = spec.settings.get("gpus_per_instance", 1) == 0 and int(spec.settings.get("tensor_parallel", 1)) == 1
+    g = spec.settings
+    cpu = g.gpus_per_instance == 0 and g.tensor_parallel == 1
     return {
-        "model": path,
-        "dtype": None if spec.settings.get("gpus_per_instance", 1) == 0 else dtype,  # CPU: float32
-        "max_model_len": int(spec.task["max_prompt_len"]) + int(spec.task["max_output_len"]),
-        "tensor_parallel": int(spec.settings.get("tensor_parallel", 1)),
-        "seed": int(spec.train.get("seed", 0)),
-        "max_num_seqs": int(spec.settings.get("max_num_seqs", 64)),
+        "model": os.path.expanduser(spec.model.path),
+        "dtype": None if g.gpus_per_instance == 0 else spec.model.dtype,  # CPU: float32
+        "max_model_len": spec.task.max_prompt_len + spec.task.max_output_len,
+        "tensor_parallel": g.tensor_parallel,
+        "seed": spec.train.seed,
+        "max_num_seqs": g.max_num_seqs,
         "cpu_cores": cpu_binding(rank, spec.world, sorted(os.sched_getaffinity(0)), os.cpu_count() or 1)
         if cpu
         else None,
@@ -98,26 +97,46 @@ def cpu_binding(rank: int, instances: int, cores: list[int], host_cores: int) ->
     return ",".join(str(c) for c in cores[first : first + share])
 
 
-def ensure_model(spec: RoleSpec) -> None:
+def ensure_model(spec: GeneratorSpec) -> None:
     """The model must exist; a recipe with a builder (the embedded default's) makes it on first use."""
     from streamrl_cli.models.warmup import ensure_model as make
 
     make(spec.model, spec.task)
 
 
+def transfer_metrics(version: int, seconds: float, stats: dict[str, Any]) -> dict[str, Any]:
+    """The last weight transfer as metrics: what `streamrl status` shows per site. A relay's stats
+    carry what it fetched across sites (`relay`) besides what its own workers loaded."""
+    relay = stats.get("relay") or {}
+    loaded = stats.get("bytes")
+    if loaded is None and isinstance(stats.get("workers"), list):
+        loaded = sum(int(w.get("bytes", 0)) for w in stats["workers"])
+    out: dict[str, Any] = {
+        "weights/version": version,
+        "weights/at": round(time.time(), 3),
+        "weights/transfer_s": round(seconds, 3),
+        "weights/bytes": int(loaded or relay.get("bytes_received", 0)),
+        "weights/relay": 1 if relay else 0,
+    }
+    if relay:
+        out["weights/wan_bytes"] = int(relay.get("bytes_received", 0))
+        out["weights/wan_s"] = round(float(relay.get("seconds", 0.0)), 3)
+    return out
+
+
 class GeneratorRole:
     """One generator instance: engine, rendezvous membership, sample stream, weight updates."""
 
-    def __init__(self, spec: RoleSpec, rank: int, *, engine: GenerationEngine | None = None):
+    def __init__(self, spec: GeneratorSpec, rank: int, *, engine: GenerationEngine | None = None):
         if spec.weight_transport not in ("broadcast", "relay"):
             raise StreamRLError(
                 f"generator: unknown weight transport {spec.weight_transport!r} (broadcast or relay)"
             )
         self.spec, self.rank = spec, rank
         self.member_id = f"generator-{rank}"
-        self.engine = engine or make_engine(spec.settings.get("engine", "vllm"), **engine_kwargs(spec, rank))
+        self.engine = engine or make_engine(spec.settings.engine, **engine_kwargs(spec, rank))
         self.meter = Meter(time.time())
-        self.defaults = {"max_tokens": int(spec.task["max_output_len"]), "temperature": 1.0}
+        self.defaults = {"max_tokens": spec.task.max_output_len, "temperature": 1.0}
         self._stop = asyncio.Event()
         self._serial = itertools.count()
         # Requests wait here until they fit in the batch their dispatcher chose (generator.admission);
@@ -131,6 +150,8 @@ class GeneratorRole:
         self.trainer: dict[str, Any] = {}
         self.token = ""
         self._serving = asyncio.Event()  # the sample stream is connected: requests come in
+        self.transfer: dict[str, Any] = {}  # the last weight transfer, as metrics (`streamrl status`)
+        self._failure: BaseException | None = None  # why the role ends, if it fails
 
     async def run(self) -> int:
         from streamrl_cli.rendezvous import read_secret
@@ -171,6 +192,9 @@ class GeneratorRole:
             else:
                 await self._connect()
             return await self._serve(since)
+        except BaseException as e:
+            self._failure = e
+            raise
         finally:
             await self._shutdown()
 
@@ -187,7 +211,7 @@ class GeneratorRole:
         await asyncio.to_thread(self.sender.wait_connected, WAIT_S)
         self.rdv.set_status(state="generating", weight_version=self.engine.weight_version)
         self._serving.set()
-        log.info("%s serving %s, streaming to %s", self.member_id, self.spec.model.get("name"), address)
+        log.info("%s serving %s, streaming to %s", self.member_id, self.spec.model.name, address)
 
     async def _serve(self, since: int) -> int:
         tasks = [
@@ -292,12 +316,16 @@ class GeneratorRole:
                     raise
                 # The trainer sends it again on a new group of the members still there.
                 healthy = self._serving.is_set() and self.engine.weights_intact
-                self.rdv.set_status(state="generating" if healthy else WAITING)
+                self.rdv.set_status(
+                    state="generating" if healthy else WAITING,
+                    error=f"weight version {version} not received: {e}",
+                )
                 log.warning("%s: weight version %d not received: %s", self.member_id, version, e)
                 return
             if not self._serving.is_set():
                 await self._connect()  # before confirming: known to the dispatcher once it is current
-            self.rdv.set_status(state="generating", weight_version=self.engine.weight_version)
+            self.rdv.set_status(state="generating", weight_version=self.engine.weight_version, error="")
+            self.transfer = transfer_metrics(self.engine.weight_version, time.monotonic() - started, stats)
             log.info(
                 "%s: serving weight version %d (%.2fs): %s",
                 self.member_id, self.engine.weight_version, time.monotonic() - started, stats,
@@ -316,7 +344,11 @@ class GeneratorRole:
     async def _report(self) -> None:
         while True:
             await asyncio.sleep(METRICS_S)
-            record = {**self.meter.report(time.time()), "weight_version": self.engine.weight_version}
+            record = {
+                **self.meter.report(time.time()),
+                "weight_version": self.engine.weight_version,
+                **self.transfer,
+            }
             try:
                 await asyncio.to_thread(self.rdv.post_metrics, record)
             except StreamRLError as e:  # metrics are not worth dying for
@@ -339,10 +371,10 @@ class GeneratorRole:
     def _info(self) -> dict[str, Any]:
         return {
             "program": "generator",
-            "engine": self.spec.settings.get("engine", "vllm"),
-            "model": self.spec.model.get("name"),
+            "engine": self.spec.settings.engine,
+            "model": self.spec.model.name,
             # Ranks it takes in its site's weight group (one per worker).
-            "workers": int(self.spec.settings.get("tensor_parallel", 1)),
+            "workers": self.spec.settings.tensor_parallel,
             "pid": os.getpid(),
         }
 
@@ -352,8 +384,16 @@ class GeneratorRole:
         if self.sender is not None:
             await asyncio.to_thread(self.sender.close, 5.0)
         if self.rdv is not None:
+            failure = self._failure
+            if self._stop.is_set() or failure is None or isinstance(failure, asyncio.CancelledError):
+                reason = "stopped"
+            else:  # said loudly: `streamrl status` shows it as this member's last error
+                reason = f"failed: {type(failure).__name__}: {failure}"
+                log.error("%s: %s", self.member_id, reason)
             try:
-                self.rdv.leave("stopped" if self._stop.is_set() else "failed")
+                if self.transfer:  # the last transfer's figures stay visible after we left
+                    self.rdv.post_metrics({**self.meter.report(time.time()), **self.transfer})
+                self.rdv.leave(reason)
             except StreamRLError as e:
                 log.warning("%s: could not leave the rendezvous: %s", self.member_id, e)
             self.rdv.close()

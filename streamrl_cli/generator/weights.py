@@ -38,7 +38,8 @@ from typing import Any
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.generator.engine import GenerationEngine, WeightSource
-from streamrl_cli.launch.plan import RoleSpec
+from streamrl_cli.roles.spec import GeneratorSpec
+from streamrl_cli.weights.broadcast import process_backend
 from streamrl_cli.weights.elastic import ElasticSource
 from streamrl_cli.weights.layout import GroupLayout, eligible, receiving_state
 
@@ -47,7 +48,7 @@ log = logging.getLogger("streamrl.generator.weights")
 NOT_PUBLISHED_WAIT_S = 60.0  # a relay asking for a version the trainer has not published yet
 
 
-def weight_source(spec: RoleSpec, rank: int, source: dict[str, Any]) -> WeightSource:
+def weight_source(spec: GeneratorSpec, rank: int, source: dict[str, Any]) -> WeightSource:
     """Where this instance's workers join `source`'s fixed broadcast group (`source`: a member record);
     for proposals without a layout (a trainer that hosts one fixed group)."""
     address = source.get("addresses", {}).get("weights")
@@ -58,14 +59,13 @@ def weight_source(spec: RoleSpec, rank: int, source: dict[str, Any]) -> WeightSo
         )
     host, _, port = address.rpartition(":")
     group = source.get("info", {}).get("weight_group", {})
-    tp = int(spec.settings.get("tensor_parallel", 1))
-    gpus = int(spec.settings.get("gpus_per_instance", 1))
+    tp = spec.settings.tensor_parallel
     return WeightSource(
         host=host,
         port=int(port),
         world_size=int(group.get("world_size", 1 + spec.world * tp)),
         first_rank=1 + rank * tp,
-        backend=group.get("backend", "nccl" if gpus > 0 else "gloo"),
+        backend=group.get("backend") or process_backend(),
     )
 
 
@@ -83,7 +83,7 @@ class WeightPath:
 
     source_role, source_rank = "trainer", 0
 
-    def __init__(self, spec: RoleSpec, rank: int, engine: GenerationEngine, rdv: Any):
+    def __init__(self, spec: GeneratorSpec, rank: int, engine: GenerationEngine, rdv: Any):
         self.spec, self.rank, self.engine, self.rdv = spec, rank, engine, rdv
         self.member_id = f"generator-{rank}"
 
@@ -141,7 +141,7 @@ class RelayPath(WeightPath):
 
     def __init__(
         self,
-        spec: RoleSpec,
+        spec: GeneratorSpec,
         rank: int,
         engine: GenerationEngine,
         rdv: Any,
@@ -150,11 +150,9 @@ class RelayPath(WeightPath):
     ):
         super().__init__(spec, rank, engine, rdv)
         self.token = token
-        gpus = int(spec.settings.get("gpus_per_instance", 1))
-        # What we send with while we are the relay (tests pass one with short timeouts).
-        self.source = source or ElasticSource(
-            rdv, backend="nccl" if gpus > 0 else "gloo", host=socket.gethostname()
-        )
+        # What we send with while we are the relay (tests pass one with short timeouts). The backend
+        # follows what this process has (CUDA or not), whatever the recipe's GPU count says.
+        self.source = source or ElasticSource(rdv, backend=process_backend(), host=socket.gethostname())
         self._own: set[str] = set()  # groups we proposed: those proposals come back to us as events
 
     def relay_id(self, members: list[dict[str, Any]]) -> str | None:
@@ -264,7 +262,9 @@ class RelayPath(WeightPath):
                     time.sleep(0.2)  # proposed before published: it comes
 
 
-def make_weight_path(spec: RoleSpec, rank: int, engine: GenerationEngine, rdv: Any, token: str) -> WeightPath:
+def make_weight_path(
+    spec: GeneratorSpec, rank: int, engine: GenerationEngine, rdv: Any, token: str
+) -> WeightPath:
     """The path for this instance: the trainer's group, or its site's relay (which may become us)."""
     if spec.weight_transport == "broadcast":
         return WeightPath(spec, rank, engine, rdv)

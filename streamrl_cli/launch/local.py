@@ -43,6 +43,24 @@ class LocalProc:
     def alive(self) -> bool:
         return self.process() is not None
 
+    def leftovers(self) -> list[psutil.Process]:
+        """Processes of this role's group still running after its leader died (a `kill -9` leaves
+        vLLM's EngineCore and worker running: they are in the group, not children we wait for).
+        Only processes started after the leader count: a group id is a pid, and pids are reused."""
+        out = []
+        for p in psutil.process_iter(["pid", "create_time"]):
+            try:
+                ours = os.getpgid(p.pid) == self.pid and p.create_time() >= self.created - 0.05
+                if ours and p.pid != self.pid and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except (psutil.Error, OSError):
+                continue
+        return out
+
+    def running(self) -> bool:
+        """The leader or anything of its group is still running: there is something to stop."""
+        return self.alive() or bool(self.leftovers())
+
 
 # Popen objects of the processes this launcher started, so their exit codes can be collected.
 _PROCS: dict[int, subprocess.Popen] = {}
@@ -60,7 +78,7 @@ def render(job: JobSpec, spec_path: Path, python: str | None = None) -> str:
 
 
 def spawn(run: RunDir, role: str, rank: int, argv: list[str], env: dict[str, str] | None = None) -> LocalProc:
-    log = run.path / "logs" / role / f"{role}-{rank}.log"
+    log = run.local_log(role, rank)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         proc = subprocess.Popen(
@@ -76,7 +94,7 @@ def spawn(run: RunDir, role: str, rank: int, argv: list[str], env: dict[str, str
         role=role, rank=rank, pid=proc.pid, created=psutil.Process(proc.pid).create_time(), log=str(log)
     )
     _PROCS[proc.pid] = proc
-    write_json(run.path / "local.json", [*map(asdict, procs(run)), asdict(rec)])
+    write_json(run.local_json, [*map(asdict, procs(run)), asdict(rec)])
     return rec
 
 
@@ -89,7 +107,7 @@ def start_job(run: RunDir, job: JobSpec, spec_path: Path) -> list[LocalProc]:
 def procs(run: RunDir) -> list[LocalProc]:
     """The run's local processes as recorded in local.json; when that file is damaged, the live
     ones found in the process table (a run that keeps running must not look like nothing)."""
-    records, problem = read_json_checked(run.path / "local.json", [])
+    records, problem = read_json_checked(run.local_json, [])
     try:
         if problem is None and isinstance(records, list):
             return [LocalProc(**r) for r in records]
@@ -139,22 +157,37 @@ def exit_code(rec: LocalProc) -> int | None:
     return p.poll() if p is not None else None
 
 
+def started_here(rec: LocalProc) -> bool:
+    """Whether this process (this `streamrl`) started it, and so can know its exit code."""
+    return rec.pid in _PROCS
+
+
 def stop(recs: list[LocalProc], grace_s: float = 10.0) -> None:
-    """SIGTERM each process group, wait up to ``grace_s``, then SIGKILL what is left."""
-    live = [(r, p) for r in recs if (p := r.process()) is not None]
-    for _, p in live:
-        _signal_group(p.pid, signal.SIGTERM)
+    """SIGTERM each process group, wait up to ``grace_s``, then SIGKILL what is left. A group whose
+    leader is gone is still signalled while processes of it run (a killed role's engine processes)."""
+    live = [r for r in recs if r.running()]
+    for r in live:
+        _signal_group(r.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(r.alive() for r, _ in live):
-        for r, _ in live:
+    while time.monotonic() < deadline and any(r.running() for r in live):
+        for r in live:
             exit_code(r)  # reap our own children so they stop being zombies
         time.sleep(0.1)
-    for r, p in live:
-        if r.alive():
-            _signal_group(p.pid, signal.SIGKILL)
-    for r, _ in live:
+    for r in live:
+        if r.running():
+            _signal_group(r.pid, signal.SIGKILL)
+    for r in live:
         if r.pid in _PROCS:
             _PROCS[r.pid].wait(timeout=5)
+
+
+def reap(rec: LocalProc, grace_s: float = 5.0) -> list[int]:
+    """Stop what a dead role process left in its group; returns the pids that were still running."""
+    left = [p.pid for p in rec.leftovers()]
+    if left:
+        stop([rec], grace_s)
+    exit_code(rec)
+    return left
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -7,38 +7,16 @@ Pure functions: no files written, no clusters asked.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamrl_cli.recipe.schema import Recipe
+from streamrl_cli.recipe.schema import PlannerConfig, Recipe
+from streamrl_cli.roles.spec import GeneratorSpec, RendezvousSpec, RoleSpec, TrainerSpec
+from streamrl_cli.rundir import RunDir
 
 ROLES = ("rendezvous", "trainer", "generator")
-
-
-@dataclass(kw_only=True)
-class RoleSpec:
-    """Everything one role's processes need; written to run_dir/roles/<role>.yaml."""
-
-    run_name: str  # the run's name
-    run_dir: str  # absolute path of the run directory (shared filesystem on clusters)
-    role: str  # trainer | generator | rendezvous
-    cluster: str  # recipe key of the cluster it runs on
-    site: str  # the cluster's site
-    world: int  # processes of this role (trainer ranks, generator instances)
-    expected: dict[str, int]  # members per role the run expects (for waiting on peers)
-    program: str  # `module:function` each process runs
-    weight_transport: str  # how weights reach this role: broadcast (trainer's site) or relay (TCP)
-    rendezvous_file: str  # JSON file where the rendezvous server publishes its URL
-    secret_file: str  # the run's token (mode 0600)
-    rendezvous_ca: str | None = None  # CA file to verify the server's TLS certificate (null: plain HTTP)
-    settings: dict = field(default_factory=dict)  # the role's own recipe section
-    model: dict = field(default_factory=dict)
-    algorithm: dict = field(default_factory=dict)
-    task: dict = field(default_factory=dict)
-    train: dict = field(default_factory=dict)
-    skewness: dict = field(default_factory=dict)
-    generator_max_seqs: int = 64  # roles.generator.max_num_seqs: the trainer bounds its dispatch by it
 
 
 @dataclass(kw_only=True)
@@ -74,58 +52,77 @@ class JobSpec:
 
 
 def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
+    """Each role's typed slice of the recipe (see roles.spec)."""
     r = recipe
     t, g, z = r.roles.trainer, r.roles.generator, r.roles.rendezvous
     trainer_site = r.clusters[t.cluster].site
+    gen_site = r.clusters[g.cluster].site
+    gen_transport = "broadcast" if gen_site == trainer_site else "relay"
     expected = {"trainer": trainer_world(recipe), "generator": g.instances}
     common = dict(
         run_name=r.run.name,
         run_dir=str(run_dir),
         expected=expected,
-        rendezvous_file=str(run_dir / "rendezvous.json"),
-        secret_file=str(run_dir / "secret"),
+        rendezvous_file=str(RunDir(run_dir).endpoint),
+        secret_file=str(RunDir(run_dir).secret),
         rendezvous_ca=z.tls_ca,
-        model=dataclasses.asdict(r.model),
-        algorithm=dataclasses.asdict(r.algorithm),
-        task=dataclasses.asdict(r.task),
-        train=dataclasses.asdict(r.train),
-        skewness=dataclasses.asdict(r.skewness),
-        generator_max_seqs=g.max_num_seqs,
     )
-    specs = {
-        "trainer": RoleSpec(
+    z_cluster = z.cluster if z.placement == "job" and z.cluster else t.cluster
+    return {
+        "trainer": TrainerSpec(
             role="trainer",
             cluster=t.cluster,
             site=trainer_site,
             world=expected["trainer"],
             program=t.program,
             weight_transport="source",
-            settings=dataclasses.asdict(t),
+            settings=copy.deepcopy(t),
+            model=copy.deepcopy(r.model),
+            algorithm=copy.deepcopy(r.algorithm),
+            task=copy.deepcopy(r.task),
+            train=copy.deepcopy(r.train),
+            skewness=copy.deepcopy(r.skewness),
+            planner=_absolute(r.planner),
+            generator=copy.deepcopy(g),
+            generator_transport=gen_transport,
             **common,
         ),
-        "generator": RoleSpec(
+        "generator": GeneratorSpec(
             role="generator",
             cluster=g.cluster,
-            site=r.clusters[g.cluster].site,
+            site=gen_site,
             world=g.instances,
             program=g.program,
-            weight_transport="broadcast" if r.clusters[g.cluster].site == trainer_site else "relay",
-            settings=dataclasses.asdict(g),
+            weight_transport=gen_transport,
+            settings=copy.deepcopy(g),
+            model=copy.deepcopy(r.model),
+            task=copy.deepcopy(r.task),
+            train=copy.deepcopy(r.train),
+            **common,
+        ),
+        "rendezvous": RendezvousSpec(
+            role="rendezvous",
+            cluster=z_cluster,
+            site=r.clusters[z_cluster].site,
+            world=1,
+            program="streamrl_cli.launch.server_role:main",
+            weight_transport="none",
+            settings=copy.deepcopy(z),
             **common,
         ),
     }
-    z_cluster = z.cluster if z.placement == "job" and z.cluster else t.cluster
-    specs["rendezvous"] = RoleSpec(
-        role="rendezvous",
-        cluster=z_cluster,
-        site=r.clusters[z_cluster].site,
-        world=1,
-        program="streamrl_cli.roles.rendezvous:main",
-        weight_transport="none",
-        settings=dataclasses.asdict(z),
-        **common,
+
+
+def _absolute(p: PlannerConfig) -> PlannerConfig:
+    """Role processes run in the run directory: files the recipe names relative to where
+    `streamrl run` ran are made absolute here."""
+
+    def absolute(f: str | None) -> str | None:
+        return str(Path(f).expanduser().resolve()) if f else None
+
+    return dataclasses.replace(
+        p, hardware_file=absolute(p.hardware_file), profile_file=absolute(p.profile_file)
     )
-    return specs
 
 
 def trainer_world(recipe: Recipe) -> int:

@@ -6,30 +6,31 @@
            ──► local jobs: watched in the foreground until they end; Ctrl-C stops every role
 
 A SLURM-only run returns once submitted; its rendezvous server stays up on this host and stops
-itself when the run's jobs have ended (see roles.rendezvous).
+itself when the run's jobs have ended (see launch.server_role).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from rich.console import Console
 
 from streamrl_cli import rundir
-from streamrl_cli.errors import ClusterError, RendezvousError, ResumeError
+from streamrl_cli.errors import ClusterError, RendezvousError, ResumeError, StreamRLError
 from streamrl_cli.launch import local, plan, slurm
-from streamrl_cli.launch.plan import JobSpec, RoleSpec
+from streamrl_cli.launch.plan import JobSpec
 from streamrl_cli.recipe.load import Composed
+from streamrl_cli.rendezvous import create_secret
+from streamrl_cli.roles.spec import RoleSpec, TrainerSpec, load_spec, spec_yaml
 from streamrl_cli.rundir import RunDir, write_atomic
 
 RENDEZVOUS_START_S = 60.0  # a local server starts in about a second
 RENDEZVOUS_JOB_START_S = 900.0  # a server job may wait in the queue first
+GENERATOR_EXIT_S = 30.0  # after the trainer left, for generators to hand over and exit on their own
 
 
 @dataclass
@@ -47,21 +48,20 @@ def prepare(composed: Composed, root: Path | None = None, dry_run: bool = False)
 
     r = composed.recipe
     run = rundir.create(root or Path(r.run.root), r.run.name)
-    write_atomic(run.path / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(r)))
+    write_atomic(run.config, OmegaConf.to_yaml(OmegaConf.structured(r)))
     jobs = plan.jobs(r)
     specs = plan.role_specs(r, run.path)
     spec_paths = {}
     for role, spec in specs.items():
-        spec_paths[role] = run.path / "roles" / f"{role}.yaml"
-        write_atomic(spec_paths[role], yaml.safe_dump(dataclasses.asdict(spec), sort_keys=False))
-    run.ensure_secret()
+        spec_paths[role] = run.role_spec(role)
+        write_atomic(spec_paths[role], spec_yaml(spec))
+    create_secret(run.path)
     scripts = {}
     for job in jobs:
+        scripts[job.key] = run.job_script(job.key, job.launcher)
         if job.launcher == "slurm":
-            scripts[job.key] = run.path / "jobs" / f"{job.key}.sbatch"
             write_atomic(scripts[job.key], slurm.render(job, r.run.name, run.path))
         else:
-            scripts[job.key] = run.path / "jobs" / f"{job.key}.sh"
             write_atomic(scripts[job.key], local.render(job, spec_paths[job.role]))
     run.update_info(
         name=r.run.name,
@@ -94,17 +94,18 @@ def reopen(run: RunDir) -> Prepared:
 
     from streamrl_cli.recipe.schema import Recipe
 
-    alive = [r for r in local.procs(run) if r.alive()]
+    alive = [r for r in local.procs(run) if r.running()]
     if alive or (run.jobs() and not slurm.all_ended(slurm.run_job_states(run.jobs()))):
         raise ClusterError(
             f"run {run.name} still has roles running: stop it first (`streamrl cancel {run.name}`)"
         )
+    import yaml
     from omegaconf.errors import OmegaConfBaseException
 
     from streamrl_cli.errors import RecipeError
     from streamrl_cli.recipe import safe_yaml
 
-    config = run.path / "config.yaml"
+    config = run.config
     try:
         safe_yaml.check_document(config, safe_yaml.read_text(config))
         tree = OmegaConf.load(config)
@@ -114,28 +115,21 @@ def reopen(run: RunDir) -> Prepared:
     except (OSError, ValueError, OmegaConfBaseException, yaml.YAMLError) as e:
         raise ResumeError(f"cannot resume run {run.name}: {config} is damaged: {e}") from None
     # The trainer resumes from run_dir/checkpoints/iter-N/ (complete once its state.json exists).
-    ckpts = run.path / "checkpoints"
+    ckpts = run.checkpoints
     if not (ckpts.is_dir() and any((p / "state.json").is_file() for p in ckpts.glob("iter-*"))):
         raise ResumeError(
             f"cannot resume run {run.name}: it has no complete checkpoint in {ckpts} "
             "(train.checkpoint_every sets how often one is written); start it anew with `streamrl run`"
         )
-    attempts = run.path / "attempts"
-    n = len(list(attempts.glob("*"))) + 1 if attempts.is_dir() else 1
-    for name in ("local.json", "jobs.json", "rendezvous.json"):
-        if (run.path / name).exists():
-            (attempts / str(n)).mkdir(parents=True, exist_ok=True)
-            os.replace(run.path / name, attempts / str(n) / name)
+    n = len(list(run.attempts.glob("*"))) + 1 if run.attempts.is_dir() else 1
+    for path in run.attempt_leftovers():
+        if path.exists():
+            run.attempt(n).mkdir(parents=True, exist_ok=True)
+            os.replace(path, run.attempt(n) / path.name)
     jobs = plan.jobs(recipe)
-    spec_paths = {
-        role: run.path / "roles" / f"{role}.yaml" for role in ("trainer", "generator", "rendezvous")
-    }
-    from streamrl_cli.roles.entry import load_spec
-
+    spec_paths = {role: run.role_spec(role) for role in ("trainer", "generator", "rendezvous")}
     specs = {role: load_spec(path) for role, path in spec_paths.items()}
-    scripts = {
-        j.key: run.path / "jobs" / f"{j.key}.{'sbatch' if j.launcher == 'slurm' else 'sh'}" for j in jobs
-    }
+    scripts = {j.key: run.job_script(j.key, j.launcher) for j in jobs}
     run.update_info(state="created", resumed=time.time(), attempt=n + 1)
     run.event("resumed", attempt=n + 1)
     return Prepared(run=run, specs=specs, spec_paths=spec_paths, jobs=jobs, scripts=scripts)
@@ -149,8 +143,9 @@ def prepare_model(p: Prepared, console: Console) -> None:
     from streamrl_cli.models.warmup import ensure_model
 
     spec = p.specs["trainer"]
-    path = Path(os.path.expanduser(str(spec.model["path"])))
-    if path.exists() or not spec.model.get("builder"):
+    assert isinstance(spec, TrainerSpec)
+    path = Path(os.path.expanduser(spec.model.path))
+    if path.exists() or not spec.model.builder:
         return
     from transformers.utils import logging as hf_logging
 
@@ -160,15 +155,13 @@ def prepare_model(p: Prepared, console: Console) -> None:
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), console=console, transient=True,
     ) as progress:  # fmt: skip
-        bar = progress.add_task(
-            f"building {spec.model['name']} (once, cached)", total=None, loss=float("nan")
-        )
+        bar = progress.add_task(f"building {spec.model.name} (once, cached)", total=None, loss=float("nan"))
 
         def report(step: int, steps: int, loss: float) -> None:
             progress.update(bar, description="warming up the model", completed=step, total=steps, loss=loss)
 
         ensure_model(spec.model, spec.task, progress=report)
-    console.print(f"model {spec.model['name']}: {path}", markup=False, highlight=False)
+    console.print(f"model {spec.model.name}: {path}", markup=False, highlight=False)
 
 
 def launch(p: Prepared, console: Console) -> int:
@@ -231,7 +224,7 @@ def _submit(p: Prepared, job: JobSpec, console: Console) -> None:
 def wait_rendezvous(run: RunDir, timeout: float) -> str:
     """The server's URL, once it has published it; fails early if its local process died."""
     deadline = time.monotonic() + timeout
-    f = run.path / "rendezvous.json"
+    f = run.endpoint
     while time.monotonic() < deadline:
         info = rundir.read_json(f)
         if info and info.get("url"):
@@ -257,12 +250,31 @@ def watch_local(run: RunDir, console: Console) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     roles = [r for r in local.procs(run) if r.role != "rendezvous"]
     failed: list[local.LocalProc] = []
+    gone: set[int] = set()  # generators that failed: the run goes on without them
+    no_generator = False
+    follower = _scale_follower(run, console)
     try:
         with Live(live_view(run), console=console, refresh_per_second=2, transient=False) as live:
             while stop["signal"] is None:
-                codes = {r.pid: local.exit_code(r) for r in roles}
-                failed = [r for r in roles if codes[r.pid] not in (None, 0)]
-                if failed or all(c is not None for c in codes.values()):
+                if follower is not None:
+                    _follow_scale(follower, console)
+                released = follower.released if follower is not None else set()
+                known = {r.pid for r in roles}  # generators started later (scaled up) are watched too
+                roles += [r for r in local.procs(run) if r.role != "rendezvous" and r.pid not in known]
+                codes = {r.pid: _exit_code(r) for r in roles}
+                # Released instances (scaled in) leave on purpose, whatever their exit code.
+                gens = [r for r in roles if r.role == "generator" and r.rank not in released]
+                for r in gens:
+                    if codes[r.pid] not in (None, 0) and r.pid not in gone:
+                        gone.add(r.pid)
+                        _generator_failed(run, r, codes[r.pid], console)
+                failed = [r for r in roles if codes[r.pid] not in (None, 0) and r.role != "generator"]
+                trainers = [r for r in roles if r.role == "trainer"]
+                if gone and all(codes[r.pid] is not None for r in gens):
+                    # None left, and not released (those exit 0): nothing will produce samples.
+                    failed += [r for r in gens if r.pid in gone]
+                    no_generator = True
+                if failed or all(codes[r.pid] is not None for r in trainers):
                     break
                 live.update(live_view(run))
                 time.sleep(0.5)
@@ -277,12 +289,21 @@ def watch_local(run: RunDir, console: Console) -> int:
     if run.info().get("state") in ("cancelling", "cancelled"):  # `streamrl cancel` from elsewhere
         return 130
     state = "failed" if failed else "finished"
-    local.stop(local.procs(run))  # the rendezvous server (and anything a failed role left)
+    # Generators finish on their own once the trainer left; the server goes last.
+    _wait_exit([r for r in roles if r.role == "generator"], GENERATOR_EXIT_S)
+    local.stop([r for r in local.procs(run) if r.role != "rendezvous"])  # anything a role left
+    local.stop(local.procs(run))  # the rendezvous server
     run.update_info(state=state, ended=time.time())
-    run.event(state, failed=[f"{r.role}-{r.rank}" for r in failed])
+    run.event(
+        state,
+        failed=[f"{r.role}-{r.rank}" for r in failed],
+        **({"reason": "no generator left: every generator failed"} if no_generator else {}),
+    )
+    if no_generator:
+        console.print("[red]no generator left: every generator failed[/red]; the run cannot go on")
     for r in failed:
         console.print(
-            f"[red]{r.role} rank {r.rank} exited with {local.exit_code(r)}[/red]; last lines of {r.log}:"
+            f"[red]{r.role} rank {r.rank} exited with {_exit_code(r)}[/red]; last lines of {r.log}:"
         )
         console.print(local.log_tail(r.log), markup=False, highlight=False)
     if not console.is_terminal:
@@ -290,10 +311,74 @@ def watch_local(run: RunDir, console: Console) -> int:
     summary = summary_line(run)
     if summary:
         console.print(summary, markup=False, highlight=False)
-    console.print(f"run {run.name} {state} (logs in {run.path / 'logs'}; `streamrl status {run.name}`)")
+    console.print(f"run {run.name} {state} (logs in {run.logs}; `streamrl status {run.name}`)")
     if summary:
         console.print(f"plots: `streamrl plot {run.name}`", markup=False, highlight=False)
     return 1 if failed else 0
+
+
+def _generator_failed(run: RunDir, rec: local.LocalProc, code: int | None, console: Console) -> None:
+    """A generator died (killed, crashed): the trainer re-dispatches its work to the others (it sees
+    the member leave or its lease expire); here, what it left running in its group is stopped."""
+    left = local.reap(rec)
+    run.event("member_failed", role=rec.role, rank=rec.rank, exit_code=code, reaped=left)
+    console.print(
+        f"[yellow]generator rank {rec.rank} exited with {code}[/yellow]; the run goes on without it"
+        + (f" (stopped {len(left)} process(es) it left: {left})" if left else "")
+        + f"; last lines of {rec.log}:"
+    )
+    console.print(local.log_tail(rec.log, 5), markup=False, highlight=False)
+
+
+def _exit_code(rec: local.LocalProc) -> int | None:
+    """Its exit code; a process we did not start (added by `streamrl scale`) that is gone counts as 0
+    unless its start record says otherwise."""
+    code = local.exit_code(rec)
+    if code is None and not local.started_here(rec) and not rec.alive():
+        return 0
+    return code
+
+
+def _wait_exit(recs: list[local.LocalProc], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(local.exit_code(r) is None and r.alive() for r in recs):
+        time.sleep(0.2)
+
+
+def _scale_follower(run: RunDir, console: Console):  # type: ignore[no-untyped-def]
+    """The follower of scale requests when this process is the one that applies them (local generators)."""
+    from streamrl_cli.elastic import executor
+    from streamrl_cli.elastic.follow import ScaleFollower
+    from streamrl_cli.rendezvous import RendezvousClient
+    from streamrl_cli.roles.spec import load_spec
+
+    try:
+        if executor.launcher_of(run) != "local":
+            return None  # the rendezvous role's job watcher applies them
+        ca = load_spec(run.role_spec("rendezvous")).rendezvous_ca
+        # Short retries: the watch loop must stay responsive while the server restarts or stops.
+        return ScaleFollower(run, RendezvousClient.from_run_dir(run.path, tls_ca=ca, retry_s=2.0))
+    except StreamRLError as e:
+        console.print(f"[yellow]scaling unavailable for this run: {e}[/yellow]")
+        return None
+
+
+def _follow_scale(follower, console: Console) -> bool:  # type: ignore[no-untyped-def]
+    """Apply pending scale requests; True when instances were started or released."""
+    try:
+        written = follower.poll()
+    except StreamRLError as e:  # the server unreachable for a moment: the next poll retries
+        console.print(f"[yellow]scale requests: {e}[/yellow]")
+        return False
+    for ev in written:
+        if ev["event"] == "scaled":
+            console.print(
+                f"generators {ev['before']} -> {ev['after']} ({ev['source']}"
+                f"{': ' + ev['reason'] if ev['reason'] else ''})", markup=False, highlight=False,
+            )  # fmt: skip
+        elif ev["event"] == "scale_failed":
+            console.print(f"[red]scale request {ev['request']} failed: {ev['error']}[/red]")
+    return any(ev["event"] == "scaled" for ev in written)
 
 
 def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:
@@ -302,7 +387,7 @@ def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:
     # Said before any signal is sent, so that a `streamrl run` watching the roles reads their
     # exits as a cancel, not as a failure.
     run.update_info(state="cancelling")
-    _, damaged = rundir.read_json_checked(run.path / "jobs.json")
+    _, damaged = rundir.read_json_checked(run.jobs_json)
     if damaged:
         errors.append(
             f"{damaged}: cannot tell which SLURM jobs to cancel; find them with "
@@ -316,7 +401,7 @@ def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:
             )
         except ClusterError as e:
             errors.append(str(e))
-    live = [r for r in local.procs(run) if r.alive()]
+    live = [r for r in local.procs(run) if r.running()]  # a dead role's leftover engine processes too
     # Roles first, the rendezvous last: members can still say goodbye while it is up.
     local.stop([r for r in live if r.role != "rendezvous"])
     local.stop([r for r in live if r.role == "rendezvous"])

@@ -18,6 +18,7 @@ from typing import Any
 from streamrl_cli.errors import ClusterError
 from streamrl_cli.launch.plan import JobSpec
 from streamrl_cli.recipe.checks import templates_dir
+from streamrl_cli.rundir import RunDir
 
 SUBMITIT_COMMAND = "{python} -u -m submitit.core._submit {folder}"
 
@@ -69,7 +70,7 @@ def sbatch_parameters(job: JobSpec, run_name: str, run_dir: Path) -> dict[str, A
 
 
 def log_folder(run_dir: Path, job: JobSpec) -> Path:
-    return run_dir / "logs" / job.role
+    return RunDir(run_dir).role_logs(job.role)
 
 
 def render(job: JobSpec, run_name: str, run_dir: Path, python: str | None = None) -> str:

@@ -37,7 +37,7 @@ def local_table(run: RunDir) -> Table:
 
 
 def _member(run: RunDir, role: str, rank: int) -> dict:
-    return read_json(run.path / "members" / f"{role}-{rank}.json", {})
+    return read_json(run.member_record(role, rank), {})
 
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -80,7 +80,7 @@ def training_view(run: RunDir) -> RenderableType | None:
 
 
 def run_total_iterations(run: RunDir) -> int | None:
-    spec = read_json(run.path / "run.json", {})
+    spec = read_json(run.run_json, {})
     return spec.get("iterations")
 
 

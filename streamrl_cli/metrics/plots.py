@@ -17,7 +17,6 @@ from typing import Any
 
 from streamrl_cli.metrics import MetricsError
 from streamrl_cli.metrics.read import read_iterations
-from streamrl_cli.rendezvous import METRICS_FILE
 from streamrl_cli.rundir import RunDir
 
 Record = dict[str, Any]
@@ -39,7 +38,7 @@ def plot_run(run_dir: Path, out_dir: Path) -> PlotFiles:
     run_dir = Path(run_dir)
     iters = read_iterations(run_dir)
     if not iters:
-        raise MetricsError(f"no iterations recorded yet in {run_dir / METRICS_FILE}")
+        raise MetricsError(f"no iterations recorded yet in {RunDir(run_dir).metrics}")
     import matplotlib
 
     if "matplotlib.pyplot" not in sys.modules:  # never switch the backend under an interactive session
@@ -64,6 +63,8 @@ def plot_run(run_dir: Path, out_dir: Path) -> PlotFiles:
         if missing:
             files.skipped[plot] = missing
             continue
+        if plot == "throughput":
+            _mark_scale_events(fig, _scale_events(run_dir, iters))
         fig.suptitle(f"{label}: {plot}")
         path = out_dir / f"{plot}.png"
         fig.savefig(path)
@@ -200,3 +201,28 @@ def _lengths(fig: Any, iters: list[Record]) -> str | None:
         return "no len/* recorded"
     ax.legend(loc="best")
     return None
+
+
+def _scale_events(run_dir: Path, iters: list[Record]) -> list[tuple[float, str]]:
+    """(iteration, label) of each change of generator instances (events.jsonl `scaled`), placed at
+    the iteration during which it was applied."""
+    ends = sorted(
+        (e, r["iteration"]) for r in iters if isinstance(r.get("timeline"), dict)
+        if (e := _num(r["timeline"].get("end"))) is not None
+    )  # fmt: skip
+    out = []
+    for ev in RunDir(run_dir).events():
+        if ev.get("event") != "scaled" or ev.get("before") == ev.get("after") or not ends:
+            continue
+        it = next((i for end, i in ends if end >= ev["time"]), ends[-1][1] + 0.5)
+        out.append((float(it), f"{ev['before']}→{ev['after']} gen ({ev.get('source', '?')})"))
+    return out
+
+
+def _mark_scale_events(fig: Any, marks: list[tuple[float, str]]) -> None:
+    for n, ax in enumerate(fig.axes):
+        for x, label in marks:
+            ax.axvline(x, color="tab:gray", linestyle="--", linewidth=1)
+            if n == 0:
+                ax.annotate(label, (x, 1.0), xycoords=("data", "axes fraction"), rotation=90, size=8,
+                            ha="right", va="top", color="tab:gray")  # fmt: skip

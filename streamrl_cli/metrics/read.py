@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from streamrl_cli.rendezvous import METRICS_FILE
+from streamrl_cli.rundir import RunDir
 
 
 def is_iteration(rec: Any) -> bool:
@@ -28,7 +28,7 @@ def is_iteration(rec: Any) -> bool:
 
 def read_iterations(run_dir: Path) -> list[dict[str, Any]]:
     """One record per iteration, in iteration order; the last record of a repeated iteration wins."""
-    path = Path(run_dir) / METRICS_FILE
+    path = RunDir(Path(run_dir)).metrics
     latest: dict[int, dict[str, Any]] = {}
     try:
         f = open(path, "rb")

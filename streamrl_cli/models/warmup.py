@@ -25,9 +25,13 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.tasks import Task, make_task
+
+if TYPE_CHECKING:
+    from streamrl_cli.recipe.schema import ModelConfig, TaskConfig
 
 MARKER = "streamrl-warmup.json"
 BATCH = 32  # prompts per supervised step
@@ -142,19 +146,18 @@ def _save_atomically(model, tokenizer, out: Path, info: dict, wanted: dict) -> N
             shutil.rmtree(old, ignore_errors=True)
 
 
-def ensure_model(model: dict, task: dict, progress: Progress | None = None) -> Path:
-    """The recipe's model directory, made first if its ``builder`` says how (``model``, ``task``: the
-    recipe's sections as plain dicts)."""
+def ensure_model(model: ModelConfig, task: TaskConfig, progress: Progress | None = None) -> Path:
+    """The recipe's model directory, made first if its ``builder`` says how."""
     from streamrl_cli.models.tiny import build_tiny_model
 
-    path = Path(os.path.expanduser(str(model["path"])))
+    path = Path(os.path.expanduser(model.path))
     if path.exists():
         return path
-    builder = model.get("builder")
+    builder = model.builder
     if builder == "tiny":
         return build_tiny_model(path)
     if builder == "tiny-warm":
-        steps = int(model.get("warmup_steps") or 0)
+        steps = model.warmup_steps
         if steps < 1:
             raise StreamRLError(
                 f"model.warmup_steps must be at least 1 with model.builder=tiny-warm, got {steps}"

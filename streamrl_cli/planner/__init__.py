@@ -3,7 +3,7 @@
     recipe ──► workload (model, batch, length distribution, mode)     planner.workload, .lengths
     hardware.yaml (+ user file) ──► GPU specs                          planner.hardware
     cost model: analytic roofline | profiled (`streamrl profile`)      planner.costmodel, .profile
-        measured here, or by one SLURM job per hardware kind           planner.profile_jobs
+        measured here, or by one SLURM job per hardware kind           streamrl_cli.profiling
         ──► P_gen(x): best TP / instances / batch on x GPUs            planner.generation
         ──► P_train(y): best TP×PP×DP / ZeRO / offload on y GPUs       planner.training
         ──► iteration time per mode (baseline, sync-stream, async)     planner.iteration

@@ -23,9 +23,11 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from streamrl_cli.curves import interpolate, monotone
 from streamrl_cli.planner.hardware import GPUSpec
 from streamrl_cli.planner.profile import Profile
 from streamrl_cli.planner.workload import ModelShape
+from streamrl_cli.skew.dispatch import PTL, ptl_from_points
 
 
 class CostModel(ABC):
@@ -152,34 +154,6 @@ class ProfiledCostModel(CostModel):
         return (micro_batches * fixed + tokens * per_token / shards) * passes / 3
 
 
-def interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
-    """Piecewise-linear through sorted (x, y) points; flat below, last slope above the range."""
-    pts = sorted(points)
-    if len(pts) == 1 or x <= pts[0][0]:
-        return pts[0][1]
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
-        if x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    (x0, y0), (x1, y1) = pts[-2], pts[-1]
-    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
-
-
-def monotone(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Isotonic (non-decreasing) least-squares fit of y over sorted x: pool adjacent violators."""
-    blocks: list[list[float]] = []  # [sum of y, count, first x index]
-    pts = sorted(points)
-    for i, (_, y) in enumerate(pts):
-        blocks.append([y, 1, i])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            s, n, _ = blocks.pop()
-            blocks[-1][0] += s
-            blocks[-1][1] += n
-    out = []
-    for s, n, start in blocks:
-        out += [(pts[start + j][0], s / n) for j in range(int(n))]
-    return out
-
-
 def linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """Least-squares (intercept, slope), intercept clamped at 0 (a step cannot take negative time)."""
     n = len(points)
@@ -196,3 +170,17 @@ def linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
 def make_cost_model(profiles: Sequence[Profile] = ()) -> CostModel:
     return ProfiledCostModel(profiles) if profiles else AnalyticCostModel()
+
+
+def ptl_from_profile(profile: Profile) -> PTL:
+    """Algorithm 2's PTL from the decode curve of a `streamrl profile` measurement (planner.profile)."""
+    if not profile.decode:
+        raise ValueError(f"profile of {profile.model} on {profile.hardware} has no decode curve")
+    return ptl_from_points(profile.decode)
+
+
+def ptl_from_cost_model(
+    cm: CostModel, hw: GPUSpec, model: ModelShape, *, tp: int = 1, ctx: float = 0.0
+) -> PTL:
+    """Algorithm 2's PTL from the cost model (analytic roofline, or profiled) for one generator instance."""
+    return lambda bs: cm.decode_step_s(hw, model, tp, bs, ctx)

@@ -1,6 +1,6 @@
 """Output-length distribution of a reasoning workload: a log-normal body and a flat tail.
 
-Reasoning outputs are long-tailed (StreamRL paper, DESIGN §1): most samples end near a mode of
+Reasoning outputs are long-tailed (StreamRL paper; docs/architecture.md): most samples end near a mode of
 ~2K tokens, a flat tail reaches the maximum output length (20K). The tail, not the mean, sets how
 long a synchronous generation stage takes: the iteration waits for its longest sample. So both
 the cost model (which integrates over the survival function) and the simulator (which samples)
@@ -119,11 +119,3 @@ class LengthDist:
         """(k, S(k)) at the middle of ``points`` equal steps over [0, upto]."""
         step = upto / points
         return [((i + 0.5) * step, self.survival((i + 0.5) * step)) for i in range(points)]
-
-
-def empirical_quantile(values: list[int], q: float) -> float:
-    """Quantile of observed lengths (the simulator's dispatcher learns from the last iteration)."""
-    ordered = sorted(values)
-    if not ordered:
-        raise ValueError("no values")
-    return float(ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))])

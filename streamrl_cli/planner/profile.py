@@ -1,26 +1,20 @@
-"""Profiles: measured cost curves, their file format, and running the measurement.
+"""Profiles: measured cost curves and their file format.
 
 `streamrl profile RECIPE` measures the real engines — vLLM's decode step time against batch
 size, and the trainer's forward+backward time against tokens — and writes one JSON file per
 (hardware kind, model) that :class:`~streamrl_cli.planner.costmodel.ProfiledCostModel`
 interpolates. A profile may hold only one of the two curves: on SLURM the generator's kind is
-measured for decoding and the trainer's for training (planner.profile_jobs); the cost model
+measured for decoding and the trainer's for training (profiling.jobs); the cost model
 falls back to the analytic one for the curve a profile lacks.
 
-The engines run in a child process (``planner.profile_worker``): vLLM spawns its own engine
-core and holds gigabytes, and the caller — the CLI on this machine (``--local``, or a recipe whose
-roles run locally), or the SLURM job of one hardware kind — should stay light and keep
-reporting progress while it works. The child reports progress as JSON lines on stdout.
+This module is the format only (pure); measuring is ``streamrl_cli.profiling``: the worker that
+runs the engines, running it here (``profiling.local``) or in SLURM jobs (``profiling.jobs``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import tempfile
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,7 +22,7 @@ from typing import TYPE_CHECKING
 from streamrl_cli.planner import ProfileError
 
 if TYPE_CHECKING:
-    from streamrl_cli.recipe.schema import Recipe
+    pass
 
 FORMAT = 1
 MEASURES = ("decode", "train")
@@ -133,97 +127,3 @@ class ProfileRequest:
     def from_dict(cls, raw: dict) -> ProfileRequest:
         """Back from ``asdict`` through JSON (lists become tuples again)."""
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
-
-
-def request_from_recipe(r: Recipe, *, trainer: str, batches: str, where: str) -> ProfileRequest:
-    """What every measurement of this recipe shares (hardware, out and measure are per profile).
-
-    ``where`` says for the error message where the engines will read the model from.
-    """
-    model_dir = Path(r.model.path).expanduser()
-    build = False
-    if not (model_dir / "config.json").is_file():
-        if not r.model.builder:
-            raise ProfileError(
-                f"model.path {r.model.path!r} is not a local model directory: `streamrl profile` runs the "
-                f"engines {where} on the model's files (on this machine: `streamrl profile local`)"
-            )
-        # A recipe that says how to make its model (the tiny one, maybe warmed up): made here, once,
-        # exactly as `streamrl run` makes it, so a later run finds the same model at model.path.
-        import dataclasses
-
-        from streamrl_cli.models.warmup import ensure_model
-
-        ensure_model(dataclasses.asdict(r.model), dataclasses.asdict(r.task))
-    if trainer not in ("torch", "deepspeed"):
-        raise ProfileError(f"--trainer {trainer!r}: valid: torch, deepspeed")
-    try:
-        sizes = tuple(sorted({int(b) for b in batches.split(",")}))
-    except ValueError:
-        raise ProfileError(f"--batches {batches!r}: expected comma-separated integers") from None
-    if not sizes or sizes[0] < 1:
-        raise ProfileError(f"--batches {batches!r}: batch sizes must be at least 1")
-    return ProfileRequest(
-        model_dir=str(model_dir),
-        model=r.model.name,
-        batches=sizes,
-        trainer=trainer,
-        zero_stage=max(1, r.roles.trainer.zero_stage),
-        build_tiny=build,
-        dtype=r.model.dtype,
-        decode_tp=r.roles.generator.tensor_parallel,
-    )
-
-
-def run_profile(
-    req: ProfileRequest,
-    on_event: Callable[[dict], None] = lambda e: None,
-    timeout_s: float = 1800,
-    log_path: str | os.PathLike | None = None,
-) -> Profile:
-    """Run the measuring child; ``on_event`` gets each progress record. Returns the saved profile.
-
-    The child's stderr (vLLM's logs) goes to ``log_path`` if given, else to a temporary file; its
-    last lines make the error message when the child fails.
-    """
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONUNBUFFERED": "1",
-    }
-    cmd = [sys.executable, "-m", "streamrl_cli.planner.profile_worker", json.dumps(asdict(req))]
-    error = None
-    # vLLM logs plenty to stderr: a file, not a pipe nobody drains while stdout is read.
-    with open(log_path, "w+") if log_path else tempfile.TemporaryFile(mode="w+") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-        assert proc.stdout is not None
-        try:
-            for line in proc.stdout:
-                event = _event(line)
-                if event is None:
-                    continue
-                if event.get("event") == "error":
-                    error = event.get("message")
-                on_event(event)
-            proc.wait(timeout=timeout_s)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        log.seek(0)
-        tail = log.read().splitlines()[-15:]
-    if proc.returncode != 0 or error:
-        detail = error or "\n    ".join(tail) or f"exit code {proc.returncode}"
-        raise ProfileError(f"profiling failed: {detail}")
-    return load_profile(req.out)
-
-
-def _event(line: str) -> dict | None:
-    if not line.startswith("{"):
-        return None
-    try:
-        event = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return event if isinstance(event, dict) else None

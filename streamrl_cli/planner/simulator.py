@@ -26,9 +26,9 @@ import math
 import random
 from dataclasses import dataclass
 
-from streamrl_cli.planner.costmodel import interpolate
+from streamrl_cli.curves import empirical_quantile, interpolate
 from streamrl_cli.planner.dispatch import POLICIES, dispatch_random, dispatch_skewness, predict
-from streamrl_cli.planner.lengths import LengthDist, empirical_quantile
+from streamrl_cli.planner.lengths import LengthDist
 from streamrl_cli.skew.dispatch import PAPER_PTL_7B_H800 as PAPER_PTL_7B_H800  # re-exported
 
 SIM_MODES = ("colocated", "baseline", "sync-stream", "async")

@@ -1,4 +1,5 @@
-"""Output-length rankers for skewness-aware generation (DESIGN.md §1: "rankability over predictability").
+"""Output-length rankers for skewness-aware generation ("rankability over predictability";
+docs/architecture.md).
 
 :func:`make_ranker` builds the one a recipe's ``skewness`` section names; :func:`quality` measures
 one. Torch and transformers are imported only by the learned ranker, when it is made.

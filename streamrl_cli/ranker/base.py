@@ -1,6 +1,6 @@
 """The output-length ranker interface, the trivial rankers, and the factory that picks one.
 
-Skewness-aware dispatching (DESIGN.md §1) only needs to know which prompts will produce the longest
+Skewness-aware dispatching (docs/architecture.md) only needs to know which prompts will produce the longest
 outputs: "rankability over predictability". A :class:`Ranker` therefore returns one score per
 prompt, in tokens so that rankers can stand in for each other (the history ranker falls back on the
 learned one, a cache on its ranker), but only the order of the scores is used. ``update`` feeds the
@@ -18,9 +18,13 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.tasks import Prompt, Task
+
+if TYPE_CHECKING:
+    from streamrl_cli.recipe.schema import SkewnessConfig
 
 KINDS = ("none", "learned", "history", "oracle", "random")
 
@@ -95,15 +99,15 @@ class RandomRanker(Ranker):
 
 
 def make_ranker(
-    cfg: dict, *, model_path: str | None, task: Task, seed: int = 0, device: str = "cpu"
+    cfg: SkewnessConfig, *, model_path: str | None, task: Task, seed: int = 0, device: str = "cpu"
 ) -> Ranker | None:
-    """The ranker of a recipe's ``skewness`` section (a plain dict), or None for ``ranker: none``.
+    """The ranker of a recipe's ``skewness`` section, or None for ``ranker: none``.
 
     ``model_path`` is the policy's model, the learned ranker's base unless ``ranker_model`` names
     another. With ``cache`` set, the cached scores (``streamrl rank``) answer for the prompts they
     cover and the ranker for the rest; a history ranker's observations still come first.
     """
-    kind = cfg.get("ranker") or "none"
+    kind = cfg.ranker
     if kind not in KINDS:
         raise RankerError(f"skewness.ranker: unknown ranker {kind!r} (valid: {', '.join(KINDS)})")
     if kind == "none":
@@ -114,10 +118,10 @@ def make_ranker(
         ranker = RandomRanker(seed)
     else:
         ranker = _learned(cfg, model_path, seed, device)
-    if cfg.get("cache"):
+    if cfg.cache:
         from streamrl_cli.ranker.cache import CachedRanker, load_cache
 
-        ranker = CachedRanker(load_cache(cfg["cache"]), ranker)
+        ranker = CachedRanker(load_cache(cfg.cache), ranker)
     if kind == "history":
         from streamrl_cli.ranker.history import HistoryRanker
 
@@ -125,14 +129,14 @@ def make_ranker(
     return ranker
 
 
-def _learned(cfg: dict, model_path: str | None, seed: int, device: str) -> Ranker:
+def _learned(cfg: SkewnessConfig, model_path: str | None, seed: int, device: str) -> Ranker:
     from streamrl_cli.ranker.learned import LearnedRanker
 
-    base = cfg.get("ranker_model") or model_path
-    key = "skewness.ranker_model" if cfg.get("ranker_model") else "model.path"
+    base = cfg.ranker_model or model_path
+    key = "skewness.ranker_model" if cfg.ranker_model else "model.path"
     if not base:
         raise RankerError(
-            f"skewness.ranker={cfg.get('ranker')}: no base model; set skewness.ranker_model (or model.path)"
+            f"skewness.ranker={cfg.ranker}: no base model; set skewness.ranker_model (or model.path)"
         )
     path = Path(str(base)).expanduser()
     if not (path / "config.json").is_file():
@@ -140,4 +144,4 @@ def _learned(cfg: dict, model_path: str | None, seed: int, device: str) -> Ranke
             f"{key}: the learned ranker's base model {path} does not exist (no config.json there); "
             "point skewness.ranker_model at a local model directory (a small LM, e.g. Qwen2.5-0.5B)"
         )
-    return LearnedRanker(path, device=device, seed=seed, refresh_every=int(cfg.get("refresh_every") or 1))
+    return LearnedRanker(path, device=device, seed=seed, refresh_every=cfg.refresh_every)

@@ -1,7 +1,7 @@
 """How good a ranker's order is: recall of the true long tail, and Spearman rank correlation.
 
 The paper judges its ranker by recall of the truly longest 20% / 10% / 5% of prompts (0.87 / 0.82
-/ 0.76 for a 7B ranker, DESIGN.md §1): dispatching only needs the long tail found, not every
+/ 0.76 for a 7B ranker, in the StreamRL paper): dispatching only needs the long tail found, not every
 length right. Spearman's ρ adds a view of the whole order. Pure Python: a few thousand prompts per
 iteration cost milliseconds.
 """

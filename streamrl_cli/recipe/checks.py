@@ -29,6 +29,15 @@ def check(r: Recipe) -> list[Problem]:
     ]
 
 
+def resolve(r: Recipe) -> Recipe:
+    """Settings whose value follows from others, made explicit once (after ``check`` found nothing):
+    the roles read what runs, and the run's config.yaml shows it."""
+    a = r.algorithm
+    if a.is_correction == "auto":  # truncated IS corrects the lag of async samples; others have none
+        a.is_correction = "on" if a.mode == "async" else "off"
+    return r
+
+
 def _clusters(r: Recipe) -> Iterator[Problem]:
     if not r.clusters:
         yield "clusters", "no cluster defined; add one, e.g. `- cluster@clusters.local: local` to defaults"
@@ -172,6 +181,24 @@ def _generator(r: Recipe) -> Iterator[Problem]:
     if g.max_running is not None and g.max_running < 1:
         yield "roles.generator.max_running", f"must be at least 1 (or null), got {g.max_running}"
     yield from _heads(r, "generator", g.tensor_parallel)
+    yield from _elastic(r)
+
+
+def _elastic(r: Recipe) -> Iterator[Problem]:
+    import dataclasses
+
+    from streamrl_cli.elastic.policy import ElasticConfig
+
+    g = r.roles.generator
+    e = ElasticConfig.from_dict(dataclasses.asdict(g.elastic))
+    for key, msg in e.problems():
+        yield f"roles.generator.elastic.{key}", msg
+    if e.enabled and not e.problems() and not e.min <= g.instances <= e.max:
+        yield (
+            "roles.generator.instances",
+            f"{g.instances} is outside roles.generator.elastic min..max ({e.min}..{e.max}); "
+            "the run starts with this many",
+        )
 
 
 def _gpus_fit(
@@ -284,6 +311,8 @@ def _training(r: Recipe) -> Iterator[Problem]:
         )
     if not 0 <= k.long_tail <= 1:
         yield "skewness.long_tail", f"a share of the prompts: must be in [0, 1], got {k.long_tail}"
+    if not t.stall_after_s > 0 or t.stall_after_s == float("inf"):
+        yield "train.stall_after_s", f"must be a positive number of seconds, got {t.stall_after_s}"
     if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
         yield "train.checkpoint_every", "checkpoint_every must be ≥ 0 and keep_checkpoints ≥ 1"
     if r.model.num_attention_heads < 1 or r.model.num_kv_heads < 1:

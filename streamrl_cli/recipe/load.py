@@ -109,7 +109,7 @@ def load(recipe: str, overrides: list[str] | None = None) -> Composed:
                 problems.append(prov.describe(p, msg))
     if problems or typed is None:
         raise RecipeError(problems, source=str(path))
-    return Composed(recipe=typed, path=path, overrides=overrides, choices=choices)
+    return Composed(recipe=checks.resolve(typed), path=path, overrides=overrides, choices=choices)
 
 
 def _schema_defaults() -> dict:

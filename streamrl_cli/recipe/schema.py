@@ -84,6 +84,22 @@ class TrainerConfig(RoleJobConfig):
 
 
 @dataclass(kw_only=True)
+class ElasticSection:
+    """The elastic rule, run by the trainer after each iteration (`streamrl scale` works without it).
+
+    Δ = T_gen − T_train; Δ′ = T_gen / (n + 1), the time one more of the n instances would save at
+    their measured throughput. Adds one when Δ > Δ′, releases one when the generators idle.
+    """
+
+    enabled: bool = False  # the trainer asks for instances by this rule (off: the count stays as launched)
+    min: int = 1  # never fewer instances (at least 1: the rule needs one to measure)
+    max: int = 1  # never more instances
+    patience: int = 2  # iterations in a row a condition must hold before an instance is added or released
+    cooldown: int = 2  # iterations after a change with no other change (a new instance needs to start)
+    idle_release: float = 0.5  # release one when generators idle more than this fraction of iterations
+
+
+@dataclass(kw_only=True)
 class GeneratorConfig(RoleJobConfig):
     """Generator instances: one SLURM array task per instance, so scaling is adding/cancelling tasks."""
 
@@ -96,6 +112,7 @@ class GeneratorConfig(RoleJobConfig):
     max_num_seqs: int = 64
     engine: str = choices(*ENGINES, default="vllm")  # inference engine
     program: str = "streamrl_cli.generator.main:main"  # `module:function` each instance runs
+    elastic: ElasticSection = field(default_factory=ElasticSection)  # grow/shrink instances while training
 
 
 @dataclass(kw_only=True)
@@ -201,6 +218,10 @@ class TrainConfig:
     keep_checkpoints: int = 2  # checkpoints kept (older ones are deleted)
     loggers: list[str] = field(default_factory=list)  # extra metric sinks: tensorboard, wandb
     wandb_project: str = "streamrl"  # W&B project (loggers=[wandb])
+    # Bound on a run without progress, seconds: past it `streamrl status` shows the run `stalled`
+    # (with each member's last error), and the trainer ends the run, saying why, when no generator
+    # has been alive for this long or no sample came for this long.
+    stall_after_s: float = 900.0
 
 
 @dataclass(kw_only=True)
@@ -219,7 +240,7 @@ class PlannerConfig:
 
 @dataclass(kw_only=True)
 class SkewnessConfig:
-    """Skewness-aware generation (DESIGN.md §1): length ranker, dispatch, order inside an instance."""
+    """Skewness-aware generation (docs/architecture.md): length ranker, dispatch, order inside an instance."""
 
     dispatch: str = choices(*SKEW_DISPATCH, default="random")  # prompts to instances: random or Algorithm 2
     schedule: str = choices(*SKEW_SCHEDULE, default="fifo")  # order inside an instance: FIFO or longest first

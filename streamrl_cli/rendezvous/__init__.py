@@ -6,13 +6,10 @@ metrics and learns about the others; the trainer announces weight versions throu
 inspected with curl, every call carries the run's secret token, and its state survives a
 restart of the server (see ``state.py``).
 
-Files it owns inside a run directory::
-
-    run_dir/secret                      token, mode 0600, written by the launcher (create_secret)
-    run_dir/rendezvous.json             where the server listens (written atomically when ready)
-    run_dir/metrics.jsonl               one line per metrics record posted by any member
-    run_dir/rendezvous/journal.jsonl    append-only event journal (fsynced state changes)
-    run_dir/rendezvous/snapshot.json    compacted state, written when the journal grows long
+Files it owns inside a run directory (their paths come from ``streamrl_cli.rundir.RunDir``):
+the token (``secret``, mode 0600, written by the launcher through :func:`create_secret`), where
+the server listens (``endpoint``, written atomically when ready), one line per metrics record
+posted by any member (``metrics``), and its journal and snapshot (``rendezvous_state``).
 
 The modules import lazily so that ``import streamrl_cli.rendezvous`` stays cheap: the
 server does not need httpx, and the client does not need aiohttp.
@@ -27,23 +24,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamrl_cli.errors import RendezvousError
+from streamrl_cli.rundir import RunDir
 
 if TYPE_CHECKING:
     from streamrl_cli.rendezvous.client import RendezvousClient, RendezvousRequestError
     from streamrl_cli.rendezvous.server import serve
 
-SECRET_FILE = "secret"
-ENDPOINT_FILE = "rendezvous.json"
-METRICS_FILE = "metrics.jsonl"
-STATE_DIR = "rendezvous"
 # Shorter tokens are refused: the token is the only thing between the internet and the run.
 MIN_TOKEN_CHARS = 16
 
 __all__ = [
-    "ENDPOINT_FILE",
-    "METRICS_FILE",
-    "SECRET_FILE",
-    "STATE_DIR",
     "RendezvousClient",
     "RendezvousRequestError",
     "create_secret",
@@ -57,10 +47,10 @@ def create_secret(run_dir: Path) -> str:
 
     The file is created with O_EXCL so that an existing run's token is never overwritten.
     """
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    path = RunDir(Path(run_dir)).secret
+    path.parent.mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(32)
-    fd = os.open(run_dir / SECRET_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     return token
@@ -68,7 +58,7 @@ def create_secret(run_dir: Path) -> str:
 
 def read_secret(run_dir: Path) -> str:
     """Read the run's token from ``run_dir/secret``, refusing a file others can read."""
-    path = Path(run_dir) / SECRET_FILE
+    path = RunDir(Path(run_dir)).secret
     try:
         mode = path.stat().st_mode
         token = path.read_text().strip()

@@ -24,7 +24,8 @@ from typing import Any
 import httpx
 
 from streamrl_cli.errors import RendezvousError
-from streamrl_cli.rendezvous import ENDPOINT_FILE, read_secret
+from streamrl_cli.rendezvous import read_secret
+from streamrl_cli.rundir import RunDir
 
 log = logging.getLogger("streamrl.rendezvous.client")
 
@@ -117,13 +118,18 @@ class RendezvousClient:
             self.lease_s = resp["lease_s"]
         return resp
 
-    def set_status(self, *, weight_version: int | None = None, state: str | None = None) -> None:
-        """What the next heartbeats report: the weight version served and a free-form activity."""
+    def set_status(
+        self, *, weight_version: int | None = None, state: str | None = None, error: str | None = None
+    ) -> None:
+        """What the next heartbeats report: the weight version served, a free-form activity, and why
+        the member cannot do its job (`error`; "" once it can again)."""
         with self._lock:
             if weight_version is not None:
                 self._status["weight_version"] = weight_version
             if state is not None:
-                self._status["state"] = state
+                self._status["state"] = state[:64]
+            if error is not None:
+                self._status["error"] = error[:1000]
 
     def heartbeat(self) -> dict[str, Any]:
         """Send one heartbeat now (the background thread does this on its own)."""
@@ -199,7 +205,7 @@ class RendezvousClient:
         self.stop_heartbeat()
         with self._lock:
             member_id = self._require_member()
-        self._call("POST", "/v1/leave", {"member_id": member_id, "reason": reason})
+        self._call("POST", "/v1/leave", {"member_id": member_id, "reason": reason[:255]})
 
     # ---- discovery and events ----
 
@@ -281,6 +287,11 @@ class RendezvousClient:
 
     def post_progress(self, step: int, **fields: Any) -> dict[str, Any]:
         return self._call("POST", "/v1/progress", {"step": step, **fields})["progress"]
+
+    def request_scale(self, instances: int, *, source: str = "user", reason: str = "") -> int:
+        """Ask for `instances` generator instances; returns the request's event seq."""
+        body = {"role": "generator", "instances": instances, "source": source, "reason": reason[:255]}
+        return int(self._call("POST", "/v1/scale", body)["seq"])
 
     def status(self) -> dict[str, Any]:
         return self._call("GET", "/v1/status")
@@ -364,7 +375,7 @@ class RendezvousClient:
 
 
 def _read_url(run_dir: Path) -> str:
-    path = run_dir / ENDPOINT_FILE
+    path = RunDir(Path(run_dir)).endpoint
     try:
         return json.loads(path.read_text())["url"]
     except (OSError, ValueError, KeyError) as e:

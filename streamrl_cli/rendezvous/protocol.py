@@ -48,6 +48,8 @@ class HeartbeatBody(msgspec.Struct, forbid_unknown_fields=True):
     incarnation: Annotated[int, msgspec.Meta(ge=1)] | None = None
     weight_version: Version | None = None
     state: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
+    # Why the member cannot do its job (shown by `streamrl status`); "" clears it.
+    error: Annotated[str, msgspec.Meta(max_length=1000)] | None = None
 
 
 class LeaveBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -66,6 +68,13 @@ class ProposeBody(msgspec.Struct, forbid_unknown_fields=True):
 class ConfirmBody(msgspec.Struct, forbid_unknown_fields=True):
     member_id: MemberId
     version: Version
+
+
+class ScaleBody(msgspec.Struct, forbid_unknown_fields=True):
+    role: Name  # the role to scale (only "generator" is elastic)
+    instances: Annotated[int, msgspec.Meta(ge=0, le=100_000)]  # instances wanted
+    source: Annotated[str, msgspec.Meta(pattern=r"^(user|policy)$")] = "user"
+    reason: Label = ""
 
 
 class MetricsBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -89,12 +98,14 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         "incarnation": 1,
         "weight_version": 3,
         "state": "generating",
+        "error": "",
     },
     "/v1/leave": {"member_id": "generator-0", "reason": "done"},
     "/v1/versions/propose": {"version": 4, "required_roles": ["generator"]},
     "/v1/versions/confirm": {"member_id": "generator-0", "version": 4},
     "/v1/metrics": {"member_id": "generator-0", "record": {"step": 12, "tokens_per_s": 5300.0}},
     "/v1/progress": {"step": 12, "samples": 12288},
+    "/v1/scale": {"role": "generator", "instances": 3, "source": "user", "reason": "more throughput"},
 }
 RESERVED_METRIC_KEYS = {"time", "member_id", "role", "rank"}  # metrics.jsonl adds these itself
 

@@ -26,12 +26,12 @@ import msgspec
 from aiohttp import web
 
 from streamrl_cli.errors import RendezvousError
-from streamrl_cli.rendezvous import ENDPOINT_FILE, METRICS_FILE, STATE_DIR, read_secret
 from streamrl_cli.rendezvous import protocol as p
+from streamrl_cli.rendezvous import read_secret
 from streamrl_cli.rendezvous.journal import Journal, read_metrics_tail
 from streamrl_cli.rendezvous.protocol import ApiError, error_response, json_response
 from streamrl_cli.rendezvous.state import Rejected, RendezvousState
-from streamrl_cli.rundir import write_atomic
+from streamrl_cli.rundir import RunDir, write_atomic
 
 log = logging.getLogger("streamrl.rendezvous")
 # One per member per version: at INFO they would drown the membership changes.
@@ -50,7 +50,7 @@ class RendezvousServer:
         self._wakeup = asyncio.Event()
         self.stopping = False
         self.state = RendezvousState(lease_s)
-        self.journal = Journal(self.run_dir / STATE_DIR)
+        self.journal = Journal(RunDir(self.run_dir).rendezvous_state)
         snap, events = self.journal.load()
         if snap is not None:
             self.state.load_snapshot(snap)
@@ -59,10 +59,10 @@ class RendezvousServer:
         self.durable_seq = self.state.seq  # long-polls never hand out an event a crash could undo
         self._synced = 0  # events of `journal.written` known to be on disk
         self._syncing: asyncio.Future[None] | None = None
-        for mid, latest in read_metrics_tail(self.run_dir / METRICS_FILE).items():
+        for mid, latest in read_metrics_tail(RunDir(self.run_dir).metrics).items():
             if mid in self.state.members:
                 self.state.metrics[mid] = latest
-        self._metrics_fh = open(self.run_dir / METRICS_FILE, "ab", buffering=0)
+        self._metrics_fh = open(RunDir(self.run_dir).metrics, "ab", buffering=0)
         if self.state.seq:
             log.info(
                 "replayed state up to event %d: %d member(s), current version %s",
@@ -91,6 +91,7 @@ class RendezvousServer:
             ("POST", "/v1/versions/confirm", self.confirm),
             ("POST", "/v1/metrics", self.metrics),
             ("POST", "/v1/progress", self.progress),
+            ("POST", "/v1/scale", self.scale),
             ("GET", "/v1/status", self.status),
         ]
         for method, path, handler in routes:
@@ -226,6 +227,7 @@ class RendezvousServer:
             incarnation=b.incarnation,
             weight_version=b.weight_version,
             reported_state=b.state,
+            error=b.error,
             now=time.time(),
             mono=time.monotonic(),
         )
@@ -311,6 +313,14 @@ class RendezvousServer:
         await self._commit(self.state.set_progress(doc, now=time.time()))
         return json_response({"ok": True, "progress": self.state.progress})
 
+    async def scale(self, request: web.Request) -> web.Response:
+        b = await p.decode_body(request, p.ScaleBody)
+        events = self.state.request_scale(
+            b.role, b.instances, source=b.source, reason=b.reason, now=time.time()
+        )
+        await self._commit(events)
+        return json_response({"ok": True, "seq": events[-1]["seq"], "event_seq": self.durable_seq})
+
     async def status(self, request: web.Request) -> web.Response:
         p.parse_query(request, set())
         mono, now = time.monotonic(), time.time()
@@ -334,6 +344,7 @@ class RendezvousServer:
                 "versions": self.state.versions_view(),
                 "progress": self.state.progress,
                 "metrics": self.state.metrics,
+                "scale": self.state.scale,
             }
         )
 
@@ -388,7 +399,7 @@ async def run(
         "started": server.started,
         "tls": ssl_context is not None,
     }
-    write_atomic(run_dir / ENDPOINT_FILE, json.dumps(endpoint).encode(), durable=True)
+    write_atomic(RunDir(run_dir).endpoint, json.dumps(endpoint).encode(), durable=True)
     if stop is None:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -404,7 +415,7 @@ async def run(
         await runner.cleanup()
         server.close()
         write_atomic(
-            run_dir / ENDPOINT_FILE, json.dumps({**endpoint, "stopped": time.time()}).encode(), durable=True
+            RunDir(run_dir).endpoint, json.dumps({**endpoint, "stopped": time.time()}).encode(), durable=True
         )
 
 

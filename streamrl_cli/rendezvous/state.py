@@ -37,6 +37,12 @@ class Rejected(RendezvousError):
         self.details = details
 
 
+def printable(text: str) -> str:
+    """A member's free-form error as it may reach a terminal: control characters (ANSI escapes, line
+    separators) shown as spaces."""
+    return "".join(c if c.isprintable() else " " for c in text).strip()
+
+
 @dataclass
 class Member:
     member_id: str
@@ -51,6 +57,7 @@ class Member:
     state: str = "alive"  # alive | lost | left
     reported_state: str | None = None  # what the member says it is doing ("generating", ...)
     weight_version: int | None = None  # the version it serves
+    last_error: str | None = None  # why it could not do its job, as it said last (or as it left)
     registered_at: float = 0.0
     changed_at: float = 0.0  # wall time of the last change of `state`
     last_seen: float = field(default=0.0, compare=False)  # monotonic; never journaled
@@ -85,6 +92,7 @@ class RendezvousState:
         self.pending: dict[int, PendingVersion] = {}
         self.progress: dict[str, Any] = {}
         self.metrics: dict[str, dict[str, Any]] = {}  # member_id -> latest {"time", "record"}
+        self.scale: dict[str, dict[str, Any]] = {}  # role -> latest scale request (with its seq)
         self._views: dict[str, dict[str, Any]] = {}  # member_id -> member_view minus the age
 
     # ---- commands: check, then emit events (each returns the events it emitted) ----
@@ -132,6 +140,7 @@ class RendezvousState:
         reported_state: str | None,
         now: float,
         mono: float,
+        error: str | None = None,
     ) -> list[dict[str, Any]]:
         m = self.member(member_id)
         if incarnation is not None and incarnation != m.incarnation:
@@ -147,6 +156,8 @@ class RendezvousState:
             changes["weight_version"] = weight_version
         if reported_state is not None and reported_state != m.reported_state:
             changes["reported_state"] = reported_state
+        if error is not None and (printable(error) or None) != m.last_error:
+            changes["last_error"] = printable(error) or None
         if changes:
             events.append(self._emit(now, "member_updated", member_id=member_id, **changes))
         return events
@@ -156,6 +167,10 @@ class RendezvousState:
         if m.state == "left":
             return []  # leaving twice is not an error: a retried request must be harmless
         events = [self._emit(now, "member_left", member_id=member_id, reason=reason)]
+        if reason.startswith("failed:"):  # its last words are the reason it failed
+            events.append(
+                self._emit(now, "member_updated", member_id=member_id, last_error=printable(reason))
+            )
         return events + self._check_versions(now)
 
     def reap(self, *, now: float, mono: float) -> list[dict[str, Any]]:
@@ -240,6 +255,16 @@ class RendezvousState:
     def set_progress(self, update: dict[str, Any], *, now: float) -> list[dict[str, Any]]:
         return [self._emit(now, "progress", **update)]
 
+    def request_scale(
+        self, role: str, instances: int, *, source: str, reason: str, now: float
+    ) -> list[dict[str, Any]]:
+        """A scale request: an event for whoever applies it (the process watching the run)."""
+        if role != "generator":
+            raise Rejected("not_elastic", f"only the generator role scales, not {role!r}")
+        return [
+            self._emit(now, "scale_requested", role=role, instances=instances, source=source, reason=reason)
+        ]
+
     def record_metrics(
         self, member_id: str, record: dict[str, Any], *, now: float, mono: float
     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -284,6 +309,7 @@ class RendezvousState:
         m = self.members[d["member_id"]]
         m.weight_version = d.get("weight_version", m.weight_version)
         m.reported_state = d.get("reported_state", m.reported_state)
+        m.last_error = d.get("last_error", m.last_error)
 
     def _set_state(self, member_id: str, state: str, t: float) -> None:
         m = self.members[member_id]
@@ -312,6 +338,9 @@ class RendezvousState:
         self.current_version, self.current_since = d["version"], t
         for v in [v for v in self.pending if v <= d["version"]]:
             del self.pending[v]
+
+    def _on_scale_requested(self, t: float, d: dict[str, Any]) -> None:
+        self.scale[d["role"]] = {**d, "time": t, "seq": self.seq + 1}
 
     def _on_progress(self, t: float, d: dict[str, Any]) -> None:
         self.progress.update(d)
@@ -419,6 +448,7 @@ class RendezvousState:
             "current_since": self.current_since,
             "pending": [asdict(p) for p in self.pending.values()],
             "progress": self.progress,
+            "scale": self.scale,
             "events": list(self.events)[-keep_events:],
         }
 
@@ -432,6 +462,7 @@ class RendezvousState:
             self.pending[p["version"]] = PendingVersion(**p)
         self.current_version, self.current_since = snap["current_version"], snap["current_since"]
         self.progress, self.seq = dict(snap["progress"]), snap["seq"]
+        self.scale = dict(snap.get("scale", {}))  # absent in snapshots written before scaling existed
         self.events.clear()
         self.events.extend(snap["events"])
 

@@ -15,21 +15,18 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 from streamrl_cli.errors import StreamRLError
-from streamrl_cli.launch.plan import RoleSpec
-from streamrl_cli.rundir import write_atomic
+from streamrl_cli.roles.spec import RoleSpec, load_spec
+from streamrl_cli.rundir import RunDir, write_atomic
 
-
-def load_spec(path: str | Path) -> RoleSpec:
-    return RoleSpec(**yaml.safe_load(Path(path).read_text()))
+__all__ = ["load_spec", "run_role"]
 
 
 def rank_from_env(role: str) -> int:
     """Generator instances are array tasks; trainer ranks are the tasks of one job."""
     if role == "generator" and "SLURM_ARRAY_TASK_ID" in os.environ:
-        return int(os.environ["SLURM_ARRAY_TASK_ID"])
+        # An array job added by scaling starts its task ids at 0 again: its ranks start after the run's.
+        return int(os.environ.get("STREAMRL_RANK_BASE", "0")) + int(os.environ["SLURM_ARRAY_TASK_ID"])
     return int(os.environ.get("SLURM_PROCID", os.environ.get("STREAMRL_RANK", "0")))
 
 
@@ -53,7 +50,7 @@ def start_record(spec: RoleSpec, rank: int) -> dict:
 
 
 def record_path(spec: RoleSpec, rank: int) -> Path:
-    return Path(spec.run_dir) / "members" / f"{spec.role}-{rank}.json"
+    return RunDir(Path(spec.run_dir)).member_record(spec.role, rank)
 
 
 def update_record(spec: RoleSpec, rank: int, **fields: object) -> None:
@@ -71,6 +68,10 @@ def run_role(spec_path: str, rank: int | None = None) -> int:
     write_atomic(
         record_path(spec, rank), json.dumps(start_record(spec, rank), indent=2, sort_keys=True) + "\n"
     )
+    if spec.role != "rendezvous":  # roles that start processes (vLLM's engine): none outlives the role
+        from streamrl_cli.roles import reaper
+
+        reaper.start()
     module, _, func = spec.program.partition(":")
     program = getattr(importlib.import_module(module), func)
     try:

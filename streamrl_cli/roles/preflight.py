@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from streamrl_cli.errors import RendezvousError
-from streamrl_cli.launch.plan import RoleSpec
 from streamrl_cli.roles.entry import update_record
+from streamrl_cli.roles.spec import RoleSpec
 
 WAIT_S = 300.0
 OK = "preflight-ok"

@@ -1,4 +1,4 @@
-"""Skewness-aware generation (DESIGN.md §1): removing the bubble that long-tailed output lengths leave.
+"""Skewness-aware generation: removing the bubble that long-tailed output lengths leave.
 
 A few very long samples keep a whole batch, and the trainer waiting on it, busy. Two remedies from
 the StreamRL paper live here as pure functions, shared by the real system and the simulator:

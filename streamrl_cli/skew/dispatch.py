@@ -25,20 +25,12 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from streamrl_cli.planner.costmodel import interpolate, monotone
-from streamrl_cli.planner.lengths import empirical_quantile
-
-if TYPE_CHECKING:
-    from streamrl_cli.planner.costmodel import CostModel
-    from streamrl_cli.planner.hardware import GPUSpec
-    from streamrl_cli.planner.profile import Profile
-    from streamrl_cli.planner.workload import ModelShape
+from streamrl_cli.curves import empirical_quantile, interpolate, monotone
 
 PTL = Callable[[float], float]  # running batch size (sequences) -> time of one decode step
 OBJECTIVES = ("sum", "max")
-# PTL(BS) for a 7B model on H800 with vLLM, ms, read off the StreamRL paper (DESIGN §1).
+# PTL(BS) for a 7B model on H800 with vLLM, ms, read off the StreamRL paper's PTL figure.
 PAPER_PTL_7B_H800 = ((1, 8.3), (16, 9.4), (32, 10.2), (64, 11.7), (128, 15.2), (256, 21.0), (512, 37.0))
 
 
@@ -247,20 +239,6 @@ def ptl_from_points(points: Sequence[tuple[float, float]]) -> PTL:
     if not pts:
         raise ValueError("a PTL curve needs at least one (batch size, step time) point")
     return lambda bs: interpolate(pts, bs)
-
-
-def ptl_from_profile(profile: Profile) -> PTL:
-    """The decode curve of a `streamrl profile` measurement (planner.profile)."""
-    if not profile.decode:
-        raise ValueError(f"profile of {profile.model} on {profile.hardware} has no decode curve")
-    return ptl_from_points(profile.decode)
-
-
-def ptl_from_cost_model(
-    cm: CostModel, hw: GPUSpec, model: ModelShape, *, tp: int = 1, ctx: float = 0.0
-) -> PTL:
-    """The planner's cost model (analytic roofline, or profiled) for one generator instance."""
-    return lambda bs: cm.decode_step_s(hw, model, tp, bs, ctx)
 
 
 def _combine(objective: str, a: float, b: float) -> float:

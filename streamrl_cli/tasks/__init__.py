@@ -9,7 +9,7 @@ trainer and the length ranker never parse datasets or verify answers themselves.
 - a :class:`~.datasets.DatasetTask`: prompts from a JSONL/Parquet file, scored by a reward
   function named ``module:function`` in the recipe (:mod:`.rewards`).
 
-:func:`make_task` turns the recipe's ``task`` section (a plain dict) into one of them.
+:func:`make_task` turns the recipe's ``task`` section (``recipe.schema.TaskConfig``) into one of them.
 """
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamrl_cli.errors import StreamRLError
+
+if TYPE_CHECKING:
+    from streamrl_cli.recipe.schema import TaskConfig
 
 
 class TaskError(StreamRLError):
@@ -51,20 +54,20 @@ class Task(ABC):
         """One float per (prompt, completion) pair; ``completions`` exclude the prompt and EOS."""
 
 
-def make_task(task: dict, seed: int = 0) -> Task:
-    """The task of a recipe's ``task`` section (keys as in ``recipe.schema.TaskConfig``).
+def make_task(task: TaskConfig, seed: int = 0) -> Task:
+    """The task of a recipe's ``task`` section.
 
     ``dataset`` null: the built-in repeat task (whatever ``name`` says), ``seed`` drawing its
     prompts; its verifier unless ``reward`` names another. Else a :class:`DatasetTask`, which needs
     ``reward``."""
-    dataset, reward = task.get("dataset"), task.get("reward")
+    dataset, reward = task.dataset, task.reward
     if dataset is None:
         from streamrl_cli.tasks.builtin import RepeatTask
         from streamrl_cli.tasks.rewards import load_reward
 
         return RepeatTask(
-            num_prompts=int(task.get("num_prompts", 4096)),
-            max_output_len=int(task.get("max_output_len", 64)),
+            num_prompts=task.num_prompts,
+            max_output_len=task.max_output_len,
             seed=seed,
             reward_fn=load_reward(reward) if reward else None,
         )
@@ -79,8 +82,7 @@ def make_task(task: dict, seed: int = 0) -> Task:
 
     return DatasetTask(
         dataset,
-        prompt_key=task.get("prompt_key", "prompt"),
-        answer_key=task.get("answer_key", "answer"),
+        prompt_key=task.prompt_key,
         reward=load_reward(reward),
-        name=task.get("name") or None,
+        name=task.name or None,
     )

@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from streamrl_cli.rundir import write_atomic
+from streamrl_cli.rundir import RunDir, write_atomic
 
 STATE = "state.json"
 
 
 def checkpoint_dir(run_dir: Path, iteration: int) -> Path:
-    return run_dir / "checkpoints" / f"iter-{iteration:06d}"
+    return RunDir(run_dir).checkpoints / f"iter-{iteration:06d}"
 
 
 def rng_state() -> dict[str, Any]:
@@ -59,14 +59,14 @@ def load_engines(learner: Any, path: Path) -> dict[str, Any]:
 
 def latest(run_dir: Path) -> Path | None:
     """The newest complete checkpoint of a run, or None."""
-    root = run_dir / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     done = sorted(p for p in root.glob("iter-*") if (p / STATE).is_file()) if root.is_dir() else []
     return done[-1] if done else None
 
 
 def prune(run_dir: Path, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints (and incomplete older ones)."""
-    root = run_dir / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     if keep < 1 or not root.is_dir():
         return
     complete = sorted(p for p in root.glob("iter-*") if (p / STATE).is_file())

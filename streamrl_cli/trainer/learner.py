@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,47 +26,52 @@ from streamrl_cli.trainer import losses as L
 from streamrl_cli.trainer.batch import MicroBatch
 from streamrl_cli.trainer.models import Critic, critic_forward, load_policy, load_reference, policy_forward
 
+if TYPE_CHECKING:
+    from streamrl_cli.recipe.schema import AlgorithmConfig
+
 
 @dataclass(kw_only=True)
 class LossConfig:
-    """The recipe's algorithm section, as the loss needs it."""
+    """The recipe's algorithm section, as the loss needs it (no defaults: they are the schema's,
+    ``recipe.schema.AlgorithmConfig``; build it with :meth:`from_recipe`)."""
 
-    name: str = "grpo"
-    kl_mode: str = "loss"
-    kl_estimator: str = "k3"
-    kl_coef: float = 0.001
-    loss_agg: str = "token-mean"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    entropy_coef: float = 0.0
-    gamma: float = 1.0
-    lam: float = 0.95
-    value_clip: float = 0.2
-    importance_sampling: bool = False
-    is_cap: float = 2.0
-    temperature: float = 1.0
-    max_len: int = 1024  # task.max_output_len (seq-mean-token-sum-norm's constant)
+    name: str
+    kl_mode: str
+    kl_estimator: str
+    kl_coef: float
+    loss_agg: str
+    clip_low: float
+    clip_high: float
+    entropy_coef: float
+    gamma: float
+    lam: float
+    value_clip: float
+    importance_sampling: bool
+    is_cap: float
+    temperature: float
+    max_len: int  # task.max_output_len (seq-mean-token-sum-norm's constant)
 
     @classmethod
-    def from_recipe(cls, algorithm: dict[str, Any], max_len: int) -> LossConfig:
-        clip = float(algorithm.get("clip_ratio", 0.2))
-        high = algorithm.get("clip_ratio_high")
-        is_mode = algorithm.get("is_correction", "auto")
+    def from_recipe(cls, algorithm: AlgorithmConfig, max_len: int) -> LossConfig:
+        """``algorithm`` as resolved by ``recipe.checks.resolve`` (is_correction is on or off)."""
+        a = algorithm
+        if a.is_correction not in ("on", "off"):
+            raise ValueError(f"algorithm.is_correction={a.is_correction!r} not resolved (checks.resolve)")
         return cls(
-            name=algorithm.get("name", "grpo"),
-            kl_mode=algorithm.get("kl_mode", "loss"),
-            kl_estimator=algorithm.get("kl_estimator", "k3"),
-            kl_coef=float(algorithm.get("kl_coef", 0.001)),
-            loss_agg=algorithm.get("loss_agg", "token-mean"),
-            clip_low=clip,
-            clip_high=clip if high is None else float(high),
-            entropy_coef=float(algorithm.get("entropy_coef", 0.0)),
-            gamma=float(algorithm.get("gamma", 1.0)),
-            lam=float(algorithm.get("lam", 0.95)),
-            value_clip=float(algorithm.get("value_clip", 0.2)),
-            importance_sampling=is_mode == "on" or (is_mode == "auto" and algorithm.get("mode") == "async"),
-            is_cap=float(algorithm.get("is_cap", 2.0)),
-            temperature=float(algorithm.get("temperature", 1.0)),
+            name=a.name,
+            kl_mode=a.kl_mode,
+            kl_estimator=a.kl_estimator,
+            kl_coef=a.kl_coef,
+            loss_agg=a.loss_agg,
+            clip_low=a.clip_ratio,
+            clip_high=a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high,
+            entropy_coef=a.entropy_coef,
+            gamma=a.gamma,
+            lam=a.lam,
+            value_clip=a.value_clip,
+            importance_sampling=a.is_correction == "on",
+            is_cap=a.is_cap,
+            temperature=a.temperature,
             max_len=max_len,
         )
 

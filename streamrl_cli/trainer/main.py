@@ -16,6 +16,8 @@ to finish.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -26,14 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from streamrl_cli.errors import StreamRLError
-from streamrl_cli.launch.plan import RoleSpec
+from streamrl_cli.roles.spec import TrainerSpec
 
 log = logging.getLogger("streamrl.trainer")
 
 WAIT_S = 600.0
 
 
-def main(spec: RoleSpec, rank: int) -> int:
+def main(spec: TrainerSpec, rank: int) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per rendezvous call otherwise
     return TrainerRole(spec, rank).run()
@@ -46,7 +48,7 @@ def free_port() -> int:
 
 
 class TrainerRole:
-    def __init__(self, spec: RoleSpec, rank: int):
+    def __init__(self, spec: TrainerSpec, rank: int):
         self.spec, self.rank = spec, rank
         self.run_dir = Path(spec.run_dir)
         self.rdv: Any = None
@@ -61,6 +63,12 @@ class TrainerRole:
         self.token = read_secret(self.run_dir)
         try:
             return self._run()
+        except Exception as e:
+            # Said to the rendezvous as we go: `streamrl status` shows it as this member's last error.
+            log.error("trainer rank %d failed: %s", self.rank, e)
+            with contextlib.suppress(Exception):
+                self.rdv.leave(f"failed: {type(e).__name__}: {e}")
+            raise
         finally:
             for c in reversed(self.closers):
                 try:
@@ -74,7 +82,7 @@ class TrainerRole:
 
         cuda = torch.cuda.is_available()
         if not cuda:  # as many threads as the job's cores: more only fight the generators for them
-            torch.set_num_threads(max(1, int(self.spec.settings.get("cpus_per_task", 1))))
+            torch.set_num_threads(max(1, self.spec.settings.cpus_per_task))
         backend = "nccl" if cuda else "gloo"
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
         world = self.spec.world
@@ -94,10 +102,13 @@ class TrainerRole:
         self.rdv.start_heartbeat()
         self.rdv.set_status(state="starting")
         master = addresses["dist"] if self.rank == 0 else self._rank0()["addresses"]["dist"]
+        from streamrl_cli.roles.extlock import LockWatch
         from streamrl_cli.trainer.learner import init_distributed, leave_group
 
-        init_distributed(self.rank, world, master, backend)
-        learner = self._learner(device)
+        # DeepSpeed builds and loads its ops here; a build lock a killed run left must not block us.
+        with LockWatch(on_error=self._fatal):
+            init_distributed(self.rank, world, master, backend)
+            learner = self._learner(device)
         from streamrl_cli.trainer.ranks import RankDriver, follow
 
         if self.rank != 0:
@@ -116,20 +127,21 @@ class TrainerRole:
         return 0
 
     def _data_plane(self, backend: str) -> tuple[Any, Any]:
-        from streamrl_cli.roles.entry import load_spec
         from streamrl_cli.trainer.publish import WeightPublisher
         from streamrl_cli.transport.dispatch import DispatchService
         from streamrl_cli.transport.samples import StreamConfig
 
-        gen = load_spec(self.run_dir / "roles" / "generator.yaml")
+        gen = self.spec.generator
         svc = DispatchService(StreamConfig(), self.token)
         self.closers.append(svc)
-        workers = gen.world * int(gen.settings.get("tensor_parallel", 1))
+        workers = gen.instances * gen.tensor_parallel
         publisher = WeightPublisher(
-            self.rdv, self.token, transport=gen.weight_transport, generator_workers=workers, backend=backend
-        )
+            self.rdv, self.token, transport=self.spec.generator_transport, generator_workers=workers,
+            backend=backend,
+        )  # fmt: skip
         self.closers.append(publisher)
-        self.generators = gen.world
+        self.generators = gen.instances
+        self.elastic = gen.elastic
         return svc, publisher
 
     def _rank0(self) -> dict[str, Any]:
@@ -141,21 +153,30 @@ class TrainerRole:
             time.sleep(0.5)
         raise StreamRLError(f"trainer rank 0 did not publish its address within {WAIT_S:.0f}s")
 
+    def _fatal(self, error: Exception) -> None:
+        """A failure found off the main thread while the main thread is blocked on it: say why, end."""
+        log.critical("trainer rank %d: %s", self.rank, error)
+        with contextlib.suppress(Exception):
+            self.rdv.set_status(state="failed", error=str(error))
+            self.rdv.heartbeat()
+            self.rdv.leave("failed")
+        os._exit(3)
+
     def _learner(self, device: Any) -> Any:
         import torch
 
         from streamrl_cli.trainer.learner import Learner, LossConfig, OptimConfig
         from streamrl_cli.trainer.models import torch_dtype
 
-        a, settings = self.spec.algorithm, self.spec.settings
-        torch.manual_seed(int(self.spec.train.get("seed", 0)) + self.rank)
-        loss = LossConfig.from_recipe(a, int(self.spec.task["max_output_len"]))
+        a = self.spec.algorithm
+        torch.manual_seed(self.spec.train.seed + self.rank)
+        loss = LossConfig.from_recipe(a, self.spec.task.max_output_len)
         opt = OptimConfig(
-            zero_stage=int(settings.get("zero_stage", 1)), lr=float(a["lr"]), critic_lr=float(a["critic_lr"]),
-            weight_decay=float(a["weight_decay"]), max_grad_norm=float(a["max_grad_norm"]),
+            zero_stage=self.spec.settings.zero_stage, lr=a.lr, critic_lr=a.critic_lr,
+            weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm,
         )  # fmt: skip
-        path = os.path.expanduser(self.spec.model["path"])
-        return Learner(path, loss, opt, device, torch_dtype(self.spec.model.get("dtype", "float32"), device))
+        path = os.path.expanduser(self.spec.model.path)
+        return Learner(path, loss, opt, device, torch_dtype(self.spec.model.dtype, device))
 
     def _train(self, driver: Any, svc: Any, publisher: Any) -> None:
         from transformers import AutoTokenizer
@@ -165,13 +186,13 @@ class TrainerRole:
         from streamrl_cli.trainer import checkpoint as ckpt
         from streamrl_cli.trainer.pipeline import Pipeline, PipelineConfig
 
-        a, t, task_cfg, skew = self.spec.algorithm, self.spec.train, self.spec.task, self.spec.skewness
-        seed = int(t.get("seed", 0))
+        t, task_cfg = self.spec.train, self.spec.task
+        seed = t.seed
         random.seed(seed)
         task = make_task(task_cfg, seed)
-        sampler = PromptSampler(list(task.prompts()), int(t["global_batch"]), seed)
-        tok = AutoTokenizer.from_pretrained(os.path.expanduser(self.spec.model["path"]))
-        max_prompt = int(task_cfg["max_prompt_len"])
+        sampler = PromptSampler(list(task.prompts()), t.global_batch, seed)
+        tok = AutoTokenizer.from_pretrained(os.path.expanduser(self.spec.model.path))
+        max_prompt = task_cfg.max_prompt_len
 
         def tokenize(text: str) -> list[int]:
             ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -192,22 +213,19 @@ class TrainerRole:
             current = self.rdv.versions()["current"]
             version = max(int(state["weight_version"]), (current or 0) + 1)
             log.info("resuming from %s: iteration %d, weight version %d", latest, start, version)
-        iterations = int(t["iterations"])
-        cfg = PipelineConfig(
-            mode=a["mode"], algorithm=a["name"], group_size=int(a["group_size"]),
-            global_batch=int(t["global_batch"]), micro_batch=int(t["micro_batch"]), world=self.spec.world,
-            max_staleness=int(a["max_staleness"]), max_output_len=int(task_cfg["max_output_len"]),
-            temperature=float(a.get("temperature", 1.0)), grpo_std_norm=bool(a.get("grpo_std_norm", True)),
-            seed=seed, dispatch=skew.get("dispatch", "random"), schedule=skew.get("schedule", "fifo"),
-            long_tail=float(skew.get("long_tail", 0.2)), engine_max_seqs=self.spec.generator_max_seqs,
-            reproducible=bool(t.get("reproducible_sampling", False)),
-        )  # fmt: skip
+        iterations = t.iterations
+        cfg = PipelineConfig.from_spec(self.spec)
         ranker = self._ranker(task, seed)
+        ptl = self._ptl()
         sinks = self._sinks()
-        every, keep = int(t.get("checkpoint_every", 0)), int(t.get("keep_checkpoints", 2))
+        every, keep = t.checkpoint_every, t.keep_checkpoints
+
+        elastic = self._elastic(svc)
 
         def on_record(rec: dict[str, Any]) -> None:
             i = rec["iteration"]
+            if elastic is not None:
+                rec = {**rec, **elastic.after_iteration(rec)}
             bad = [k for k, v in rec.items() if isinstance(v, float) and not math.isfinite(v)]
             if bad:  # JSON has no NaN/inf: recorded as null, and said once in the log
                 log.warning("iteration %d: non-finite %s", i, ", ".join(f"{k}={rec[k]}" for k in bad))
@@ -238,7 +256,7 @@ class TrainerRole:
         pipe = Pipeline(
             cfg, task=task, sampler=sampler, tokenize=tokenize,
             detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True), svc=svc, driver=driver,
-            publisher=publisher, on_record=on_record, on_checkpoint=on_checkpoint, ranker=ranker,
+            publisher=publisher, on_record=on_record, on_checkpoint=on_checkpoint, ranker=ranker, ptl=ptl,
         )  # fmt: skip
         try:
             pipe.run(start, iterations, version, push_first=push)
@@ -248,23 +266,60 @@ class TrainerRole:
             if ranker is not None:
                 ranker.close()
 
+    def _elastic(self, svc: Any) -> Any:
+        """The elastic rule (roles.generator.elastic), or None when it is off."""
+        from streamrl_cli.elastic.control import ElasticController
+        from streamrl_cli.elastic.policy import ElasticConfig
+
+        cfg = ElasticConfig.from_dict(dataclasses.asdict(self.elastic))
+        if not cfg.enabled:
+            return None
+        return ElasticController(cfg, self.rdv, lambda: len(svc.generators()))
+
     def _ranker(self, task: Any, seed: int) -> Any:
         from streamrl_cli.ranker.base import make_ranker
 
         skew = self.spec.skewness
-        base = skew.get("ranker_model") or self.spec.model["path"]
+        base = skew.ranker_model or self.spec.model.path
         return make_ranker(skew, model_path=os.path.expanduser(base), task=task, seed=seed)
+
+    def _ptl(self) -> Any:
+        """The generators' measured decode curve for Algorithm 2 (planner.profile_file), or None."""
+        path = self.spec.planner.profile_file
+        if not path or self.spec.skewness.dispatch != "skewness-aware":
+            return None
+        from streamrl_cli.planner.costmodel import ptl_from_profile
+        from streamrl_cli.planner.profile import load_profile
+
+        profile = load_profile(path)
+        if not profile.decode:
+            log.info("%s has no decode curve: Algorithm 2 uses the paper's PTL shape", path)
+            return None
+        log.info("Algorithm 2 uses the decode curve of %s (%s on %s)", path, profile.model, profile.hardware)
+        return ptl_from_profile(profile)
 
     def _wait_generators_serving(self) -> None:
         """Iteration 0's clock starts when every generator serves (engine up, stream connected)."""
         self.rdv.wait_for("generator", self.generators, timeout=WAIT_S)
         deadline = time.monotonic() + WAIT_S
         while True:
-            alive = [m for m in self.rdv.members("generator") if m["state"] == "alive"]
+            members = self.rdv.members("generator")
+            alive = [m for m in members if m["state"] == "alive"]
+            gone = [m for m in members if m["state"] in ("lost", "left")]
             # "waiting for weights": up, joined a run in progress; it gets the version pushed first
             serving = [m for m in alive if m.get("reported_state") in ("generating", "waiting for weights")]
             if len(serving) >= self.generators:
                 return
+            if serving and len(serving) + len(gone) >= self.generators and len(alive) == len(serving):
+                # One failed at start: the run goes on without it (it may come back, restarted).
+                log.warning("starting without %s: failed at start", ", ".join(m["member_id"] for m in gone))
+                return
+            if gone and not alive and len(gone) >= self.generators:
+                raise StreamRLError(
+                    "no generator left: every generator failed at start ("
+                    + "; ".join(f"{m['member_id']}: {m.get('last_error') or m['state']}" for m in gone)
+                    + ")"
+                )
             if time.monotonic() > deadline:
                 raise StreamRLError(
                     f"{len(serving)} of {self.generators} generators serving after {WAIT_S:.0f}s "
@@ -273,11 +328,9 @@ class TrainerRole:
             time.sleep(0.5)
 
     def _sinks(self) -> list[Any]:
-        names = list(self.spec.train.get("loggers") or [])
+        names = list(self.spec.train.loggers)
         if not names:
             return []
         from streamrl_cli.metrics.sinks import make_sinks
 
-        return make_sinks(
-            names, self.run_dir, self.spec.run_name, self.spec.train.get("wandb_project", "streamrl")
-        )
+        return make_sinks(names, self.run_dir, self.spec.run_name, self.spec.train.wandb_project)

@@ -1,4 +1,4 @@
-"""The three pipelining modes between generation and training (DESIGN.md §1), one loop.
+"""The three pipelining modes between generation and training (docs/architecture.md), one loop.
 
 ::
 
@@ -29,14 +29,18 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from streamrl_cli.errors import StreamRLError
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.trainer.batch import GroupCollector, Rollout
 from streamrl_cli.trainer.losses import grpo_advantages
 from streamrl_cli.transport.wire import Request, Sample
+
+if TYPE_CHECKING:
+    from streamrl_cli.roles.spec import TrainerSpec
 
 log = logging.getLogger("streamrl.trainer")
 
@@ -57,11 +61,27 @@ class PipelineConfig:
     grpo_std_norm: bool = True
     seed: int = 0
     sample_timeout_s: float = 1800.0  # no sample at all for this long: something is wrong
+    # No generator connected for this long: every one failed or left, the run cannot go on. Not at
+    # once: a restarted array task, or an elastic scale-up after scaling to zero, comes back.
+    no_generator_s: float = 900.0
     dispatch: str = "least-loaded"  # least-loaded (the data plane's policy), random, skewness-aware
     schedule: str = "fifo"  # fifo or lpt (longest predicted first, inside each instance)
     long_tail: float = 0.2  # α of Algorithm 2
     engine_max_seqs: int = 64  # sequences a generator's engine runs at once at most (its max_num_seqs)
     reproducible: bool = False  # seed each request from (seed, prompt id, sample index)
+
+    @classmethod
+    def from_spec(cls, spec: TrainerSpec) -> PipelineConfig:
+        """The pipeline of the trainer's typed sections (the defaults above serve tests only)."""
+        a, t, skew = spec.algorithm, spec.train, spec.skewness
+        return cls(
+            mode=a.mode, algorithm=a.name, group_size=a.group_size, global_batch=t.global_batch,
+            micro_batch=t.micro_batch, world=spec.world, max_staleness=a.max_staleness,
+            max_output_len=spec.task.max_output_len, temperature=a.temperature, grpo_std_norm=a.grpo_std_norm,
+            seed=t.seed, dispatch=skew.dispatch, schedule=skew.schedule, long_tail=skew.long_tail,
+            engine_max_seqs=spec.generator.max_num_seqs, reproducible=t.reproducible_sampling,
+            sample_timeout_s=t.stall_after_s, no_generator_s=t.stall_after_s,
+        )  # fmt: skip
 
     @property
     def ahead(self) -> int:
@@ -85,6 +105,9 @@ class Batch:
     observed: dict[str, float] = field(default_factory=dict)  # request prompt id -> longest output
     lengths: dict[str, list[int]] = field(default_factory=dict)  # task prompt id -> lengths by sample index
     plan: dict[str, Any] = field(default_factory=dict)  # the dispatch decision, for the record
+    longest_s: float = (
+        0.0  # the longest sample's own decoding (first token to finish): more instances won't shorten it
+    )
 
 
 class Pipeline:
@@ -105,6 +128,7 @@ class Pipeline:
         on_checkpoint: Callable[[int, dict[str, Any]], None] | None = None,
         clock: Callable[[], float] = time.time,
         ranker: Any = None,
+        ptl: Callable[[float], float] | None = None,
     ):
         self.cfg, self.task, self.sampler = cfg, task, sampler
         self.tokenize, self.detokenize = tokenize, detokenize
@@ -116,9 +140,13 @@ class Pipeline:
         self.gen_spans: list[list[float]] = []  # [dispatched, last sample] of every batch
         self.sync_spans: list[tuple[int, float, float]] = []  # (version, start, end) of weight transfers
         self.ranker = ranker
+        # Algorithm 2's decode-step time vs batch size: the profiled curve (planner.profile_file)
+        # when the run has one, else the paper's 7B/H800 shape (skew.dispatch.default_ptl).
+        self.ptl = ptl
         self.recent_lengths: deque[int] = deque(maxlen=4096)  # for Algorithm 2's P90 / P50
         self.priority_base = 0  # LPT priorities of later batches come after earlier ones'
         self.rng = random.Random(cfg.seed)
+        self._no_generator_since: float | None = None
 
     # ---- the loop ----
 
@@ -189,7 +217,7 @@ class Pipeline:
             return None
         if cfg.dispatch == "skewness-aware" and predicted is not None:
             plan = plan_dispatch(
-                predicted, alive, ptl=default_ptl(), recent_lengths=list(self.recent_lengths),
+                predicted, alive, ptl=self.ptl or default_ptl(), recent_lengths=list(self.recent_lengths),
                 alpha=cfg.long_tail, max_batch=cfg.engine_max_seqs, group=cfg.group_size,
             )  # fmt: skip
             batch.plan = {"split": list(plan.split), "estimated_s": plan.latency}
@@ -230,6 +258,7 @@ class Pipeline:
                 self._cv.wait(GET_POLL_S)
             wait_s += self.clock() - t0
             self._check_transfer()
+            self._check_generators()
             self._dispatch_due()
         batch = self.batches[i]
         per_round = self.cfg.micro_batch * self.cfg.world
@@ -256,6 +285,7 @@ class Pipeline:
                 self._route(sample)
             else:
                 self._check_transfer()
+                self._check_generators()
             if (
                 sample is None
                 and self.clock() - max(batch.dispatched_at, batch.last_sample_at) > self.cfg.sample_timeout_s
@@ -298,6 +328,8 @@ class Pipeline:
             self.svc.submit([retry])
             return
         batch.last_sample_at = self.clock()
+        if sample.first_token_at and sample.finished_at:
+            batch.longest_s = max(batch.longest_s, sample.finished_at - sample.first_token_at)
         for r in batch.collector.add(sample):
             r.staleness, r.iteration = staleness, j
             batch.ready.append(r)
@@ -338,6 +370,24 @@ class Pipeline:
             self._versions_ready(v)
 
         self._transfer = self.publisher.publish(state, version, then=confirmed)
+
+    def _check_generators(self) -> None:
+        """End the run, saying why, when no generator has been connected for `no_generator_s` (a
+        failed one's work waits for the others; with none left it would wait for ever)."""
+        generators = getattr(self.svc, "generators", None)
+        if generators is None or generators():
+            self._no_generator_since = None
+            return
+        now = self.clock()
+        if self._no_generator_since is None:
+            self._no_generator_since = now
+            log.warning("no generator is connected: every one failed or left; waiting for one to come back")
+        elif now - self._no_generator_since > self.cfg.no_generator_s:
+            raise StreamRLError(
+                f"no generator left: none has been connected for {self.cfg.no_generator_s:.0f}s "
+                "(train.stall_after_s); every generator failed or left, see `streamrl status` for their "
+                "last errors"
+            )
 
     def _check_transfer(self) -> None:
         """A failed background transfer fails the run (its error, not a hang)."""
@@ -386,6 +436,7 @@ class Pipeline:
             "t/iteration": elapsed,
             "t/generation": batch.last_sample_at - batch.dispatched_at,
             "t/train": busy,
+            "t/longest_sample": batch.longest_s,
             "t/wait": wait_s,
             "t/weight_sync": sum(s[2] - s[1] for s in syncs),
             "idle/trainer": max(0.0, 1.0 - busy / elapsed),

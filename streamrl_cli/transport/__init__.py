@@ -1,6 +1,6 @@
 """The sample stream: prompts go from the trainer to generators, finished samples come back.
 
-Why a package of its own: stream generation (DESIGN.md §1) only pays off if a sample reaches
+Why a package of its own: stream generation (docs/architecture.md) only pays off if a sample reaches
 the trainer the moment it finishes, is never lost with a dying generator, and is never trained
 on twice. This package is that data plane, apart from any engine:
 

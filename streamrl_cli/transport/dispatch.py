@@ -10,7 +10,7 @@ The wire path is :class:`DispatchService`, the trainer's one object for the stre
 the receiver, sends the dispatcher's assignments through it, and follows the rendezvous
 events so that a generator whose lease expired (``member_lost``) or that left has its
 unacknowledged work re-dispatched to the others. The skewness-aware dispatcher of
-DESIGN.md §1 (the paper's Algorithm 2, streamrl_cli.skew.dispatch) places a whole batch at once,
+docs/architecture.md (the paper's Algorithm 2, streamrl_cli.skew.dispatch) places a whole batch at once,
 so it does not fit a per-request policy: the trainer writes its choice into each request's
 ``target`` (and ``batch_limit``, ``priority``), which the dispatcher follows while that generator
 is alive; a lost generator's work goes to the policy's choice like any other.
@@ -237,6 +237,12 @@ class DispatchService:
         self._send(self.dispatcher.lose(generator))
 
     def revived(self, generator: str) -> None:
+        # Only one whose stream is connected takes work again. A generator that was lost before its
+        # hello (its heartbeats starved while its engine started, a late joiner still waiting for
+        # weights) is added by that hello; added now, work would wait on a stream that is not there.
+        connected = getattr(self.receiver, "generators", None)
+        if connected is not None and generator not in connected():
+            return
         self._send(self.dispatcher.registered(generator))
 
     def get(self, timeout: float | None = None) -> Sample | None:

@@ -2,7 +2,7 @@
 
 Why a package of its own: in asynchronous RL the transfer overlaps training, but in synchronous
 RL it sits on the critical path of every iteration, and across sites it crosses the slowest link
-of the run (DESIGN.md §4). Two paths, one per distance:
+of the run (docs/architecture.md). Two paths, one per distance:
 
     trainer rank 0 ──broadcast (gloo/NCCL)──► every generator worker of its site
           │

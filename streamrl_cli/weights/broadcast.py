@@ -47,6 +47,16 @@ DEFAULT_SOLO_BYTES = 8 << 20
 _POOLS: weakref.WeakKeyDictionary[Any, dict[int, torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
+def process_backend() -> str:
+    """The collective backend this process can use: NCCL where it sees a CUDA device, gloo otherwise.
+
+    Decided from what the process has, never from the GPUs a recipe asked for: a job may be given
+    "GPUs" on a node whose torch has no CUDA (the test clusters' count-only GPUs, a CPU build of
+    torch), and NCCL does not even exist in a CPU build of torch.
+    """
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
 @dataclass
 class WeightGroup:
     """A broadcast group; rank 0 (the trainer, or the relay at a far site) hosts its store."""

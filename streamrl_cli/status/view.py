@@ -29,6 +29,7 @@ STATE_STYLE = {
     "UNKNOWN": "dim",
     "unknown": "dim",
     "ended": "yellow",
+    "stalled": "red",
 }
 
 
@@ -95,9 +96,45 @@ def run_view(doc: dict[str, Any]) -> RenderableType:
     )
     parts: list[RenderableType] = [head, rline, pline]
     parts += [Text(f"! {problem}", style="red") for problem in doc["problems"]]
+    if doc.get("sites"):
+        parts.append(sites_table(doc["sites"]))
     for role in doc["roles"]:
         parts.append(role_table(role))
+    errors = [m for role in doc["roles"] for m in role["members"] if m.get("last_error")]
+    parts += [Text(f"{m['member_id']} last error: {m['last_error']}", style="yellow") for m in errors]
     return Group(*parts)
+
+
+def sites_table(sites: list[dict[str, Any]]) -> Table:
+    """One row per site: members, relay, version served, last transfer there and across sites."""
+    import time
+
+    table = Table(title="sites", title_justify="left")
+    for col in ("site", "members", "relay", "ver", "last transfer", "across sites"):
+        table.add_column(col, overflow="fold")
+    for s in sites:
+        members = ", ".join(
+            m["member_id"] + ("" if m["state"] == "alive" else f" ({m['state']})") for m in s["members"]
+        )
+        relay = "(trainer's site)" if s["trainer_site"] else s["relay"] or "-"
+        ver = str(s["weight_version"]) if s["weight_version"] is not None else "-"
+        table.add_row(
+            s["site"],
+            members,
+            relay,
+            ver,
+            _transfer(s["last_transfer"], time),
+            _transfer(s["last_wan_transfer"], time),
+        )
+    return table
+
+
+def _transfer(t: dict[str, Any] | None, time: Any) -> str:
+    if not t:
+        return "-"
+    size = f"{t['bytes'] / 2**20:.2f} MiB" if t.get("bytes") is not None else "? bytes"
+    took = f" in {t['seconds']:.2f}s" if t.get("seconds") is not None else ""
+    return f"v{t['version']}: {size}{took}, {age(time.time() - t['at'])} ago"
 
 
 def role_table(role: dict[str, Any]) -> Table:

@@ -8,7 +8,7 @@ clusters the measurement runs where they run:
                  ──► one ProfileJob per kind: decode where the generator runs, train where the
                      trainer runs, both in one job when the two share a kind
     ProfileJob   ──► JobSpec (launch.plan.job_spec) ──► launch.slurm.submit(job_main, request.json)
-    in the job:  job_main ──► profile.run_profile (the worker child, CPU or CUDA settings)
+    in the job:  job_main ──► profiling.local.run_profile (the worker child, CPU or CUDA settings)
                  ──► OUT/profile-<model>-<kind>.json
                  ──► progress lines appended to OUT/logs/profile-<kind>/progress.jsonl
     here:        watch() polls the jobs' states (launch.slurm.run_job_states) and tails the
@@ -37,7 +37,8 @@ from streamrl_cli.launch import slurm
 from streamrl_cli.launch.plan import JobSpec, job_spec
 from streamrl_cli.planner import ProfileError
 from streamrl_cli.planner.problem import placement
-from streamrl_cli.planner.profile import Profile, ProfileRequest, load_profile, run_profile
+from streamrl_cli.planner.profile import Profile, ProfileRequest, load_profile
+from streamrl_cli.profiling.local import run_profile
 from streamrl_cli.rundir import write_atomic
 
 if TYPE_CHECKING:

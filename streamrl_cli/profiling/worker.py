@@ -1,8 +1,8 @@
 """The child process of `streamrl profile`: measures the real engines of the machine it runs on.
 
-    python -m streamrl_cli.planner.profile_worker '<ProfileRequest as JSON>'
+    python -m streamrl_cli.profiling.worker '<ProfileRequest as JSON>'
 
-It runs on this machine, or inside the SLURM job of one hardware kind (planner.profile_jobs),
+It runs on this machine, or inside the SLURM job of one hardware kind (profiling.jobs),
 and measures what the request's `measure` asks for:
 
 - decode: one vLLM engine (started once: ~35 s on CPU) generates batches of 1..32 sequences

@@ -14,11 +14,14 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamrl_cli import rundir
 from streamrl_cli.launch import local, slurm
 from streamrl_cli.rundir import RunDir
+
+if TYPE_CHECKING:
+    from streamrl_cli.recipe.schema import TrainConfig
 
 ROLE_ORDER = ("rendezvous", "trainer", "generator")
 SCHEMA_VERSION = 1
@@ -44,6 +47,17 @@ def collect(run: RunDir) -> dict[str, Any]:
             }
         )
     state, problems = _derive_state(info.get("state", "unknown"), jobs, procs)
+    stall_after_s = _trainer_train(run).stall_after_s
+    stalled = stalled_for(state, rdv, info, stall_after_s, time.time())
+    if stalled is not None:
+        state = "stalled"
+        problems.append(
+            f"no progress for {stalled:.0f}s (train.stall_after_s={stall_after_s:.0f}); last errors: "
+            + (
+                "; ".join(f"{m['member_id']}: {m['last_error']}" for m in members if m.get("last_error"))
+                or "none reported"
+            )
+        )
     problems = [*run.damage(), *problems]
     return {
         "schema": SCHEMA_VERSION,
@@ -61,12 +75,83 @@ def collect(run: RunDir) -> dict[str, Any]:
         "age_s": round(time.time() - info["created"], 1) if info.get("created") else None,
         "rendezvous": rdv,
         "progress": rdv.get("progress") or _progress_from_metrics(run),
+        "sites": sites(members),
         "roles": roles,
     }
 
 
+def stalled_for(
+    state: str, rdv: dict[str, Any], info: dict[str, Any], bound_s: float, now: float
+) -> float | None:
+    """Seconds without progress, if a running run has made none for longer than `bound_s` (the last
+    trained step, or the start while none was): None when it is not stalled, or cannot be told."""
+    if state != "running" or not rdv.get("reachable"):
+        return None
+    since = (rdv.get("progress") or {}).get("updated") or info.get("started")
+    if since is None:
+        return None
+    idle = now - float(since)
+    return idle if idle > bound_s else None
+
+
+def sites(members: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per site: its members, its relay (at a site without the trainer: the lowest-ranked generator
+    past start-up, the rule the generators follow), the weight version its generators serve, and
+    the last weight transfer there (as the generators report it in their metrics)."""
+    from streamrl_cli.weights.layout import eligible
+
+    trainer_sites = {m.get("site") for m in members if m["role"] == "trainer"}
+    out = []
+    for site in sorted({m.get("site") or "default" for m in members}):
+        here = [m for m in members if (m.get("site") or "default") == site]
+        gens = [m for m in here if m["role"] == "generator"]
+        far = site not in trainer_sites
+        up = eligible(gens) if far else []
+        served = [
+            m["weight_version"] for m in gens if m["state"] == "alive" and m["weight_version"] is not None
+        ]
+        transfers = [m["metrics"] for m in gens if "weights/at" in m.get("metrics", {})]
+        last = max(transfers, key=lambda r: r["weights/at"]) if transfers else None
+        wan = [r for r in transfers if r.get("weights/relay")]
+        last_wan = max(wan, key=lambda r: r["weights/at"]) if wan else None
+        out.append(
+            {
+                "site": site,
+                "trainer_site": not far,
+                "members": [
+                    {
+                        "member_id": m["member_id"],
+                        "state": m["state"],
+                        "reported_state": m.get("reported_state"),
+                    }
+                    for m in sorted(here, key=lambda m: (m["role"], m["rank"]))
+                ],
+                "relay": up[0]["member_id"] if up else None,
+                "weight_version": min(served) if served else None,
+                "last_transfer": None
+                if last is None
+                else {
+                    "version": last.get("weights/version"),
+                    "at": last["weights/at"],
+                    "seconds": last.get("weights/transfer_s"),
+                    "bytes": last.get("weights/bytes"),
+                },
+                # What crossed the inter-site link last (the relay's fetch from the trainer).
+                "last_wan_transfer": None
+                if last_wan is None
+                else {
+                    "version": last_wan.get("weights/version"),
+                    "at": last_wan["weights/at"],
+                    "seconds": last_wan.get("weights/wan_s"),
+                    "bytes": last_wan.get("weights/wan_bytes"),
+                },
+            }
+        )
+    return out
+
+
 def _rendezvous(run: RunDir) -> dict[str, Any]:
-    endpoint = rundir.read_json(run.path / "rendezvous.json") or {}
+    endpoint = rundir.read_json(run.endpoint) or {}
     out: dict[str, Any] = {"url": endpoint.get("url"), "reachable": False, "error": None}
     if not endpoint.get("url"):
         out["error"] = "not started (no rendezvous.json)"
@@ -100,11 +185,25 @@ def _rendezvous(run: RunDir) -> dict[str, Any]:
     return out
 
 
+def _trainer_train(run: RunDir) -> TrainConfig:
+    """The trainer's typed train section, or the schema's defaults where its spec is gone or
+    unreadable (status must work without it)."""
+    from streamrl_cli.errors import StreamRLError
+    from streamrl_cli.recipe.schema import TrainConfig
+    from streamrl_cli.roles.spec import TrainerSpec, load_spec
+
+    try:
+        spec = load_spec(run.role_spec("trainer"))
+    except StreamRLError:
+        return TrainConfig()
+    return spec.train if isinstance(spec, TrainerSpec) else TrainConfig()
+
+
 def _spec(run: RunDir, role: str) -> dict[str, Any]:
     import yaml
 
     try:
-        return yaml.safe_load((run.path / "roles" / f"{role}.yaml").read_text()) or {}
+        return yaml.safe_load(run.role_spec(role).read_text()) or {}
     except (OSError, yaml.YAMLError):
         return {}
 
@@ -120,6 +219,8 @@ def _members(run: RunDir, role: str, live: list[dict]) -> list[dict]:
                 "state": m["state"],
                 "host": m["host"],
                 "cluster": m.get("cluster"),
+                "site": m.get("site"),
+                "last_error": m.get("last_error"),
                 "last_heartbeat_s": m.get("last_heartbeat_age_s"),
                 "weight_version": m.get("weight_version"),
                 "incarnation": m.get("incarnation"),
@@ -129,7 +230,7 @@ def _members(run: RunDir, role: str, live: list[dict]) -> list[dict]:
             for m in sorted(rows, key=lambda m: m["rank"])
         ]
     out = []
-    for f in sorted((run.path / "members").glob(f"{role}-*.json")):
+    for f in sorted(run.members.glob(f"{role}-*.json")):
         rec = rundir.read_json(f) or {}
         state = "exited" if "exit_code" in rec else "unknown"
         out.append(
@@ -139,6 +240,8 @@ def _members(run: RunDir, role: str, live: list[dict]) -> list[dict]:
                 "state": state,
                 "host": rec.get("host"),
                 "cluster": rec.get("cluster"),
+                "site": rec.get("site"),
+                "last_error": None,
                 "last_heartbeat_s": None,
                 "weight_version": None,
                 "incarnation": None,
@@ -179,7 +282,7 @@ def _derive_state(recorded: str, jobs: list[dict], procs: list[local.LocalProc])
 def _progress_from_metrics(run: RunDir) -> dict[str, Any]:
     """Without a server: the last metrics record that has a step."""
     try:
-        with open(run.path / "metrics.jsonl", "rb") as f:
+        with open(run.metrics, "rb") as f:
             f.seek(0, 2)
             f.seek(max(0, f.tell() - 65536))
             lines = f.read().decode(errors="replace").splitlines()

