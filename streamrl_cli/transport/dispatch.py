@@ -98,12 +98,13 @@ class Dispatcher:
                 self._alive.setdefault(g)
             return self._assign_open()
 
-    def registered(self, generator: str) -> Assignments:
-        """The rendezvous knows `generator` (registered, revived): it takes work once it said hello."""
+    def registered(self, generator: str, take_work: bool = True) -> Assignments:
+        """The rendezvous knows `generator` (registered, revived): it takes work once it said hello
+        (`take_work=False`: only note the registration; its hello will add it)."""
         with self._lock:
             if self._registered is not None:
                 self._registered.add(generator)
-            if generator in self._hello:
+            if take_work and generator in self._hello:
                 self._alive.setdefault(generator)
             return self._assign_open()
 
@@ -242,6 +243,7 @@ class DispatchService:
         # weights) is added by that hello; added now, work would wait on a stream that is not there.
         connected = getattr(self.receiver, "generators", None)
         if connected is not None and generator not in connected():
+            self.dispatcher.registered(generator, take_work=False)  # registered all the same
             return
         self._send(self.dispatcher.registered(generator))
 
