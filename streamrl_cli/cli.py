@@ -210,6 +210,39 @@ def plot(
 
 
 @app.command()
+def export(
+    run_name: Annotated[str, typer.Argument(metavar="RUN", help="run id, prefix, name or directory")],
+    out: Annotated[Path, typer.Option("--out", help="directory to write (must not exist, or be empty)")],
+    iteration: Annotated[
+        int | None, typer.Option("--iteration", help="the checkpoint of this iteration (default: the latest)")
+    ] = None,
+) -> None:
+    """Write a checkpoint of RUN as a Hugging Face model directory (config, tokenizer, safetensors)."""
+    from streamrl_cli import rundir
+    from streamrl_cli.roles.entry import load_spec
+    from streamrl_cli.trainer import checkpoint as ckpt
+    from streamrl_cli.trainer.export import ExportError, export_checkpoint
+
+    r = rundir.find(run_name)
+    done = sorted(p for p in (r.path / "checkpoints").glob("iter-*") if (p / ckpt.STATE).is_file())
+    have = ", ".join(str(int(p.name.removeprefix("iter-"))) for p in done) or "none"
+    if iteration is None:
+        if not done:
+            raise ExportError(f"run {r.name} has no complete checkpoint yet")
+        path = done[-1]
+    else:
+        path = ckpt.checkpoint_dir(r.path, iteration)
+        if path not in done:
+            raise ExportError(
+                f"run {r.name} has no complete checkpoint of iteration {iteration}; have: {have}"
+            )
+    model = load_spec(r.path / "roles" / "trainer.yaml").model
+    with err.status(f"exporting {path.name} of {r.name}"):
+        written = export_checkpoint(path, model["path"], out, model.get("dtype") or "float32")
+    console.print(f"wrote {written}", markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
 def show(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
     """Print the fully composed and validated RECIPE (after overrides) as YAML."""
     from omegaconf import OmegaConf

@@ -14,7 +14,7 @@ from streamrl_cli.recipe.schema import TaskConfig
 from streamrl_cli.tasks import Prompt, TaskError, make_task
 from streamrl_cli.tasks.builtin import WORDS, RepeatTask, repeat_score
 from streamrl_cli.tasks.datasets import DatasetTask
-from streamrl_cli.tasks.rewards import checked, exact_match, extract_answer, load_reward, math_answer
+from streamrl_cli.tasks.rewards import Reward, exact_match, extract_answer, load_reward, math_answer
 from streamrl_cli.tasks.sampler import PromptSampler
 
 BUILTIN = TaskConfig(name="builtin", dataset=None, num_prompts=4096, max_prompt_len=64, max_output_len=64)
@@ -38,7 +38,7 @@ def test_builtin_is_deterministic_from_its_seed():
     assert make_task(BUILTIN, seed=4).prompts() != a.prompts()
     assert len(a.prompts()) == 4096 and len({p.prompt_id for p in a.prompts()}) == 4096
     assert a.prompts()[17].prompt_id == "repeat/00017"
-    json.dumps([p.answer for p in a.prompts()])  # answers are JSON-serialisable
+    json.dumps([p.columns for p in a.prompts()])  # reward columns are JSON-serialisable
 
 
 def test_builtin_lengths_are_long_tailed():
@@ -91,16 +91,19 @@ def test_repeat_reward_is_graded():
 
 
 def test_repeat_reward_can_be_replaced_by_the_recipe():
-    task = make_task(replace(BUILTIN, num_prompts=4, reward="streamrl_cli.tasks.rewards:exact_match"))
+    task = make_task(replace(BUILTIN, num_prompts=4, reward="streamrl_cli.tasks.rewards:repeat_verifier"))
     p = task.prompts()[0]
-    assert task.reward([p], [task.reference_completion(p)]) == [0.0]  # answer is a dict: no match
+    assert task.reward([p], [task.reference_completion(p)]) == [1.0]
+    # exact_match reads an `answer` column, which the built-in task does not have: said at once
+    with pytest.raises(TaskError, match=r"exact_match.*columns \(count, word\).*'answer'"):
+        make_task(replace(BUILTIN, num_prompts=4, reward="streamrl_cli.tasks.rewards:exact_match"))
 
 
 def test_reward_of_the_builtin_verifier_by_name():
     fn = load_reward("streamrl_cli.tasks.rewards:repeat_verifier")
     p = Prompt("r", "repeat step 3:", {"word": "step", "count": 3})
     assert fn([p, p], [" step step step", " fox"]) == [1.0, 0.0]
-    assert repeat_score(p.answer, " step step step step") < 1.0
+    assert repeat_score(p.columns, " step step step step") < 1.0
 
 
 # -- loading reward functions --------------------------------------------------------------------
@@ -110,6 +113,8 @@ def test_reward_of_the_builtin_verifier_by_name():
     ("spec", "needle"),
     [
         ("nocolon", "is not `module:function`"),
+        ("mod:not-an-identifier", "is not `module:function`"),
+        ("missing/file.py:score", "no such file"),
         (":f", "is not `module:function`"),
         ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
         ("streamrl_cli.tasks.rewards:nope", "has no attribute 'nope'"),
@@ -127,7 +132,7 @@ def test_has_no_attribute_lists_what_is_there():
         load_reward("streamrl_cli.tasks.rewards:nope")
 
 
-def test_checked_reward_names_the_function_that_misbehaves():
+def test_reward_names_the_function_that_misbehaves():
     p = Prompt("a", "x")
 
     def too_short(prompts, completions):
@@ -139,15 +144,20 @@ def test_checked_reward_names_the_function_that_misbehaves():
     def not_a_list(prompts, completions):
         return 1.0
 
-    for fn in (too_short, not_floats, not_a_list):
+    def nan(prompts, completions):
+        return [float("nan")] * len(completions)
+
+    for fn in (too_short, not_floats, not_a_list, nan):
         with pytest.raises(TaskError, match=fn.__name__):
-            checked(fn)([p, p], ["a", "b"])
-    assert checked(lambda ps, cs: [1] * len(cs))([p], ["a"]) == [1.0]
+            Reward(fn)([p, p], ["a", "b"])
+    assert Reward(lambda prompts, completions: [1] * len(completions))([p], ["a"]) == [1.0]
 
 
 def test_exact_match():
-    ps = [Prompt("a", "q", "Paris"), Prompt("b", "q", 4), Prompt("c", "q")]
-    assert exact_match(ps, ["  Paris\n", "4", "anything"]) == [1.0, 1.0, 0.0]
+    ps = [Prompt("a", "q", {"answer": "Paris"}), Prompt("b", "q", {"answer": 4}), Prompt("c", "q")]
+    fn = load_reward("streamrl_cli.tasks.rewards:exact_match")
+    assert fn(ps, ["  Paris\n", "4", "x"]) == [1.0, 1.0, 0.0]
+    assert exact_match(["q"], ["4"], answer=[4]) == [1.0]
 
 
 @pytest.mark.parametrize(
@@ -171,7 +181,7 @@ def test_exact_match():
     ],
 )
 def test_math_answer(completion, answer, expected):
-    assert math_answer([Prompt("m", "q", answer)], [completion]) == [expected]
+    assert math_answer(["q"], [completion], answer=[answer]) == [expected]
 
 
 def test_extract_answer_nested_braces():
@@ -198,17 +208,17 @@ def test_jsonl_dataset(tmp_path):
         TaskConfig(name="math", dataset=str(path), reward="streamrl_cli.tasks.rewards:math_answer")
     )
     assert isinstance(task, DatasetTask) and task.name == "math"
-    assert [(p.prompt_id, p.text, p.answer) for p in task.prompts()] == [
-        ("math/00000", "1+1?", 2),
-        ("math/00002", "2+2?", 4),
+    assert [(p.prompt_id, p.text, p.columns) for p in task.prompts()] == [
+        ("math/00000", "1+1?", {"answer": 2}),
+        ("math/00002", "2+2?", {"answer": 4, "extra": True}),
     ]
     assert task.reward(task.prompts(), ["Answer: 2", "5"]) == [1.0, 0.0]
 
 
 def test_jsonl_ids_and_keys(tmp_path):
     path = _jsonl(tmp_path / "d.jsonl", json.dumps({"id": "q7", "question": "hi", "gold": "yo"}))
-    task = DatasetTask(path, prompt_key="question", answer_key="gold", reward=exact_match)
-    assert task.prompts() == (Prompt("q7", "hi", "yo"),)
+    task = DatasetTask(path, prompt_key="question", reward=lambda prompts, completions, gold, **kw: [1.0])
+    assert task.prompts() == (Prompt("q7", "hi", {"id": "q7", "gold": "yo"}),)
     assert task.name == "d"
 
 
@@ -258,9 +268,9 @@ def test_parquet_dataset(tmp_path):
     path = tmp_path / "rows.parquet"
     pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["x", "y"]}), path)
     task = DatasetTask(path, reward=exact_match)
-    assert [(p.prompt_id, p.text, p.answer) for p in task.prompts()] == [
-        ("rows/00000", "a", "x"),
-        ("rows/00001", "b", "y"),
+    assert [(p.prompt_id, p.text, p.columns) for p in task.prompts()] == [
+        ("rows/00000", "a", {"answer": "x"}),
+        ("rows/00001", "b", {"answer": "y"}),
     ]
     pq.write_table(pa.table({"text": ["a"]}), path)
     with pytest.raises(TaskError, match="row 1 has no field 'prompt' \\(fields there: text\\)"):

@@ -32,7 +32,7 @@ class CountTask(Task):
     name = "count"
 
     def __init__(self, n: int):
-        self._prompts = [Prompt(prompt_id=f"c/{i}", text=f"p{i}", answer=i) for i in range(n)]
+        self._prompts = [Prompt(prompt_id=f"c/{i}", text=f"p{i}", columns={"index": i}) for i in range(n)]
 
     def prompts(self):
         return self._prompts
@@ -191,7 +191,7 @@ class LengthRanker:
         self.updates = []
 
     def rank(self, prompts):
-        return [float(p.answer) for p in prompts]
+        return [float(p.columns["index"]) for p in prompts]
 
     def update(self, prompts, lengths):
         self.updates.append((len(prompts), list(lengths)))
@@ -351,3 +351,70 @@ def test_the_trainer_ends_the_run_with_the_reason_when_no_generator_is_left():
     assert not t.is_alive(), "the trainer waited for ever with no generator left"
     assert outcome and "no generator left" in str(outcome[0]) and "train.stall_after_s" in str(outcome[0])
     assert ("step",) in events  # iteration 0 was trained before they went
+
+
+class HalfScoredTask(CountTask):
+    """Cannot score the first sample of each group (length 1): returns None for it."""
+
+    def reward(self, prompts, completions):
+        return [None if len(c) == 1 else float(len(c)) for c in completions]
+
+
+def test_unscored_samples_are_not_learnt_from_and_are_counted():
+    events: list = []
+    gens = Generators(events)
+    driver = Driver(events)
+    records: list = []
+    cfg = PipelineConfig(mode="sync-stream", group_size=3, global_batch=2, micro_batch=2)
+    task = HalfScoredTask(8)
+    pipe = Pipeline(
+        cfg, task=task, sampler=ListSampler(task.prompts(), 2), tokenize=lambda t: [5, 6],
+        detokenize=lambda ids: "x" * len(ids), svc=gens, driver=driver,
+        publisher=Publisher(events, gens), on_record=records.append, clock=Clock(),
+    )  # fmt: skip
+    pipe.run(0, 1, 0)
+    rows = [r for rnd in driver.rounds for r in rnd]
+    assert len(rows) == 6  # groups stay whole
+    unscored = [r for r in rows if not r.scored]
+    assert len(unscored) == 2 and all(r.advantage == 0.0 and r.response_len == 1 for r in unscored)
+    # GRPO normalises over the scored two of each group (rewards 2 and 3): ±1
+    assert sorted(round(r.advantage, 3) for r in rows if r.scored) == [-1.0, -1.0, 1.0, 1.0]
+    assert records[0]["reward/unscored"] == 2
+    assert records[0]["reward_mean"] == 2.5  # over the scored samples only
+
+
+def test_evaluation_runs_between_iterations_and_at_the_end_without_being_trained_on():
+    from streamrl_cli.trainer.evaluation import EvalConfig, Evaluator
+
+    events: list = []
+    gens = Generators(events)
+    driver = Driver(events)
+    records: list = []
+    evals: list = []
+    held_out = HalfScoredTask(5)
+    clock = Clock()
+    evaluator = Evaluator(
+        held_out, EvalConfig(every=2, samples=3, temperature=0.0, max_tokens=9, sampling={"top_p": 0.5}),
+        tokenize=lambda t: [5, 6], detokenize=lambda ids: "x" * len(ids), on_eval=evals.append, clock=clock,
+    )  # fmt: skip
+    cfg = PipelineConfig(mode="sync-stream", group_size=2, global_batch=4, micro_batch=2)
+    task = CountTask(64)
+    pipe = Pipeline(
+        cfg, task=task, sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],
+        detokenize=lambda ids: "x" * len(ids), svc=gens, driver=driver, publisher=Publisher(events, gens),
+        on_record=records.append, clock=clock, evaluator=evaluator,
+    )  # fmt: skip
+    pipe.run(0, 5, 0)
+    assert [r["iteration"] for r in records] == [0, 1, 2, 3, 4]
+    assert sum(len(r) for r in driver.rounds) == 5 * 8  # evaluation samples are never trained on
+    # after iterations 1 and 3 (every 2), and the final one after the last (4)
+    assert [(e["eval/iteration"], e["eval/final"]) for e in evals] == [(1, False), (3, False), (4, True)]
+    final = evals[-1]
+    assert final["eval/weight_version"] == 5 and final["eval/samples"] == 3
+    assert final["eval/unscored"] == 3  # HalfScoredTask cannot score a 1-token completion
+    assert final["eval/reward_mean"] is None and final["eval/length_mean"] == 1.0
+    evals_sent = [e for e in events if e[0] == "dispatch" and e[1].startswith("eval")]
+    assert len(evals_sent) == 9 and {e[1].split("/", 1)[1] for e in evals_sent} == {"c/0", "c/1", "c/2"}
+    # an evaluation goes out once its weights are served, after the batch due with them
+    first = events.index(("dispatch", "eval1/c/0"))
+    assert events.index(("weights", 2)) < first and events.index(("dispatch", "it2/c/8")) < first

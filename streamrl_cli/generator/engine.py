@@ -9,7 +9,7 @@ dataclasses that the role converts to whatever the sample transport sends.
 Two things every engine must get right, because the trainer's loss depends on them:
 
 * ``Completion.logprobs`` are the *behaviour* log-probs: log-probabilities of the sampled tokens
-  under the distribution actually sampled from (temperature, top-k/top-p applied), so the
+  under the distribution actually sampled from (temperature, min-p, top-k/top-p applied), so the
   importance ratio of asynchronous RL is computed against the right denominator;
 * every result says which weight version produced it, so staleness can be bounded.
 """
@@ -37,7 +37,9 @@ class SamplingSpec:
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: disabled
+    min_p: float = 0.0  # 0: disabled
     max_tokens: int = 64  # output tokens per sample
+    stop: list[str] = field(default_factory=list)  # strings that end a completion (kept in its tokens)
     seed: int | None = None  # per-request seed (reproducible sampling)
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens besides EOS
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)

@@ -350,12 +350,15 @@ def _sampling_params(s: SamplingSpec) -> Any:
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k,
+        min_p=s.min_p,
         max_tokens=s.max_tokens,
         seed=s.seed,
+        stop=list(s.stop) or None,
         stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         logprobs=0,  # just the sampled token's log-prob (processed: the behaviour distribution)
-        detokenize=False,  # the trainer works on token ids
+        # The trainer works on token ids; stop strings are matched on text, so only they need it.
+        detokenize=bool(s.stop),
         output_kind=RequestOutputKind.FINAL_ONLY,  # with n > 1: one output once the group is done
     )
 

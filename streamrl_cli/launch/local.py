@@ -115,7 +115,7 @@ def procs(run: RunDir) -> list[LocalProc]:
         pass
     found = recover_procs(run)
     print(
-        f"warning: {run.path / 'local.json'} is damaged; found {len(found)} live process(es) of this run "
+        f"warning: {run.local_json} is damaged; found {len(found)} live process(es) of this run "
         "in the process table (role processes started in its directory)",
         file=sys.stderr,
     )
@@ -145,7 +145,7 @@ def recover_procs(run: RunDir) -> list[LocalProc]:
                 rank=rank,
                 pid=p.info["pid"],
                 created=p.info["create_time"],
-                log=str(run.path / "logs" / role / f"{role}-{rank}.log"),
+                log=str(run.local_log(role, rank)),
             )
         )
     return out

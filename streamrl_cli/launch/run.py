@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from rich.console import Console
 
 from streamrl_cli import rundir

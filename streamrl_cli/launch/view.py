@@ -67,7 +67,7 @@ def training_view(run: RunDir) -> RenderableType | None:
     table.add_row(
         f"{last['iteration'] + 1}/{total or '?'}",
         str(last.get("mode", "")),
-        f"{recs[0]['reward_mean']:.2f}→{last['reward_mean']:.2f}",
+        f"{_num(recs[0]['reward_mean'], 2)}→{_num(last['reward_mean'], 2)}",
         f"{last.get('samples_per_s', 0):.1f}",
         f"{100 * last.get('idle/trainer', 0):.0f}%",
         f"{100 * last.get('idle/generator', 0):.0f}%",
@@ -75,7 +75,9 @@ def training_view(run: RunDir) -> RenderableType | None:
         f"{last.get('loss/kl', 0):.3f}",
         f"{last.get('len/p50', 0)}/{last.get('len/p90', 0)}",
     )
-    spark = Text("reward " + sparkline([r["reward_mean"] for r in recs]), style="green")
+    spark = Text(
+        "reward " + sparkline([r["reward_mean"] for r in recs if r["reward_mean"] is not None]), style="green"
+    )
     return Group(table, spark)
 
 
@@ -98,7 +100,13 @@ def summary_line(run: RunDir) -> str | None:
         return None
     first, last = recs[0], recs[-1]
     rate = sum(r.get("samples", 0) for r in recs) / max(sum(r.get("t/iteration", 0) for r in recs), 1e-9)
+    scored = [r["reward_mean"] for r in recs if r["reward_mean"] is not None]  # null: nothing scored
     return (
-        f"{len(recs)} iterations ({last.get('mode')}): reward {first['reward_mean']:.3f} → "
-        f"{last['reward_mean']:.3f} (best {max(r['reward_mean'] for r in recs):.3f}), {rate:.1f} samples/s"
+        f"{len(recs)} iterations ({last.get('mode')}): reward {_num(first['reward_mean'], 3)} → "
+        f"{_num(last['reward_mean'], 3)} (best {_num(max(scored, default=None), 3)}), {rate:.1f} samples/s"
     )
+
+
+def _num(x: float | None, digits: int) -> str:
+    """A reward as the views print it; null (an iteration whose reward scored nothing) as "-"."""
+    return "-" if x is None else f"{x:.{digits}f}"

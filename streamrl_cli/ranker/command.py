@@ -36,7 +36,7 @@ def rank_recipe(
         )
     if fit is not None and kind not in ("learned", "history"):
         raise RankerError(f"--fit teaches a learned or history ranker, not skewness.ranker={kind}")
-    task = make_task(r.task, r.train.seed)
+    task = make_task(r.task, r.train.seed, model_path=r.model.path)
     model = r.skewness.ranker_model or r.model.path
     if kind in ("learned", "history") and not r.skewness.ranker_model:
         from streamrl_cli.models.warmup import ensure_model

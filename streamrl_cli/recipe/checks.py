@@ -10,6 +10,7 @@ import difflib
 from collections.abc import Iterator
 from pathlib import Path
 
+from streamrl_cli.recipe.paths import is_reward_file
 from streamrl_cli.recipe.schema import LOGGERS, ClusterConfig, Recipe, RoleJobConfig
 
 Problem = tuple[str, str]
@@ -26,6 +27,7 @@ def check(r: Recipe) -> list[Problem]:
         *_generator(r),
         *_rendezvous(r),
         *_workload(r),
+        *_task(r),
     ]
 
 
@@ -292,6 +294,14 @@ def _training(r: Recipe) -> Iterator[Problem]:
         yield "algorithm.clip_ratio", "clip ratios must be positive"
     if a.temperature <= 0:
         yield "algorithm.temperature", f"must be positive (logits are divided by it), got {a.temperature}"
+    if not 0 < a.top_p <= 1:
+        yield "algorithm.top_p", f"a probability mass: must be in (0, 1] (1: off), got {a.top_p}"
+    if a.top_k < 0:
+        yield "algorithm.top_k", f"must be 0 (off) or a number of tokens, got {a.top_k}"
+    if not 0 <= a.min_p <= 1:
+        yield "algorithm.min_p", f"a probability ratio: must be in [0, 1] (0: off), got {a.min_p}"
+    if any(not isinstance(x, str) or not x for x in a.stop):
+        yield "algorithm.stop", f"stop strings must be non-empty strings, got {a.stop!r}"
     if a.is_cap < 1:
         yield "algorithm.is_cap", f"importance weights are truncated at is_cap: must be ≥ 1, got {a.is_cap}"
     if a.name == "ppo" and a.kl_mode == "loss":
@@ -322,6 +332,57 @@ def _training(r: Recipe) -> Iterator[Problem]:
             "model.num_kv_heads",
             (f"{r.model.num_kv_heads} KV heads do not divide {r.model.num_attention_heads} attention heads"),
         )
+
+
+def _task(r: Recipe) -> Iterator[Problem]:
+    """The task's files exist (found here rather than by a trainer that waited in the queue)."""
+    t = r.task
+    if t.dataset is not None:
+        p = Path(t.dataset).expanduser()
+        if not p.exists():
+            yield (
+                "task.dataset",
+                f"no such file or directory: {t.dataset} (JSONL, Parquet or a save_to_disk directory)",
+            )
+        if not t.reward:
+            yield (
+                "task.reward",
+                "a dataset needs a reward function: `module:function` or `path/to/file.py:function` "
+                "(shipped: streamrl_cli.tasks.rewards:exact_match, streamrl_cli.tasks.rewards:math_answer)",
+            )
+    if not t.prompt_key:
+        yield "task.prompt_key", "must name the dataset field holding the prompt"
+    if t.reward:
+        target, sep, attr = t.reward.rpartition(":")
+        if not sep or not target or not attr:
+            yield (
+                "task.reward",
+                f"{t.reward!r} is not `module:function` or `path/to/file.py:function`",
+            )
+        elif is_reward_file(target) and not Path(target).expanduser().is_file():
+            yield "task.reward", f"no such file: {target}"
+    if t.chat_template is not None:
+        if not t.chat_template.strip():
+            yield "task.chat_template", "empty; use null (no template), tokenizer, or a Jinja template"
+        elif t.chat_template.endswith(".jinja") and not Path(t.chat_template).expanduser().is_file():
+            yield "task.chat_template", f"no such file: {t.chat_template}"
+    if t.eval_dataset is not None:
+        if not Path(t.eval_dataset).expanduser().exists():
+            yield "task.eval_dataset", f"no such file or directory: {t.eval_dataset}"
+        if not t.reward:
+            yield "task.reward", "evaluation scores with the task's reward function: set task.reward"
+    else:
+        for key, off in (("eval_every", 0), ("eval_samples", None), ("eval_temperature", 0.0)):
+            if getattr(t, key) != off:
+                yield f"task.{key}", "has no effect without task.eval_dataset (the held-out prompts)"
+    if t.eval_every < 0:
+        yield "task.eval_every", f"must be 0 (only a final evaluation) or more, got {t.eval_every}"
+    if t.eval_samples is not None and t.eval_samples < 1:
+        yield "task.eval_samples", f"must be at least 1 (or null: every eval prompt), got {t.eval_samples}"
+    if t.eval_temperature < 0:
+        yield "task.eval_temperature", f"must be 0 (greedy) or positive, got {t.eval_temperature}"
+    if t.system_prompt is not None and t.dataset is None:
+        yield "task.system_prompt", "the built-in task has no chat prompts; set task.dataset to use one"
 
 
 def _divisors(n: int) -> str:

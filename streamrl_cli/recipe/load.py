@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from streamrl_cli.errors import RecipeError
-from streamrl_cli.recipe import checks, safe_yaml
+from streamrl_cli.recipe import checks, paths, safe_yaml
 from streamrl_cli.recipe.schema import Recipe
 from streamrl_cli.recipe.walk import walk
 
@@ -104,6 +104,7 @@ def load(recipe: str, overrides: list[str] | None = None) -> Composed:
     # the user sees every problem at once, not one round of fixes after another.
     typed = _convert(_without(tree, bad), problems)
     if typed is not None:
+        paths.resolve(typed, Path.cwd())  # role processes start elsewhere: hand them absolute paths
         for p, msg in checks.check(typed):
             if not any(p == b or p.startswith(b + ".") for b in bad):
                 problems.append(prov.describe(p, msg))

@@ -184,16 +184,37 @@ class AlgorithmConfig:
     is_correction: str = choices(*IS_MODES, default="auto")
     is_cap: float = 2.0  # truncation of the importance weights
     temperature: float = 1.0  # sampling temperature (the trainer's log-probs use the same)
+    # Truncated sampling, passed to vLLM; the trainer's and the reference's log-probs apply the same
+    # truncation (vLLM's order: temperature, min_p, top_k, top_p), so they are of the distribution
+    # sampled from. The sampling seed is train.seed (and train.reproducible_sampling).
+    top_p: float = 1.0  # nucleus: keep the most likely tokens up to this probability mass (1: off)
+    top_k: int = 0  # keep the k most likely tokens (0: off)
+    min_p: float = 0.0  # drop tokens below min_p × the most likely token's probability (0: off)
+    stop: list[str] = field(default_factory=list)  # strings that end a completion, besides EOS
 
 
 @dataclass(kw_only=True)
 class TaskConfig:
     name: str = "???"  # task name
-    dataset: str | None = None  # JSONL/Parquet of prompts (null: the task's built-in prompts)
-    prompt_key: str = "prompt"  # dataset: field holding the prompt text
-    # Reward: `module:function` called with a batch (see streamrl_cli.tasks.rewards); null: the
-    # built-in task's own verifier (a dataset needs one).
+    # Prompts: a JSONL or Parquet file, or a directory written by datasets' save_to_disk (null: the
+    # built-in task). A relative path is taken from the directory streamrl is started in.
+    dataset: str | None = None
+    prompt_key: str = "prompt"  # dataset: field holding the prompt (text, or a list of chat messages)
+    # Reward, called TRL-style as fn(prompts, completions, **columns) (streamrl_cli.tasks.rewards):
+    # `module:function` or `path/to/file.py:function`; null: the built-in task's own verifier.
     reward: str | None = None
+    # Chat template (streamrl_cli.tasks.datasets.ChatFormat): null: text prompts as they are, chat
+    # prompts through the tokenizer's template; "tokenizer": every prompt through the tokenizer's
+    # template; else a Jinja template (inline, or a .jinja file) used instead of the tokenizer's.
+    chat_template: str | None = None
+    system_prompt: str | None = None  # system message put first in every chat without one
+    # Held-out evaluation on the generators (streamrl_cli.trainer.evaluation): a dataset like `dataset`
+    # (same prompt_key, chat template and reward), evaluated at the end of the run and every
+    # `eval_every` iterations; records eval/reward_mean, eval/reward_std, eval/length_mean, ...
+    eval_dataset: str | None = None
+    eval_every: int = 0  # iterations between evaluations (0: only the final one)
+    eval_samples: int | None = None  # eval prompts per evaluation, the first ones (null: all)
+    eval_temperature: float = 0.0  # sampling temperature of evaluation (0: greedy)
     num_prompts: int = 4096  # built-in task: prompts in its dataset
     max_prompt_len: int = 512  # prompt tokens
     max_output_len: int = 1024  # output tokens
@@ -216,6 +237,9 @@ class TrainConfig:
     reproducible_sampling: bool = False
     checkpoint_every: int = 5  # iterations between checkpoints (0: only the last one)
     keep_checkpoints: int = 2  # checkpoints kept (older ones are deleted)
+    # At the end of the run, write the last iteration's policy as a Hugging Face model directory
+    # (config, tokenizer, safetensors) to <run dir>/model (`streamrl export` does it for any checkpoint).
+    export_final: bool = True
     loggers: list[str] = field(default_factory=list)  # extra metric sinks: tensorboard, wandb
     wandb_project: str = "streamrl"  # W&B project (loggers=[wandb])
     # Bound on a run without progress, seconds: past it `streamrl status` shows the run `stalled`

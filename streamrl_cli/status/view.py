@@ -90,7 +90,15 @@ def run_view(doc: dict[str, Any]) -> RenderableType:
             style="yellow",
         )
     p = doc["progress"] or {}
-    keys = ("step", "samples_per_s", "trainer_idle", "generator_idle", "reward", "ranker_recall20")
+    keys = (
+        "step",
+        "samples_per_s",
+        "trainer_idle",
+        "generator_idle",
+        "reward",
+        "eval_reward",
+        "ranker_recall20",
+    )
     pline = Text(
         "progress: " + ("  ".join(f"{k} {p[k]}" for k in keys if k in p) or "no progress reported yet")
     )

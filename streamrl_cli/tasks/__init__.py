@@ -6,8 +6,9 @@ trainer and the length ranker never parse datasets or verify answers themselves.
 - the built-in ``repeat`` task (:mod:`.builtin`), generated from a seed: the embedded default's
   task, learnable by a tiny model on two CPU cores and with output lengths predictable from the
   prompt (for the output-length ranker);
-- a :class:`~.datasets.DatasetTask`: prompts from a JSONL/Parquet file, scored by a reward
-  function named ``module:function`` in the recipe (:mod:`.rewards`).
+- a :class:`~.datasets.DatasetTask`: prompts from a JSONL/Parquet file or a Hugging Face
+  ``save_to_disk`` directory, optionally through a chat template, scored by a reward function
+  the recipe names (:mod:`.rewards`, called in TRL's convention).
 
 :func:`make_task` turns the recipe's ``task`` section (``recipe.schema.TaskConfig``) into one of them.
 """
@@ -15,8 +16,8 @@ trainer and the length ranker never parse datasets or verify answers themselves.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from streamrl_cli.errors import StreamRLError
@@ -36,8 +37,9 @@ class Prompt:
     """One prompt of a task."""
 
     prompt_id: str  # stable within the dataset, e.g. "repeat/00017"
-    text: str  # the prompt text as given to the tokenizer (no chat template)
-    answer: Any = None  # whatever the verifier needs (JSON-serialisable)
+    text: str  # the prompt as the policy sees it (chat template applied where the task has one)
+    # Every other field of the record: the reward function's keyword arguments (JSON-serialisable).
+    columns: Mapping[str, Any] = field(default_factory=dict)
 
 
 class Task(ABC):
@@ -50,16 +52,18 @@ class Task(ABC):
         """Every prompt of the task, in a fixed order."""
 
     @abstractmethod
-    def reward(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> list[float]:
-        """One float per (prompt, completion) pair; ``completions`` exclude the prompt and EOS."""
+    def reward(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> list[float | None]:
+        """One float per (prompt, completion) pair, or None where the reward cannot score it;
+        ``completions`` exclude the prompt and EOS."""
 
 
-def make_task(task: TaskConfig, seed: int = 0) -> Task:
+def make_task(task: TaskConfig, seed: int = 0, *, model_path: str | None = None) -> Task:
     """The task of a recipe's ``task`` section.
 
     ``dataset`` null: the built-in repeat task (whatever ``name`` says), ``seed`` drawing its
     prompts; its verifier unless ``reward`` names another. Else a :class:`DatasetTask`, which needs
-    ``reward``."""
+    ``reward``. ``model_path``: where the tokenizer of the chat template comes from (only read when
+    the dataset is rendered through one)."""
     dataset, reward = task.dataset, task.reward
     if dataset is None:
         from streamrl_cli.tasks.builtin import RepeatTask
@@ -75,14 +79,14 @@ def make_task(task: TaskConfig, seed: int = 0) -> Task:
         raise TaskError(
             f"task.reward: a dataset task ({dataset}) needs a reward function, e.g. "
             "task.reward=streamrl_cli.tasks.rewards:exact_match or "
-            "streamrl_cli.tasks.rewards:math_answer (or your own `module:function`)"
+            "streamrl_cli.tasks.rewards:math_answer (or your own `module:function` / `file.py:function`)"
         )
-    from streamrl_cli.tasks.datasets import DatasetTask
-    from streamrl_cli.tasks.rewards import load_reward
+    from streamrl_cli.tasks.datasets import ChatFormat, DatasetTask
 
     return DatasetTask(
         dataset,
         prompt_key=task.prompt_key,
-        reward=load_reward(reward),
+        reward=reward,
         name=task.name or None,
+        chat=ChatFormat(template=task.chat_template, system_prompt=task.system_prompt, model_path=model_path),
     )

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from streamrl_cli.tasks import Prompt, Task, TaskError
-from streamrl_cli.tasks.rewards import RewardFn
+from streamrl_cli.tasks.rewards import Reward
 
 # Single tokens (with a leading space) of streamrl_cli.models.tiny's tokenizer; tests check it.
 WORDS = ("fox", "brown", "model", "policy", "stream", "step", "every", "over")
@@ -36,7 +36,7 @@ MAX_COUNT = 40
 EOS_TEXT = "<|endoftext|>"  # the tiny tokenizer's EOS, in case a caller decodes it into the text
 
 
-def repeat_score(answer: dict[str, Any], completion: str, tolerance: float = 0.25) -> float:
+def repeat_score(answer: Mapping[str, Any], completion: str, tolerance: float = 0.25) -> float:
     """Reward in [0, 1]: (share of output words equal to the word) × exp(-|words - count| / scale),
     scale = max(1, tolerance × count). 1.0 only for exactly ``count`` copies of the word."""
     word, count = answer["word"], int(answer["count"])
@@ -59,7 +59,7 @@ class RepeatTask(Task):
         max_output_len: int = 64,
         seed: int = 0,
         max_count: int = MAX_COUNT,
-        reward_fn: RewardFn | None = None,
+        reward_fn: Reward | None = None,
     ):
         if num_prompts < 1:
             raise TaskError(f"task.num_prompts must be at least 1, got {num_prompts}")
@@ -69,6 +69,8 @@ class RepeatTask(Task):
             )
         self.seed = seed
         self._reward_fn = reward_fn  # the recipe's task.reward, if it replaces the verifier
+        if reward_fn is not None:
+            reward_fn.check_columns(("word", "count"))
         # count copies + EOS must fit in max_output_len
         self.max_count = max(1, min(max_count, max_output_len - 1))
         rng = random.Random(f"repeat-{seed}")
@@ -86,27 +88,27 @@ class RepeatTask(Task):
     def prompts(self) -> Sequence[Prompt]:
         return self._prompts
 
-    def reward(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> list[float]:
-        if self._reward_fn is not None:
+    def reward(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> list[float | None]:
+        if self._reward_fn is not None:  # its columns: word, count
             return self._reward_fn(prompts, completions)
-        return [repeat_score(p.answer, c) for p, c in zip(prompts, completions, strict=True)]
+        return [repeat_score(p.columns, c) for p, c in zip(prompts, completions, strict=True)]
 
     @staticmethod
     def reference_completion(prompt: Prompt) -> str:
         """The ideal completion (without EOS, which the tokenizer's side appends)."""
-        return f" {prompt.answer['word']}" * int(prompt.answer["count"])
+        return f" {prompt.columns['word']}" * int(prompt.columns["count"])
 
     @staticmethod
     def expected_length(prompt: Prompt) -> int:
         """Tokens of the ideal answer, EOS included: the oracle for output-length ranking."""
-        return int(prompt.answer["count"]) + 1
+        return int(prompt.columns["count"]) + 1
 
     @staticmethod
     def warmup_completion(prompt: Prompt, rng: random.Random) -> str:
         """A noisy reference for the supervised warm-up: the format is right, the count is off by
         a few in most examples and now and then a word is wrong, so the warmed policy is a
         rough counter that reinforcement learning has to sharpen."""
-        word, count = prompt.answer["word"], int(prompt.answer["count"])
+        word, count = prompt.columns["word"], int(prompt.columns["count"])
         spread = max(1.0, 0.3 * count)
         noisy = max(1, count + round(rng.gauss(0.0, spread)))
         words = [rng.choice(WORDS) if rng.random() < 0.1 else word for _ in range(noisy)]

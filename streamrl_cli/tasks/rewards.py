@@ -1,89 +1,209 @@
-"""Reward functions: the batched interface, loading one by name, and the rule-based verifiers shipped.
+"""Reward functions: TRL's calling convention, loading one by name or file, the verifiers shipped.
 
-A reward function is ``fn(prompts: list[Prompt], completions: list[str]) -> list[float]``. It is
-batched because real verifiers (a reward model, a sandbox running code) are far cheaper per batch
-than per sample. A recipe names one as ``module:function``; :func:`load_reward` imports it and
-wraps it so that a function returning the wrong thing fails with its own name in the message
-rather than deep in the trainer.
+A reward function is called on a batch, the way TRL (and, in spirit, verl and OpenRLHF) call it::
+
+    def reward(prompts: list[str], completions: list[str], **columns) -> list[float | None]
+
+Every argument is passed by keyword, as TRL passes them, so ``def reward(completions, solution,
+**kwargs)`` works too. ``prompts`` are the prompts as the policy saw them (chat template applied,
+if any); ``completions`` the generated text without the prompt or EOS; ``columns`` every other
+field of the dataset, one list per field aligned with the batch (a field a record lacks is ``None``
+there). So a reward written for TRL's ``GRPOTrainer`` works unchanged. It is batched because real
+verifiers (a reward model, a sandbox running code) are far cheaper per batch than per sample.
+
+- ``async def`` rewards are awaited (a reward calling a remote judge can overlap its requests).
+- ``None`` for a completion means "cannot score this one" (TRL's convention): the trainer does not
+  learn from that sample (see ``trainer.pipeline``) and counts it in the ``reward/unscored`` metric.
+- A recipe names a function as ``module:function`` (importable) or ``path/to/file.py:function``
+  (loaded from the file; no ``PYTHONPATH`` needed, and the file's directory becomes importable so it
+  can import its neighbours). Relative file paths are resolved against the directory ``streamrl``
+  is started in, when the recipe is loaded (``recipe.paths``), so role processes and SLURM jobs get
+  an absolute path.
+
+:class:`Reward` wraps the function so that a wrong signature or a wrong return value fails with the
+function's name and what would be valid, not deep in the trainer.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import hashlib
 import importlib
+import importlib.util
+import inspect
 import math
 import re
-from collections.abc import Callable, Sequence
-from typing import Any
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from streamrl_cli.tasks import Prompt, TaskError
+from streamrl_cli.tasks import TaskError
 
-RewardFn = Callable[[Sequence[Prompt], Sequence[str]], list[float]]
+if TYPE_CHECKING:
+    from streamrl_cli.tasks import Prompt
 
 _NUMBER = r"[-+]?(?:\d[\d,]*)?\.?\d+(?:[eE][-+]?\d+)?"
 
 
-def load_reward(spec: str) -> RewardFn:
-    """The reward function named ``module:function`` (e.g. ``streamrl_cli.tasks.rewards:math_answer``)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr or ":" in attr:
-        raise TaskError(
-            f"task.reward: {spec!r} is not `module:function` "
-            "(e.g. streamrl_cli.tasks.rewards:exact_match or mypkg.verify:score)"
-        )
+class Reward:
+    """A user's reward function, called in TRL's convention with a task's prompts and their columns."""
+
+    def __init__(self, fn: Callable[..., Any], name: str | None = None):
+        if not callable(fn):
+            raise TaskError(f"task.reward: {name or fn!r} is a {type(fn).__name__}, not a function")
+        self.fn = fn
+        self.name = name or getattr(fn, "__qualname__", repr(fn))
+
+    def check_columns(self, columns: Iterable[str]) -> None:
+        """Fail now (not at the first scored group) if the function needs a column the data lacks."""
+        names = sorted(set(columns))
+        clash = sorted({"prompts", "completions"} & set(names))
+        if clash:
+            raise TaskError(
+                f"task.reward: the dataset has a field named {clash[0]!r}, which is also the reward's own "
+                "argument; rename that field"
+            )
+        try:
+            sig = inspect.signature(self.fn)
+        except (TypeError, ValueError):  # a builtin or C callable: nothing to check against
+            return
+        try:
+            sig.bind(prompts=[], completions=[], **dict.fromkeys(names, []))
+        except TypeError as e:
+            raise TaskError(
+                f"task.reward: {self.name} cannot be called as reward(prompts=, completions=, **columns) "
+                f"with this dataset's columns ({', '.join(names) or 'none'}): {e}. "
+                "Every field of a record except the prompt reaches the function as a keyword argument; "
+                "accept **kwargs to ignore the ones it does not use"
+            ) from None
+
+    def __call__(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> list[float | None]:
+        if len(prompts) != len(completions):
+            raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+        keys = sorted({k for p in prompts for k in p.columns})
+        columns = {k: [p.columns.get(k) for p in prompts] for k in keys}
+        # By keyword, as TRL calls it: `def reward(completions, solution, **kwargs)` is common there.
+        out = self.fn(prompts=[p.text for p in prompts], completions=list(completions), **columns)
+        if inspect.isawaitable(out):
+            out = _wait(out)
+        return self._values(out, len(completions))
+
+    def _values(self, out: Any, n: int) -> list[float | None]:
+        if isinstance(out, str | bytes) or not isinstance(out, Iterable):
+            raise TaskError(
+                f"reward function {self.name} must return a list of floats (or None for "
+                f"'cannot score'), got {type(out).__name__}"
+            )
+        values: list[float | None] = []
+        for i, v in enumerate(out):
+            if v is None:
+                values.append(None)
+                continue
+            try:
+                x = float(v)
+            except (TypeError, ValueError):
+                raise TaskError(
+                    f"reward function {self.name} returned {v!r} at position {i}: "
+                    "expected a float (or None for 'cannot score')"
+                ) from None
+            if not math.isfinite(x):
+                raise TaskError(
+                    f"reward function {self.name} returned {x} at position {i}; "
+                    "return None for a completion it cannot score"
+                )
+            values.append(x)
+        if len(values) != n:
+            raise TaskError(
+                f"reward function {self.name} returned {len(values)} values for {n} completions "
+                "(it must return one float, or None, per completion)"
+            )
+        return values
+
+
+def _wait(awaitable: Any) -> Any:
+    """The result of an async reward, whether or not this thread already runs an event loop."""
+
+    async def run() -> Any:
+        return await awaitable
+
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(run())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # cannot nest loops: use a fresh thread's
+        return pool.submit(asyncio.run, run()).result()
+
+
+def load_reward(spec: str) -> Reward:
+    """The reward named ``module:function`` or ``path/to/file.py:function``."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr or not re.fullmatch(r"[A-Za-z_][\w.]*", attr):
         raise TaskError(
-            f"task.reward: cannot import module {module_name!r} of {spec!r}: {e} "
-            "(is it installed, or on PYTHONPATH on every node?)"
-        ) from e
+            f"task.reward: {spec!r} is not `module:function` or `path/to/file.py:function` "
+            "(e.g. streamrl_cli.tasks.rewards:math_answer or rewards/my_reward.py:score)"
+        )
+    module = _load_file(target, spec) if _is_file(target) else _import(target, spec)
     fn: Any = module
     for part in attr.split("."):
         if not hasattr(fn, part):
             public = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
             raise TaskError(
-                f"task.reward: module {module_name!r} has no attribute {attr!r}; "
+                f"task.reward: {target!r} has no attribute {attr!r}; "
                 f"callables there: {', '.join(public) or 'none'}"
             )
         fn = getattr(fn, part)
     if not callable(fn):
         raise TaskError(f"task.reward: {spec!r} is a {type(fn).__name__}, not a function")
-    return checked(fn, spec)
+    return Reward(fn, spec)
 
 
-def checked(fn: Callable[..., Any], name: str | None = None) -> RewardFn:
-    """``fn`` wrapped to check it returns one finite float per completion."""
-    label = name or getattr(fn, "__qualname__", repr(fn))
-
-    def reward(prompts: Sequence[Prompt], completions: Sequence[str]) -> list[float]:
-        if len(prompts) != len(completions):
-            raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
-        out = fn(list(prompts), list(completions))
-        try:
-            values = [float(v) for v in out]
-        except (TypeError, ValueError) as e:
-            raise TaskError(
-                f"reward function {label} must return a list of floats, got {type(out).__name__}: {e}"
-            ) from e
-        if len(values) != len(completions):
-            raise TaskError(
-                f"reward function {label} returned {len(values)} values for {len(completions)} completions "
-                "(it must return one float per completion)"
-            )
-        bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
-        if bad:
-            raise TaskError(f"reward function {label} returned non-finite values at positions {bad[:5]}")
-        return values
-
-    reward.__qualname__ = reward.__name__ = f"checked({label})"
-    return reward
+def _is_file(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or "\\" in target
 
 
-def exact_match(prompts: Sequence[Prompt], completions: Sequence[str]) -> list[float]:
-    """1.0 where the stripped completion equals the (stringified, stripped) answer."""
+def _import(module_name: str, spec: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        raise TaskError(
+            f"task.reward: cannot import module {module_name!r} of {spec!r}: {e} "
+            "(is it installed on every node? A file can be named directly: path/to/file.py:function)"
+        ) from e
+
+
+def _load_file(target: str, spec: str) -> Any:
+    path = Path(target).expanduser()
+    if not path.is_file():
+        raise TaskError(f"task.reward: {spec!r}: no such file {str(path)!r}")
+    path = path.resolve()
+    # One module per file (by its absolute path), so two rewards named score.py do not collide.
+    name = f"streamrl_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))  # the reward's own helper modules next to it
+    loader_spec = importlib.util.spec_from_file_location(name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise TaskError(f"task.reward: {spec!r}: {path} cannot be loaded as a Python module")
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise TaskError(f"task.reward: loading {path} failed: {type(e).__name__}: {e}") from e
+    return module
+
+
+# -- the verifiers shipped: TRL-style, reading the dataset's `answer` column ---------------------
+
+
+def exact_match(prompts: list[str], completions: list[str], answer: list[Any], **_: Any) -> list[float]:
+    """1.0 where the stripped completion equals the (stringified, stripped) ``answer`` column."""
     return [
-        float(p.answer is not None and c.strip() == str(p.answer).strip())
-        for p, c in zip(prompts, completions, strict=True)
+        float(a is not None and c.strip() == str(a).strip()) for c, a in zip(completions, answer, strict=True)
     ]
 
 
@@ -133,18 +253,22 @@ def _to_number(s: Any) -> float | None:
         return None
 
 
-def math_answer(prompts: Sequence[Prompt], completions: Sequence[str]) -> list[float]:
-    """1.0 where the completion's final answer equals the prompt's answer numerically, else 0.0."""
+def math_answer(prompts: list[str], completions: list[str], answer: list[Any], **_: Any) -> list[float]:
+    """1.0 where the completion's final answer equals the ``answer`` column numerically, else 0.0."""
     out = []
-    for p, c in zip(prompts, completions, strict=True):
-        got, want = _to_number(extract_answer(c)), _to_number(p.answer)
+    for c, a in zip(completions, answer, strict=True):
+        got, want = _to_number(extract_answer(c)), _to_number(a)
         ok = got is not None and want is not None and math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9)
         out.append(float(ok))
     return out
 
 
-def repeat_verifier(prompts: Sequence[Prompt], completions: Sequence[str]) -> list[float]:
+def repeat_verifier(
+    prompts: list[str], completions: list[str], word: list[str], count: list[int], **_: Any
+) -> list[float]:
     """The built-in repeat task's graded verifier (see :func:`streamrl_cli.tasks.builtin.repeat_score`)."""
     from streamrl_cli.tasks.builtin import repeat_score
 
-    return [repeat_score(p.answer, c) for p, c in zip(prompts, completions, strict=True)]
+    return [
+        repeat_score({"word": w, "count": n}, c) for c, w, n in zip(completions, word, count, strict=True)
+    ]

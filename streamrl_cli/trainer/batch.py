@@ -25,6 +25,9 @@ class Rollout:
     prompt_tokens: list[int]
     sample: Sample
     reward: float
+    # False: the reward function returned None ("cannot score"); the sample is kept in its group
+    # (the group stays whole) but takes no part in the loss: its tokens are masked out.
+    scored: bool = True
     advantage: float = 0.0  # GRPO: the group-normalised reward (PPO: computed per token later)
     staleness: int = 0  # trainer's version - the sample's weight version
     iteration: int = 0  # the iteration whose batch it belongs to
@@ -72,7 +75,7 @@ def collate(rollouts: Sequence[Rollout], device: torch.device | str = "cpu") -> 
         p, resp = len(r.prompt_tokens), r.response_len
         ids[i, : p + resp] = torch.tensor(r.prompt_tokens + list(r.sample.token_ids), dtype=torch.long)
         attn[i, : p + resp] = 1
-        mask[i, p - 1 : p - 1 + resp] = 1.0  # logits at p-1 predict the first response token
+        mask[i, p - 1 : p - 1 + resp] = float(r.scored)  # logits at p-1 predict the first response token
         blp[i, p - 1 : p - 1 + resp] = torch.tensor(r.sample.logprobs, dtype=torch.float32)
     return MicroBatch(
         input_ids=ids.to(device),

@@ -49,6 +49,9 @@ class LossConfig:
     importance_sampling: bool
     is_cap: float
     temperature: float
+    top_k: int  # the generators' truncation, applied to the trainer's log-probs too
+    top_p: float
+    min_p: float
     max_len: int  # task.max_output_len (seq-mean-token-sum-norm's constant)
 
     @classmethod
@@ -72,7 +75,17 @@ class LossConfig:
             importance_sampling=a.is_correction == "on",
             is_cap=a.is_cap,
             temperature=a.temperature,
+            top_k=a.top_k,
+            top_p=a.top_p,
+            min_p=a.min_p,
             max_len=max_len,
+        )
+
+    @property
+    def sampling(self) -> L.SamplingTransform:
+        """The generators' sampling distribution, which the actor's and reference's log-probs use."""
+        return L.SamplingTransform(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p
         )
 
 
@@ -150,12 +163,12 @@ class Learner:
         accumulation: the gradient reduction happens in that backward)."""
         c = self.loss
         self.actor.train()
-        logp, ent = policy_forward(self.actor, mb, c.temperature, entropy=True)
+        logp, ent = policy_forward(self.actor, mb, c.sampling, entropy=True)
         old_logp, mask = logp.detach(), mb.mask
         kl = None
         if self.ref is not None:
             with torch.no_grad():
-                ref_logp, _ = policy_forward(self.ref, mb, c.temperature)
+                ref_logp, _ = policy_forward(self.ref, mb, c.sampling)
             kl = L.kl_estimate(logp, ref_logp, c.kl_estimator)
         if c.name == "ppo":
             values = critic_forward(self.critic, mb)

@@ -20,6 +20,8 @@ Conventions:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -163,6 +165,82 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> 
     scaled = logits if temperature == 1.0 else logits / temperature
     picked = scaled.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(scaled, dim=-1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingTransform:
+    """The distribution the generators sample from, as a function of the logits (the recipe's
+    algorithm.temperature, min_p, top_k, top_p). The trainer's log-probs must be of this same
+    distribution, or the importance ratio against the behaviour log-probs is off."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    min_p: float = 0.0  # 0: off
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+# Rows of [*, V] logits truncated at once: top-p sorts the vocabulary, a [rows, V] copy at a time.
+TRUNCATE_ROWS = 1024
+
+
+def sampled_logprobs(
+    logits: Tensor, tokens: Tensor, s: SamplingTransform, *, entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of ``tokens`` [B, T] under the sampling distribution of ``logits`` [B, T, V], and
+    optionally its entropy [B, T].
+
+    Without truncation: log softmax(logits / T). With it, vLLM's processing in vLLM's order
+    (temperature, then min_p on the tempered probabilities, then top-k, then top-p over what top-k
+    kept) and a log-softmax over the tokens kept. One difference, on purpose: the target token is
+    never dropped. On the weights that sampled it, it is in the kept set anyway (so the log-prob is
+    vLLM's); on later weights (async mode, the reference model) dropping it would give -inf and an
+    infinite ratio or KL, where keeping it gives the nearest finite value.
+    """
+    if not s.truncates:
+        scaled = logits if s.temperature == 1.0 else logits / s.temperature
+        return token_logprobs(logits, tokens, s.temperature), (
+            entropy_from_logits(scaled) if entropy else None
+        )
+    shape = tokens.shape
+    flat, targets = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1).long()
+    logps, ents = [], []
+    for a in range(0, flat.shape[0], TRUNCATE_ROWS):
+        scaled = flat[a : a + TRUNCATE_ROWS] / s.temperature
+        tgt = targets[a : a + TRUNCATE_ROWS]
+        with torch.no_grad():
+            removed = _removed(scaled.detach(), s)
+            removed.scatter_(-1, tgt.unsqueeze(-1), False)
+        kept = scaled.masked_fill(removed, float("-inf"))
+        lse = torch.logsumexp(kept, dim=-1)
+        logps.append(kept.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse)
+        if entropy:
+            probs = torch.softmax(kept, dim=-1)  # 0 where removed: those terms are 0, not 0 × -inf
+            ents.append(lse - (probs * scaled.masked_fill(removed, 0.0)).sum(dim=-1))
+    logp = torch.cat(logps).reshape(shape)
+    return logp, (torch.cat(ents).reshape(shape) if entropy else None)
+
+
+def _removed(scaled: Tensor, s: SamplingTransform) -> Tensor:
+    """Which tokens vLLM's sampler drops from tempered logits [N, V] (True: dropped)."""
+    removed = torch.zeros_like(scaled, dtype=torch.bool)
+    if s.min_p > 0.0:
+        probs = torch.softmax(scaled, dim=-1)
+        removed |= probs < probs.amax(dim=-1, keepdim=True) * s.min_p
+    if s.top_k > 0 and s.top_k < scaled.shape[-1]:
+        kth = scaled.topk(s.top_k, dim=-1).values[..., -1:]
+        removed |= scaled < kth  # ties with the k-th are kept, as vLLM keeps them
+    if s.top_p < 1.0:
+        masked = scaled.masked_fill(removed, float("-inf"))
+        order_vals, order = masked.sort(dim=-1, descending=False)
+        cum = order_vals.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cum <= 1.0 - s.top_p
+        drop_sorted[..., -1] = False  # the most likely token always stays
+        removed |= torch.zeros_like(removed).scatter(-1, order, drop_sorted)
+    return removed
 
 
 def aggregate(per_token: Tensor, mask: Tensor, mode: str, max_len: int) -> tuple[Tensor, float]:

@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from streamrl_cli.errors import StreamRLError
+from streamrl_cli.recipe.schema import TaskConfig
 from streamrl_cli.roles.spec import TrainerSpec
+from streamrl_cli.trainer.pipeline import sampling_keys
 
 log = logging.getLogger("streamrl.trainer")
 
@@ -39,6 +41,10 @@ def main(spec: TrainerSpec, rank: int) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per rendezvous call otherwise
     return TrainerRole(spec, rank).run()
+
+
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
 
 
 def free_port() -> int:
@@ -53,6 +59,7 @@ class TrainerRole:
         self.run_dir = Path(spec.run_dir)
         self.rdv: Any = None
         self.closers: list[Any] = []
+        self._last_step = 0  # the latest iteration recorded (eval records are logged at it)
 
     def run(self) -> int:
         from streamrl_cli.rendezvous import RendezvousClient, read_secret
@@ -189,7 +196,7 @@ class TrainerRole:
         t, task_cfg = self.spec.train, self.spec.task
         seed = t.seed
         random.seed(seed)
-        task = make_task(task_cfg, seed)
+        task = make_task(task_cfg, seed, model_path=os.path.expanduser(self.spec.model.path))
         sampler = PromptSampler(list(task.prompts()), t.global_batch, seed)
         tok = AutoTokenizer.from_pretrained(os.path.expanduser(self.spec.model.path))
         max_prompt = task_cfg.max_prompt_len
@@ -218,6 +225,7 @@ class TrainerRole:
         ranker = self._ranker(task, seed)
         ptl = self._ptl()
         sinks = self._sinks()
+        evaluator = self._evaluator(task_cfg, seed, tokenize, tok, sinks)
         every, keep = t.checkpoint_every, t.keep_checkpoints
 
         elastic = self._elastic(svc)
@@ -232,16 +240,17 @@ class TrainerRole:
                 rec = {**rec, **dict.fromkeys(bad)}
             self.rdv.post_metrics(rec)
             self.rdv.post_progress(
-                i + 1, iterations=iterations, reward=round(rec["reward_mean"], 4),
+                i + 1, iterations=iterations, reward=_round(rec["reward_mean"], 4),
                 samples_per_s=round(rec["samples_per_s"], 2), trainer_idle=round(rec["idle/trainer"], 3),
                 generator_idle=round(rec["idle/generator"], 3), mode=rec["mode"],
                 **({"ranker_recall20": round(rec["ranker/recall@20"], 3)} if "ranker/recall@20" in rec
                    else {}),
             )  # fmt: skip
+            self._last_step = i
             for sink in sinks:
                 sink.log(rec, i)
-            log.info("iteration %d: reward %.3f, %.1f samples/s, trainer idle %.0f%%, generator idle %.0f%%",
-                     i, rec["reward_mean"], rec["samples_per_s"], 100 * rec["idle/trainer"],
+            log.info("iteration %d: reward %s, %.1f samples/s, trainer idle %.0f%%, generator idle %.0f%%",
+                     i, _round(rec["reward_mean"], 3), rec["samples_per_s"], 100 * rec["idle/trainer"],
                      100 * rec["idle/generator"])  # fmt: skip
 
         def on_checkpoint(i: int, state: dict[str, Any]) -> None:
@@ -257,9 +266,12 @@ class TrainerRole:
             cfg, task=task, sampler=sampler, tokenize=tokenize,
             detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True), svc=svc, driver=driver,
             publisher=publisher, on_record=on_record, on_checkpoint=on_checkpoint, ranker=ranker, ptl=ptl,
+            evaluator=evaluator,
         )  # fmt: skip
         try:
             pipe.run(start, iterations, version, push_first=push)
+            if t.export_final:
+                self._export_final()
         finally:
             for sink in sinks:
                 sink.close()
@@ -275,6 +287,59 @@ class TrainerRole:
         if not cfg.enabled:
             return None
         return ElasticController(cfg, self.rdv, lambda: len(svc.generators()))
+
+    def _export_final(self) -> None:
+        """The last checkpoint (the final iteration's: always saved) as a HF model in the run directory."""
+        from streamrl_cli.trainer import checkpoint as ckpt
+        from streamrl_cli.trainer.export import EXPORT_DIR, export_checkpoint
+
+        last = ckpt.latest(self.run_dir)
+        if last is None:
+            raise StreamRLError(f"train.export_final: {self.run_dir} has no complete checkpoint to export")
+        self.rdv.set_status(state="exporting")
+        m = self.spec.model
+        out = export_checkpoint(last, m.path, self.run_dir / EXPORT_DIR, m.dtype)
+        log.info("exported %s as a Hugging Face model to %s", last.name, out)
+
+    def _evaluator(self, task_cfg: TaskConfig, seed: int, tokenize: Any, tok: Any, sinks: list[Any]) -> Any:
+        """The held-out evaluation (task.eval_dataset), or None."""
+        if not task_cfg.eval_dataset:
+            return None
+        from streamrl_cli.tasks import make_task
+        from streamrl_cli.trainer.evaluation import EvalConfig, Evaluator
+
+        a = self.spec.algorithm
+        path = os.path.expanduser(self.spec.model.path)
+        held_out = make_task(
+            dataclasses.replace(task_cfg, dataset=task_cfg.eval_dataset), seed, model_path=path
+        )
+        cfg = EvalConfig(
+            every=task_cfg.eval_every, samples=task_cfg.eval_samples, temperature=task_cfg.eval_temperature,
+            max_tokens=task_cfg.max_output_len, sampling=sampling_keys(a), seed=seed,
+        )  # fmt: skip
+
+        def on_eval(rec: dict[str, Any]) -> None:
+            self.rdv.post_metrics(rec)
+            # progress is merged, not replaced: `streamrl status` shows the latest eval reward
+            self.rdv.post_progress(
+                self._last_step + 1, eval_reward=_round(rec["eval/reward_mean"], 4),
+                eval_iteration=rec["eval/iteration"],
+            )  # fmt: skip
+            # W&B drops steps older than its latest: an evaluation finishes during a later iteration
+            step = max(rec["eval/iteration"], self._last_step)
+            for sink in sinks:
+                sink.log(rec, step)
+            kind = "final" if rec["eval/final"] else "periodic"
+            log.info("evaluation of iteration %d (%s): reward %s over %d prompts, mean length %.1f",
+                     rec["eval/iteration"], kind, _round(rec["eval/reward_mean"], 3), rec["eval/samples"],
+                     rec["eval/length_mean"])  # fmt: skip
+
+        def detokenize(ids: list[int]) -> str:
+            return tok.decode(ids, skip_special_tokens=True)
+
+        return Evaluator(
+            held_out, cfg, tokenize=tokenize, detokenize=detokenize, on_eval=on_eval, clock=time.time
+        )
 
     def _ranker(self, task: Any, seed: int) -> Any:
         from streamrl_cli.ranker.base import make_ranker

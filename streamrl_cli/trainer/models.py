@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from streamrl_cli.trainer.batch import MicroBatch
-from streamrl_cli.trainer.losses import entropy_from_logits, token_logprobs
+from streamrl_cli.trainer.losses import SamplingTransform, sampled_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,14 +61,15 @@ class Critic(nn.Module):
 
 
 def policy_forward(
-    model: nn.Module, mb: MicroBatch, temperature: float, *, entropy: bool = False
+    model: nn.Module, mb: MicroBatch, sampling: SamplingTransform | float, *, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of the targets under `model` (temperature applied) and optionally the entropy."""
+    """Log-probs of the targets under `model`, of the distribution the generators sample from
+    (temperature, top-k/top-p/min-p applied; a float: a temperature alone), and optionally the entropy."""
+    if not isinstance(sampling, SamplingTransform):
+        sampling = SamplingTransform(temperature=float(sampling))
     out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
     logits = out.logits[:, :-1].float()
-    logp = token_logprobs(logits, mb.targets, temperature)
-    ent = entropy_from_logits(logits / temperature) if entropy else None
-    return logp, ent
+    return sampled_logprobs(logits, mb.targets, sampling, entropy=entropy)
 
 
 def critic_forward(critic: Any, mb: MicroBatch) -> torch.Tensor:

@@ -36,10 +36,13 @@ import xxhash
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.trainer.batch import GroupCollector, Rollout
+from streamrl_cli.trainer.evaluation import Evaluator
 from streamrl_cli.trainer.losses import grpo_advantages
+from streamrl_cli.trainer.seeds import sample_seed
 from streamrl_cli.transport.wire import Request, Sample
 
 if TYPE_CHECKING:
+    from streamrl_cli.recipe.schema import AlgorithmConfig
     from streamrl_cli.roles.spec import TrainerSpec
 
 log = logging.getLogger("streamrl.trainer")
@@ -58,6 +61,9 @@ class PipelineConfig:
     max_staleness: int = 1
     max_output_len: int = 64
     temperature: float = 1.0
+    # Sampling beyond temperature (the recipe's algorithm.top_p, ...), sent with every request:
+    # {"top_p": 0.9, "stop": ["\n\n"]}; only what differs from vLLM's defaults.
+    sampling: dict[str, Any] = field(default_factory=dict)
     grpo_std_norm: bool = True
     seed: int = 0
     sample_timeout_s: float = 1800.0  # no sample at all for this long: something is wrong
@@ -80,12 +86,26 @@ class PipelineConfig:
             max_output_len=spec.task.max_output_len, temperature=a.temperature, grpo_std_norm=a.grpo_std_norm,
             seed=t.seed, dispatch=skew.dispatch, schedule=skew.schedule, long_tail=skew.long_tail,
             engine_max_seqs=spec.generator.max_num_seqs, reproducible=t.reproducible_sampling,
-            sample_timeout_s=t.stall_after_s, no_generator_s=t.stall_after_s,
+            sample_timeout_s=t.stall_after_s, no_generator_s=t.stall_after_s, sampling=sampling_keys(a),
         )  # fmt: skip
 
     @property
     def ahead(self) -> int:
         return self.max_staleness if self.mode == "async" else 0
+
+
+def sampling_keys(a: AlgorithmConfig) -> dict[str, Any]:
+    """The recipe's sampling keys beyond temperature that differ from "off", as requests carry them."""
+    out: dict[str, Any] = {}
+    if a.top_k > 0:
+        out["top_k"] = a.top_k
+    if a.top_p < 1.0:
+        out["top_p"] = a.top_p
+    if a.min_p > 0.0:
+        out["min_p"] = a.min_p
+    if a.stop:
+        out["stop"] = [str(x) for x in a.stop]
+    return out
 
 
 @dataclass
@@ -129,6 +149,7 @@ class Pipeline:
         clock: Callable[[], float] = time.time,
         ranker: Any = None,
         ptl: Callable[[float], float] | None = None,
+        evaluator: Evaluator | None = None,
     ):
         self.cfg, self.task, self.sampler = cfg, task, sampler
         self.tokenize, self.detokenize = tokenize, detokenize
@@ -147,6 +168,8 @@ class Pipeline:
         self.priority_base = 0  # LPT priorities of later batches come after earlier ones'
         self.rng = random.Random(cfg.seed)
         self._no_generator_since: float | None = None
+        self.evaluator = evaluator
+        self.evals_due: list[tuple[int, int]] = []  # (iteration, weight version) to evaluate once confirmed
 
     # ---- the loop ----
 
@@ -167,7 +190,26 @@ class Pipeline:
             record = self._iteration(i, prev_end)
             prev_end = record["timeline"]["end"]
             self.on_record(record)
+            if self.evaluator is not None and self.evaluator.due(i, end):
+                self.evals_due.append((i, self.version))
+                self._dispatch_due()
         self._wait_transfers()
+        if self.evaluator is not None and end > start:
+            self._final_eval(end - 1)
+
+    def _final_eval(self, i: int) -> None:
+        """Evaluate the last weights (every generator serves them now), and wait for every evaluation."""
+        assert self.evaluator is not None
+        self._dispatch_due()  # a periodic evaluation still waiting for its weights goes first
+        self.svc.submit(self.evaluator.dispatch(i, final=True))
+        last = self.clock()
+        while self.evaluator.pending:
+            sample = self.svc.get(timeout=GET_POLL_S)
+            if sample is not None:
+                self._route(sample)
+                last = self.clock()
+            elif self.clock() - last > self.cfg.sample_timeout_s:
+                raise TimeoutError(f"no evaluation sample for {self.cfg.sample_timeout_s:.0f}s")
 
     def _dispatch_due(self) -> None:
         """Dispatch every batch whose weight version requirement is met (j - ahead <= confirmed)."""
@@ -176,6 +218,11 @@ class Pipeline:
         while self.next_batch < self.end and self.next_batch - self.cfg.ahead + self.offset <= confirmed:
             self._dispatch(self.next_batch)
             self.next_batch += 1
+        # Evaluations go out once their weights are served, after the training batch due with them.
+        while self.evals_due and self.evals_due[0][1] <= confirmed:
+            assert self.evaluator is not None
+            i, _ = self.evals_due.pop(0)
+            self.svc.submit(self.evaluator.dispatch(i))
 
     def _versions_ready(self, version: int) -> None:
         with self._cv:
@@ -242,6 +289,7 @@ class Pipeline:
         sampling: dict[str, Any] = {
             "temperature": self.cfg.temperature,
             "max_tokens": self.cfg.max_output_len,
+            **self.cfg.sampling,
         }
         if self.cfg.reproducible:
             sampling["seed"] = sample_seed(self.cfg.seed, seed_key, indices[0])
@@ -311,6 +359,9 @@ class Pipeline:
     # ---- samples ----
 
     def _route(self, sample: Sample) -> None:
+        if self.evaluator is not None and self.evaluator.owns(sample.prompt_id):
+            self.evaluator.add(sample)
+            return
         j = int(sample.prompt_id.split("/", 1)[0].removeprefix("it"))
         batch = self.batches.get(j)
         if batch is None:
@@ -347,17 +398,22 @@ class Pipeline:
             len(s.token_ids) for s in sorted(samples, key=lambda s: s.sample_index)
         ]
         texts = [self.detokenize(s.token_ids) for s in samples]
-        rewards = [float(r) for r in self.task.reward([prompt] * len(samples), texts)]
+        scores = self.task.reward([prompt] * len(samples), texts)
         batch.done_groups += 1
         import torch
 
-        if self.cfg.algorithm == "grpo":
-            adv = grpo_advantages(torch.tensor(rewards), self.cfg.grpo_std_norm).tolist()
-        else:
-            adv = [0.0] * len(rewards)
+        # None ("cannot score"): the sample is not learnt from (masked out of the loss), and GRPO
+        # normalises the group over the samples that were scored.
+        scored = [k for k, r in enumerate(scores) if r is not None]
+        rewards = [float(r) if r is not None else 0.0 for r in scores]
+        adv = [0.0] * len(rewards)
+        if self.cfg.algorithm == "grpo" and scored:
+            group = grpo_advantages(torch.tensor([rewards[k] for k in scored]), self.cfg.grpo_std_norm)
+            for k, a in zip(scored, group.tolist(), strict=True):
+                adv[k] = a
         return [
-            Rollout(prompt_tokens=tokens, sample=s, reward=r, advantage=a)
-            for s, r, a in zip(samples, rewards, adv, strict=True)
+            Rollout(prompt_tokens=tokens, sample=s, reward=r, advantage=a, scored=sc is not None)
+            for s, r, a, sc in zip(samples, rewards, adv, scores, strict=True)
         ]
 
     # ---- weights ----
@@ -410,7 +466,8 @@ class Pipeline:
 
     def _record(self, i, batch, started, end, train_spans, step_span, wait_s, stats) -> dict[str, Any]:  # noqa: ANN001
         rows = batch.trained
-        rewards = [r.reward for r in rows]
+        # Reward statistics over scored samples (an unscored one has no reward to average).
+        rewards = [r.reward for r in rows if r.scored] or [float("nan")]  # none scored: recorded as null
         lengths = sorted(r.response_len for r in rows)
         stale = [r.staleness for r in rows]
         elapsed = max(end - started, 1e-9)
@@ -425,6 +482,7 @@ class Pipeline:
             "reward_mean": statistics.fmean(rewards),
             "reward_std": statistics.pstdev(rewards),
             "reward_max": max(rewards),
+            "reward/unscored": sum(not r.scored for r in rows),
             "samples": len(rows),
             "tokens": tokens,
             "len/mean": tokens / len(rows),
@@ -496,13 +554,3 @@ def _covered(spans: list[list[float]], start: float, end: float) -> float:
     if cur_b is not None:
         total += cur_b - cur_a
     return total
-
-
-def sample_seed(seed: int, prompt_id: str, index: int) -> int:
-    """The sampling seed of a request whose first sample is `index` (train.reproducible_sampling).
-
-    vLLM seeds the k-th sample of a request with n > 1 by ``seed + k``, so sample k of a prompt
-    always gets base + k, whether it is generated with its group or alone (a re-dispatch).
-    """
-    base = xxhash.xxh64_intdigest(f"{seed}/{prompt_id}".encode()) >> 16  # 48 bits: room to add indices
-    return base + index

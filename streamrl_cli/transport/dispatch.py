@@ -98,13 +98,12 @@ class Dispatcher:
                 self._alive.setdefault(g)
             return self._assign_open()
 
-    def registered(self, generator: str, take_work: bool = True) -> Assignments:
-        """The rendezvous knows `generator` (registered, revived): it takes work once it said hello
-        (`take_work=False`: only note the registration; its hello will add it)."""
+    def registered(self, generator: str) -> Assignments:
+        """The rendezvous knows `generator` (registered, revived): it takes work once it said hello."""
         with self._lock:
             if self._registered is not None:
                 self._registered.add(generator)
-            if take_work and generator in self._hello:
+            if generator in self._hello:
                 self._alive.setdefault(generator)
             return self._assign_open()
 
@@ -240,11 +239,11 @@ class DispatchService:
     def revived(self, generator: str) -> None:
         # Only one whose stream is connected takes work again. A generator that was lost before its
         # hello (its heartbeats starved while its engine started, a late joiner still waiting for
-        # weights) is added by that hello; added now, work would wait on a stream that is not there.
+        # weights), or whose stream is gone, takes work once it says hello (again): its old hello
+        # no longer counts.
         connected = getattr(self.receiver, "generators", None)
         if connected is not None and generator not in connected():
-            self.dispatcher.registered(generator, take_work=False)  # registered all the same
-            return
+            self.dispatcher.forget_generator(generator)
         self._send(self.dispatcher.registered(generator))
 
     def get(self, timeout: float | None = None) -> Sample | None:
