@@ -127,3 +127,23 @@ def test_an_oversized_frame_is_dropped_unread_and_the_stream_goes_on(ctx):
             good.close()
     finally:
         r.close()
+
+
+def test_a_generator_registered_before_its_hello_gets_work_once_it_says_hello():
+    """The rendezvous' member_registered may arrive before the generator's stream is up: the
+    registration is kept, and its hello then makes it a working generator."""
+    svc = DispatchService(StreamConfig(bind="tcp://127.0.0.1:0"), TOKEN)
+    try:
+        svc._send(svc.dispatcher.require_registration([]))
+        svc.on_event({"type": "member_registered", "data": {"member_id": "generator-5", "incarnation": 1}})
+        svc.submit([Request(prompt_id="p", prompt_token_ids=[1], sample_indices=[0])])
+        gen = make_sender(StreamConfig(), address=svc.address, token=TOKEN, generator="generator-5")
+        try:
+            assert wait(lambda: svc.generators() == ["generator-5"])
+            reqs = []
+            assert wait(lambda: reqs.extend(gen.requests(timeout=0.1)) or reqs)
+            assert [r.prompt_id for r in reqs] == ["p"]
+        finally:
+            gen.close(0)
+    finally:
+        svc.close()

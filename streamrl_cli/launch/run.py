@@ -101,6 +101,7 @@ def reopen(run: RunDir) -> Prepared:
         raise ClusterError(
             f"run {run.name} still has roles running: stop it first (`streamrl cancel {run.name}`)"
         )
+    import yaml
     from omegaconf.errors import OmegaConfBaseException
 
     from streamrl_cli.errors import RecipeError
@@ -390,7 +391,7 @@ def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:
     # Said before any signal is sent, so that a `streamrl run` watching the roles reads their
     # exits as a cancel, not as a failure.
     run.update_info(state="cancelling")
-    _, damaged = rundir.read_json_checked(run.path / "jobs.json")
+    _, damaged = rundir.read_json_checked(run.jobs_json)
     if damaged:
         errors.append(
             f"{damaged}: cannot tell which SLURM jobs to cancel; find them with "
