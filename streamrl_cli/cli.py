@@ -6,6 +6,7 @@ Heavy imports (torch, vllm, deepspeed, hydra, submitit) stay inside command bodi
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from streamrl_cli.errors import StreamRLError
+from streamrl_cli.errors import StreamRLError, UsageError
 
 app = typer.Typer(
     name="streamrl",
@@ -26,20 +27,54 @@ app = typer.Typer(
 console = Console()
 err = Console(stderr=True)
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        from streamrl_cli import __version__
+
+        console.print(f"streamrl {__version__}", markup=False, highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="print the version and exit"),
+    ] = False,
+) -> None:
+    """Disaggregated stream-generation RL post-training of LLMs, on SLURM clusters or this machine."""
+
+
 RecipeArg = Annotated[
-    str, typer.Argument(help="recipe name (`local`, `paper/qwen2.5-7b-ppo`) or path to a YAML file")
+    str,
+    typer.Argument(
+        metavar="RECIPE", help="recipe name (`local`, `paper/qwen2.5-7b-ppo`) or path to a YAML file"
+    ),
 ]
 OverridesArg = Annotated[
     list[str] | None,
-    typer.Argument(help="overrides: key=value, +key=value (add), ++key=value, ~key (delete), group=option"),
+    typer.Argument(
+        help="overrides: key=value, +key=value (add), ++key=value, ~key (delete), group=option; "
+        "@FILE reads one override per line from FILE (`#` comments)"
+    ),
 ]
+
+
+def _overrides(given: list[str] | None) -> list[str]:
+    """The command line's overrides with every @FILE expanded in place."""
+    from streamrl_cli.recipe.argfiles import expand
+
+    return expand(given or [])
 
 
 @app.command()
 def run(
     recipe: Annotated[
         str | None,
-        typer.Argument(help="recipe name (`local`, `paper/qwen2.5-7b-ppo`) or path to a YAML file"),
+        typer.Argument(
+            metavar="[RECIPE]", help="recipe name (`local`, `paper/qwen2.5-7b-ppo`) or path to a YAML file"
+        ),
     ] = None,
     overrides: OverridesArg = None,
     dry_run: Annotated[
@@ -59,7 +94,7 @@ def run(
 
     if resume is not None:
         if recipe is not None or overrides or dry_run:
-            raise StreamRLError(
+            raise UsageError(
                 "--resume RUN continues a run with its own recipe: give no RECIPE, overrides or --dry-run"
             )
         from streamrl_cli import rundir
@@ -68,8 +103,8 @@ def run(
         console.print(f"resuming run {prepared.run.name}: {prepared.run.path}", markup=False, highlight=False)
         raise typer.Exit(launcher.launch(prepared, console))
     if recipe is None:
-        raise StreamRLError("missing RECIPE (see `streamrl recipes`), or --resume RUN")
-    composed = load(recipe, overrides or [])
+        raise UsageError("missing RECIPE (see `streamrl recipes`), or --resume RUN")
+    composed = load(recipe, _overrides(overrides))
     prepared = launcher.prepare(composed, root=root, dry_run=dry_run)
     if dry_run:
         _print_plan(prepared)
@@ -108,11 +143,24 @@ def _print_plan(prepared) -> None:  # type: ignore[no-untyped-def]
 def cancel(
     run_name: Annotated[str, typer.Argument(metavar="RUN", help="run id, prefix, name or directory")],
 ) -> None:
-    """Cancel every job of RUN on every cluster (and stop its local processes)."""
+    """Cancel every job of RUN on every cluster (and stop its local processes).
+
+    A run that has already ended is left as it is (its recorded state is kept); that is not an
+    error, so the exit code is 0 either way.
+    """
     from streamrl_cli import rundir
+    from streamrl_cli import status as st
     from streamrl_cli.launch import run as launcher
 
     r = rundir.find(run_name)
+    state = st.current_state(r)
+    if state not in st.ACTIVE_STATES:
+        how = {
+            "dry-run": "was a dry run",
+            "ended": "has already ended (its processes are gone)",
+        }.get(state, f"has already ended ({state})")
+        console.print(f"run {r.name} {how}: nothing to cancel, left as it is", markup=False, highlight=False)
+        return
     done = launcher.cancel(r)
     for line in done or ["nothing was running"]:
         console.print(line, markup=False, highlight=False)
@@ -153,8 +201,15 @@ def status(
     as_json: Annotated[
         bool, typer.Option("--json", help="print one JSON document (docs/status-json.md)")
     ] = False,
-    watch: Annotated[bool, typer.Option("--watch", help="refresh in place until Ctrl-C")] = False,
-    interval: Annotated[float, typer.Option(help="seconds between refreshes with --watch")] = 2.0,
+    watch: Annotated[
+        bool,
+        typer.Option(
+            "--watch",
+            help="refresh until the run ends (or Ctrl-C); in place on a terminal, else one snapshot "
+            "after another",
+        ),
+    ] = False,
+    interval: Annotated[float, typer.Option(min=0.1, help="seconds between refreshes with --watch")] = 2.0,
 ) -> None:
     """What every role of RUN is doing; without RUN, a table of runs."""
     import json
@@ -169,25 +224,40 @@ def status(
         return st.collect(run) if run else {"schema": st.SCHEMA_VERSION, "runs": st.runs_summary()}
 
     def render(doc: dict):  # type: ignore[no-untyped-def]
-        return view.run_view(doc) if run else view.runs_table(doc["runs"])
+        return view.run_view(doc) if run else view.runs_table(doc["runs"], width=console.width)
+
+    def active(doc: dict) -> bool:
+        states = [doc["state"]] if run else [r["state"] for r in doc["runs"]]
+        return any(s in st.ACTIVE_STATES for s in states)
 
     if as_json:
         print(json.dumps(document(), indent=2, sort_keys=True, default=str))
         return
+    doc = document()
     if not watch:
-        console.print(render(document()))
+        console.print(render(doc), soft_wrap=run is None)  # runs: never crop an id
         return
     import time
 
-    from rich.live import Live
+    try:
+        if console.is_terminal:
+            from rich.live import Live
 
-    with Live(render(document()), console=console, auto_refresh=False) as live:
-        try:
+            with Live(render(doc), console=console, auto_refresh=False) as live:
+                while active(doc):
+                    time.sleep(interval)
+                    doc = document()
+                    live.update(render(doc), refresh=True)
+        else:  # a file or a pipe: no cursor to move, so each refresh is printed after the last
             while True:
+                console.print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}", markup=False, highlight=False)
+                console.print(render(doc), soft_wrap=run is None)  # runs: never crop an id
+                if not active(doc):
+                    break
                 time.sleep(interval)
-                live.update(render(document()), refresh=True)
-        except KeyboardInterrupt:
-            pass
+                doc = document()
+    except KeyboardInterrupt:
+        pass
 
 
 @app.command()
@@ -197,7 +267,8 @@ def plot(
         Path | None, typer.Option("--out", help="directory for the PNGs (default RUN/plots)")
     ] = None,
 ) -> None:
-    """Draw RUN's metrics as PNGs: reward and KL, throughput and idle time, pipeline timeline, lengths."""
+    """Draw RUN's metrics as PNGs: reward (and eval reward), training health (KL, grad norm, clip
+    fraction, entropy, value loss), throughput and idle time, pipeline timeline, lengths."""
     from streamrl_cli import rundir
     from streamrl_cli.metrics.plots import plot_run
 
@@ -249,7 +320,7 @@ def show(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
 
     from streamrl_cli.recipe.load import load
 
-    composed = load(recipe, overrides or [])
+    composed = load(recipe, _overrides(overrides))
     console.print(OmegaConf.to_yaml(OmegaConf.structured(composed.recipe)), markup=False, highlight=False)
 
 
@@ -262,14 +333,57 @@ def recipes() -> None:
         console.print(name, markup=False, highlight=False)
 
 
-def main() -> None:
-    """Console-script entry: user errors are printed once, without a traceback."""
+def _click_exceptions() -> tuple[type[Exception], type[Exception]]:
+    """(ClickException, NoArgsIsHelpError) of the click that typer uses.
+
+    Recent typer vendors its own copy of click (``typer._click``), whose exceptions are not
+    ``click``'s; older typer uses ``click`` itself. Both are caught, whichever is installed.
+    """
     try:
-        # Without standalone mode click returns the code of typer.Exit instead of exiting.
-        code = app(standalone_mode=False)
+        from typer._click.exceptions import ClickException, NoArgsIsHelpError
+    except ImportError:  # typer < 0.29: the real click
+        from click.exceptions import ClickException, NoArgsIsHelpError
+    return ClickException, NoArgsIsHelpError
+
+
+def _usage_line(e: Exception) -> str:
+    """One line: what was wrong, and where the valid forms are listed."""
+    message = " ".join(e.format_message().split()).rstrip(".")  # type: ignore[attr-defined]
+    ctx = getattr(e, "ctx", None)
+    if ctx is None:
+        return message
+    return f"{message} (see `{ctx.command_path} --help`)"
+
+
+def _save_traceback() -> Path:
+    import time
+    import traceback
+
+    from streamrl_cli.rundir import streamrl_home
+
+    path = streamrl_home() / "errors" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(" ".join(sys.argv) + "\n\n" + traceback.format_exc())
+    except OSError:
+        return Path("(could not be saved)")
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry: every error is printed once, as a message, never as a traceback.
+
+    Exit codes: 0 success, 1 a failure (cluster, run), 2 a usage error (unknown command or
+    option, missing or bad argument, invalid recipe), 130 interrupted.
+    """
+    click_exception, no_args_help = _click_exceptions()
+    try:
+        # Without standalone mode click returns the code of typer.Exit instead of exiting, and
+        # raises its usage errors here instead of printing them its own way.
+        code = app(args=argv, prog_name="streamrl", standalone_mode=False)
     except StreamRLError as e:
         err.print(f"[bold red]error:[/bold red] {type(e).__name__}: ", end="")
-        err.print(str(e), markup=False, highlight=False)
+        err.print(str(e), markup=False, highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except typer.Exit as e:
         sys.exit(e.exit_code)
@@ -279,13 +393,30 @@ def main() -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
-    except Exception as e:  # click's usage errors
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        raise
+    except no_args_help as e:  # `streamrl` or `streamrl GROUP` alone: the help is the answer
+        console.print(e.format_message(), markup=False, highlight=False, soft_wrap=True)  # type: ignore[attr-defined]
+        sys.exit(2)
+    except click_exception as e:
+        err.print("[bold red]error:[/bold red] ", end="")
+        err.print(_usage_line(e), markup=False, highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)  # type: ignore[attr-defined]
+    except OSError as e:  # a file or directory the user named: permissions, a full disk, ...
+        where = f": {e.filename}" if e.filename else ""
+        err.print("[bold red]error:[/bold red] ", end="")
+        err.print(f"{e.strerror or e}{where}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except Exception as e:  # a bug: one line here, the traceback in a file for the report
+        if os.environ.get("STREAMRL_TRACEBACK"):
+            raise
+        path = _save_traceback()
+        err.print("[bold red]internal error:[/bold red] ", end="")
+        err.print(
+            f"{type(e).__name__}: {e} (a bug in streamrl; traceback in {path}, or set STREAMRL_TRACEBACK=1)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -335,7 +466,8 @@ def tune_split(
     from streamrl_cli.planner import problem, report
     from streamrl_cli.recipe.load import load
 
-    composed = load(recipe, overrides or [])
+    overrides = _overrides(overrides)
+    composed = load(recipe, overrides)
     tuned = problem.tune(
         composed.recipe,
         gpus=gpus,
@@ -351,12 +483,16 @@ def tune_split(
         from omegaconf import OmegaConf
 
         lines = problem.overrides(best, composed.recipe)
-        checked = problem.check_overrides(recipe, overrides or [], lines)
+        checked = problem.check_overrides(recipe, overrides, lines)
         header = (
             f"written by `streamrl tune-split {recipe}`: {best.gen.gpus} generation GPUs "
             f"({best.gen.hardware}) + {best.train.gpus} training GPUs ({best.train.hardware}), "
             f"predicted {best.estimate.iteration_s:.1f} s per iteration ({tuned.workload.mode})"
         )
+        if write.suffix not in (".yaml", ".yml"):
+            import shlex
+
+            header += "\nuse: " + shlex.join(["streamrl", "run", recipe, *overrides, f"@{write}"])
         yaml_text = OmegaConf.to_yaml(OmegaConf.structured(checked))
         report.write(write, lines, yaml_text, header)
     if as_json:
@@ -408,7 +544,7 @@ def profile(
     from streamrl_cli.profiling import local as prof
     from streamrl_cli.recipe.load import load
 
-    r = load(recipe, overrides or []).recipe
+    r = load(recipe, _overrides(overrides)).recipe
     if not local and profile_jobs.on_slurm(r):
         if kind is not None:
             raise ProfileError(
@@ -450,7 +586,7 @@ def rank(
     from streamrl_cli.ranker.command import rank_recipe
     from streamrl_cli.recipe.load import load
 
-    r = load(recipe, overrides or []).recipe
+    r = load(recipe, _overrides(overrides)).recipe
     out, count, kind = rank_recipe(r, out=out, limit=limit, fit=fit, device=device, console=err)
     console.print(
         f"wrote {out}: {count} scores ({kind} ranker); use it with skewness.cache={out}",

@@ -45,3 +45,9 @@ class ResumeError(StreamRLError):
     """`--resume RUN` asked of a run that cannot be resumed (no checkpoint, damaged config)."""
 
     exit_code = 2
+
+
+class UsageError(StreamRLError):
+    """The command line itself is wrong (a missing or conflicting argument, an unreadable @file)."""
+
+    exit_code = 2

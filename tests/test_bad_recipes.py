@@ -55,7 +55,7 @@ MISTAKES = [
         "override of a key that does not exist",
         "",
         ["train.itterations=3"],
-        ["train.itterations", "did you mean 'train.iterations'", "+train.itterations=3"],
+        ["train.itterations", "did you mean `train.iterations=3`"],
     ),
     ("adding a key that exists", "", ["+train.iterations=3"], ["already exists"]),
     ("deleting a key that does not exist", "", ["~train.foo"], ["cannot delete", "train.foo"]),

@@ -17,7 +17,7 @@ from streamrl_cli.metrics.read import read_iterations
 from streamrl_cli.metrics.sinks import JsonlSink, make_sinks, scalars
 from streamrl_cli.rundir import RunDir, catalog_add, write_json
 
-PLOTS = ["reward.png", "throughput.png", "timeline.png", "lengths.png"]
+PLOTS = ["reward.png", "training.png", "throughput.png", "timeline.png", "lengths.png"]
 T0 = 1_700_000_000.0
 
 
@@ -57,10 +57,10 @@ def simulate(
                 "reward_mean": reward0 + 0.08 * i,
                 "reward_std": 0.15,
                 "reward_max": 1.0,
-                "kl": 0.002 * i,
-                "entropy": 1.2 - 0.02 * i,
+                "approx_kl": 0.002 * i,
                 "grad_norm": 0.8,
                 "clip_frac": 0.05,
+                "reward_min": 0.0,
                 "loss/policy": -0.01,
                 "loss/kl": 0.001,
                 "loss/value": 0.0,
@@ -146,7 +146,7 @@ def test_read_iterations_without_a_metrics_file(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["baseline", "sync-stream", "async"])
-def test_plot_run_writes_four_pngs(tmp_path, mode):
+def test_plot_run_writes_five_pngs(tmp_path, mode):
     run_dir = messy_run(tmp_path, mode)
     files = plot_run(run_dir, tmp_path / "out")
     assert [p.name for p in files] == PLOTS and files.skipped == {}
@@ -155,7 +155,7 @@ def test_plot_run_writes_four_pngs(tmp_path, mode):
         assert width >= 800 and height >= 400 and path.stat().st_size > 10_000, path
     import matplotlib.image
 
-    assert matplotlib.image.imread(files[2]).shape[:2] == (450, 1200)
+    assert matplotlib.image.imread(files[3]).shape[:2] == (450, 1200)
 
 
 def test_plot_run_skips_plots_whose_data_is_missing(tmp_path):
@@ -166,6 +166,7 @@ def test_plot_run_skips_plots_whose_data_is_missing(tmp_path):
     files = plot_run(make_run(tmp_path, old), tmp_path / "out")
     assert [p.name for p in files] == ["reward.png"]
     assert files.skipped == {
+        "training": "no approx_kl, loss/kl, grad_norm, clip_frac, loss/entropy or loss/value recorded",
         "throughput": "no samples_per_s, tokens_per_s or idle/* recorded",
         "timeline": "no timeline recorded",
         "lengths": "no len/* recorded",
@@ -277,3 +278,110 @@ def test_tensorboard_sink_writes_event_files(tmp_path):
     sink.log(RECORD, step=3)
     sink.close()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+# --- what the figures hold -----------------------------------------------------------------------
+
+
+def trained(n: int = 30, ppo: bool = True, evals: bool = True) -> list[dict]:
+    """Iteration records with the keys the trainer writes (learner.py) and noisy values."""
+    import random
+
+    rng = random.Random(0)
+    recs = []
+    for i in range(n):
+        rec = {
+            "role": "trainer",
+            "rank": 0,
+            "iteration": i,
+            "mode": "async",
+            "reward_mean": min(1.0, max(0.0, 0.2 + 0.02 * i + rng.gauss(0, 0.1))),
+            "reward_std": 0.45,
+            "reward_min": 0.0,
+            "reward_max": 1.0,
+            "approx_kl": abs(rng.gauss(0.004, 0.002)),
+            "loss/kl": 0.0002 * i,
+            "grad_norm": abs(rng.gauss(0.9, 0.3)),
+            "clip_frac": abs(rng.gauss(0.05, 0.02)),
+            "loss/entropy": 1.2 - 0.01 * i,
+            "loss/policy": rng.gauss(0, 0.01),
+        }
+        if ppo:
+            rec["loss/value"] = 0.5 * 0.95**i
+        if evals and i % 10 == 9:
+            rec["eval/reward_mean"] = 0.1 + 0.02 * i
+        recs.append(rec)
+    return recs
+
+
+def figure_of(draw, iters):  # type: ignore[no-untyped-def]
+    from matplotlib.figure import Figure
+
+    fig = Figure()
+    assert draw(fig, iters) is None
+    return fig
+
+
+def test_training_figure_plots_what_the_trainer_records():
+    from streamrl_cli.metrics.plots import _training
+
+    fig = figure_of(_training, trained())
+    titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
+    assert titles == ["KL", "gradient norm", "clip fraction", "entropy", "value loss (PPO)", "policy loss"]
+    kl = fig.axes[0]
+    labels = [t.get_text() for t in kl.get_legend().get_texts()]
+    assert labels == ["approx KL to the behaviour policy (smoothed)", "KL to the reference (smoothed)"]
+    assert len(kl.lines) == 4  # raw + smoothed of each
+
+
+def test_training_figure_of_grpo_has_no_value_panel():
+    from streamrl_cli.metrics.plots import _training
+
+    fig = figure_of(_training, trained(ppo=False))
+    assert "value loss (PPO)" not in [ax.get_title() for ax in fig.axes if ax.get_visible()]
+
+
+def test_reward_band_stays_within_the_rewards_range_and_eval_is_drawn():
+    from streamrl_cli.metrics.plots import _reward
+
+    fig = figure_of(_reward, trained())
+    (ax,) = fig.axes
+    (band,) = ax.collections
+    ys = [y for path in band.get_paths() for _, y in path.vertices]
+    assert min(ys) >= 0.0 and max(ys) <= 1.0  # mean ± 0.45 would reach past both ends
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "eval reward mean (held out)" in labels and "reward mean (smoothed)" in labels
+    (eval_line,) = [line for line in ax.lines if line.get_label() == "eval reward mean (held out)"]
+    assert list(eval_line.get_xdata()) == [9, 19, 29]
+
+
+def test_smoothing_follows_the_trend_with_less_noise():
+    from statistics import pstdev
+
+    from streamrl_cli.metrics.plots import smooth
+
+    noisy = [(-1) ** i * 1.0 + 0.1 * i for i in range(60)]
+    smoothed = smooth(noisy)
+    assert len(smoothed) == 60 and smoothed[0] == noisy[0]
+    diffs = lambda ys: [b - a for a, b in zip(ys, ys[1:], strict=False)]  # noqa: E731
+    assert pstdev(diffs(smoothed)) < pstdev(diffs(noisy)) / 4
+    assert abs(smoothed[-1] - 0.1 * 59) < 1.0
+
+
+def test_timeline_legend_names_every_colour_drawn():
+    from matplotlib.colors import to_hex
+
+    from streamrl_cli.metrics.plots import _timeline
+
+    fig = figure_of(_timeline, simulate("async"))
+    (ax,) = fig.axes
+    drawn = {to_hex(c) for coll in ax.collections for c in coll.get_facecolors()}
+    in_legend = {to_hex(p.get_facecolor()) for p in _legend_patches(ax.get_legend())}
+    assert len(drawn) == 6 and drawn <= in_legend
+
+
+def _legend_patches(legend):  # type: ignore[no-untyped-def]
+    """Patches inside the legend's drawn entries (tuple handles draw one patch per colour)."""
+    from matplotlib.patches import Rectangle
+
+    return [a for a in legend.findobj(Rectangle) if a is not legend.legendPatch]

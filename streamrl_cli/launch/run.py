@@ -29,6 +29,7 @@ from streamrl_cli.rendezvous import create_secret
 from streamrl_cli.roles.spec import RoleSpec, TrainerSpec, load_spec, spec_yaml
 from streamrl_cli.rundir import RunDir, write_atomic
 
+ENDED_STATES = ("finished", "failed", "cancelled", "dry-run")
 RENDEZVOUS_START_S = 60.0  # a local server starts in about a second
 RENDEZVOUS_JOB_START_S = 900.0  # a server job may wait in the queue first
 GENERATOR_EXIT_S = 30.0  # after the trainer left, for generators to hand over and exit on their own
@@ -384,6 +385,8 @@ def _follow_scale(follower, console: Console) -> bool:  # type: ignore[no-untype
 def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:
     """Cancel every job of the run on every cluster and stop its local processes. Returns what was done."""
     done, errors = [], []
+    if run.info().get("state") in ENDED_STATES:
+        return done  # its record of how it ended stays as it is
     # Said before any signal is sent, so that a `streamrl run` watching the roles reads their
     # exits as a cancel, not as a failure.
     run.update_info(state="cancelling")

@@ -1,10 +1,13 @@
 """PNG plots of a run from its metrics.jsonl (`streamrl plot`): is it learning, is it fast, why not.
 
-Four figures, each answering one question: ``reward`` (learning, and drifting from the
-reference: KL), ``throughput`` (samples/s, tokens/s, how idle each stage is), ``timeline`` (a
-Gantt chart of the pipeline, so the bubbles that stream generation and async mode remove are
-visible) and ``lengths`` (response lengths, whose long tail makes those bubbles). Older records
-may lack keys; a figure whose data is missing is skipped with the reason, never drawn empty.
+Five figures, each answering one question: ``reward`` (is it learning: training reward, and the
+held-out ``eval/reward_mean`` when the run evaluates), ``training`` (is the update healthy: KL,
+grad norm, clip fraction, entropy, and the value loss of PPO), ``throughput`` (samples/s,
+tokens/s, how idle each stage is), ``timeline`` (a Gantt chart of the pipeline, so the bubbles
+that stream generation and async mode remove are visible) and ``lengths`` (response lengths,
+whose long tail makes those bubbles). Per-iteration values are noisy: they are drawn faint, with
+a smoothed line over them. Older records may lack keys; a figure or panel whose data is missing
+is skipped with the reason, never drawn empty.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class PlotFiles(list[Path]):
 
 
 def plot_run(run_dir: Path, out_dir: Path) -> PlotFiles:
-    """Write reward, throughput, timeline and lengths PNGs of the run to out_dir."""
+    """Write reward, training, throughput, timeline and lengths PNGs of the run to out_dir."""
     run_dir = Path(run_dir)
     iters = read_iterations(run_dir)
     if not iters:
@@ -53,12 +56,14 @@ def plot_run(run_dir: Path, out_dir: Path) -> PlotFiles:
     files = PlotFiles()
     drawers: dict[str, Callable[[Any, list[Record]], str | None]] = {
         "reward": _reward,
+        "training": _training,
         "throughput": _throughput,
         "timeline": _timeline,
         "lengths": _lengths,
     }
     for plot, draw in drawers.items():
-        fig = Figure(figsize=(12, 4.5) if plot == "timeline" else (10, 6.5), dpi=100, layout="constrained")
+        size = {"timeline": (12, 4.5), "training": (12, 7.5)}.get(plot, (10, 6.5))
+        fig = Figure(figsize=size, dpi=100, layout="constrained")
         missing = draw(fig, iters)
         if missing:
             files.skipped[plot] = missing
@@ -96,28 +101,98 @@ def _lines(ax: Any, iters: list[Record], keys: list[str], ylabel: str) -> bool:
     return drawn
 
 
+def smooth(ys: list[float]) -> list[float]:
+    """An exponential moving average whose window grows with the run (about a tenth of it)."""
+    window = min(25, max(2, len(ys) // 10))
+    alpha = 2.0 / (window + 1)
+    out: list[float] = []
+    for y in ys:
+        out.append(y if not out else alpha * y + (1 - alpha) * out[-1])
+    return out
+
+
+def _noisy(ax: Any, xs: list[int], ys: list[float], colour: str, label: str) -> None:
+    """Raw values faint, the smoothed line over them (raw only when too few points to smooth)."""
+    if len(xs) < 5:
+        ax.plot(xs, ys, marker=".", color=colour, label=label)
+        return
+    ax.plot(xs, ys, color=colour, alpha=0.3, linewidth=1)
+    ax.plot(xs, smooth(ys), color=colour, linewidth=2, label=f"{label} (smoothed)")
+
+
 def _reward(fig: Any, iters: list[Record]) -> str | None:
     xs, mean = _series(iters, "reward_mean")
     if not xs:
         return "no reward_mean recorded"
-    kx, kl = _series(iters, "kl")
-    ax, *rest = fig.subplots(2 if kx else 1, 1, sharex=True, squeeze=False)[:, 0]
+    ax = fig.subplots()
     std = {r["iteration"]: _num(r.get("reward_std")) or 0.0 for r in iters}
-    ax.plot(xs, mean, marker=".", color="tab:green", label="reward mean")
-    lo = [m - std[x] for x, m in zip(xs, mean, strict=True)]
-    hi = [m + std[x] for x, m in zip(xs, mean, strict=True)]
-    ax.fill_between(xs, lo, hi, color="tab:green", alpha=0.2, label="± std")
-    mx, rmax = _series(iters, "reward_max")
+    # The band is mean ± std clipped to what the rewards of that iteration actually were: a
+    # 0/1 reward must not look as if it went below 0 or above 1.
+    rmin = {r["iteration"]: _num(r.get("reward_min")) for r in iters}
+    rmax = {r["iteration"]: _num(r.get("reward_max")) for r in iters}
+
+    def clip(v: float, lo: float | None, hi: float | None) -> float:
+        return min(max(v, lo if lo is not None else -math.inf), hi if hi is not None else math.inf)
+
+    lo = [clip(m - std[x], rmin[x], rmax[x]) for x, m in zip(xs, mean, strict=True)]
+    hi = [clip(m + std[x], rmin[x], rmax[x]) for x, m in zip(xs, mean, strict=True)]
+    ax.fill_between(xs, lo, hi, color="tab:green", alpha=0.15, label="± std (within min..max)")
+    _noisy(ax, xs, mean, "tab:green", "reward mean")
+    mx, rmx = _series(iters, "reward_max")
     if mx:
-        ax.plot(mx, rmax, linestyle=":", color="tab:green", label="reward max")
+        ax.plot(mx, rmx, linestyle=":", color="tab:green", label="reward max")
+    ex, ev = _series(iters, "eval/reward_mean")
+    if ex:
+        ax.plot(ex, ev, marker="o", color="tab:purple", label="eval reward mean (held out)")
     ax.set_ylabel("reward")
+    ax.set_xlabel("iteration")
     ax.grid(alpha=0.3)
     ax.legend(loc="best")
-    if rest:
-        rest[0].plot(kx, kl, marker=".", color="tab:red", label="KL")
-        rest[0].set_ylabel("KL to reference")
-        rest[0].grid(alpha=0.3)
-    (rest[0] if rest else ax).set_xlabel("iteration")
+    return None
+
+
+# (title, [(metric key, label)], y label): a panel is drawn when any of its keys was recorded.
+TRAINING_PANELS = [
+    (
+        "KL",
+        [
+            ("approx_kl", "approx KL to the behaviour policy"),
+            ("loss/kl", "KL to the reference"),
+            ("kl", "KL"),
+        ],
+        "KL",
+    ),
+    ("gradient norm", [("grad_norm", "grad norm (before clipping)")], "L2 norm"),
+    ("clip fraction", [("clip_frac", "clipped tokens")], "fraction of tokens"),
+    ("entropy", [("loss/entropy", "policy entropy"), ("entropy", "entropy")], "nats per token"),
+    ("value loss (PPO)", [("loss/value", "critic loss")], "loss"),
+    ("policy loss", [("loss/policy", "policy-gradient loss")], "loss"),
+]
+COLOURS = ("tab:red", "tab:blue", "tab:olive")
+
+
+def _training(fig: Any, iters: list[Record]) -> str | None:
+    panels = []
+    for title, keys, ylabel in TRAINING_PANELS:
+        got = [(label, *_series(iters, key)) for key, label in keys]
+        got = [g for g in got if g[1]]
+        if got:
+            panels.append((title, got, ylabel))
+    if not panels:
+        return "no approx_kl, loss/kl, grad_norm, clip_frac, loss/entropy or loss/value recorded"
+    cols = 3 if len(panels) > 4 else 2 if len(panels) > 1 else 1
+    rows = math.ceil(len(panels) / cols)
+    axes = fig.subplots(rows, cols, sharex=True, squeeze=False).ravel()
+    for ax, (title, got, ylabel) in zip(axes, panels, strict=False):
+        for colour, (label, xs, ys) in zip(COLOURS, got, strict=False):
+            _noisy(ax, xs, ys, colour, label)
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    for ax in axes[len(panels) :]:
+        ax.set_visible(False)
     return None
 
 
@@ -182,15 +257,24 @@ def _timeline(fig: Any, iters: list[Record]) -> str | None:
     ax.set_ylim(-0.6, 2.6)
     ax.set_xlabel("seconds since the first iteration started")
     ax.grid(axis="x", alpha=0.3)
+    from matplotlib.legend_handler import HandlerTuple
     from matplotlib.patches import Patch
 
-    legend = [
-        Patch(color=PARITY[0], label="generation / micro-batches (even iteration)"),
-        Patch(color=PARITY[1], label="(odd iteration)"),
-        Patch(color=STEP[0], label="optimizer step"),
-        Patch(color=SYNC[0], label="weight sync"),
+    # Every colour drawn is in the legend: each entry shows its even- and odd-iteration shade.
+    pairs = [
+        (PARITY, "generation / micro-batches"),
+        (STEP, "optimizer step"),
+        (SYNC, "weight sync"),
     ]
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, frameon=False)
+    ax.legend(
+        handles=[(Patch(color=even), Patch(color=odd)) for (even, odd), _ in pairs],
+        labels=[f"{label} (even | odd iteration)" for _, label in pairs],
+        handler_map={tuple: HandlerTuple(ndivide=None, pad=0)},
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.18),
+        ncol=3,
+        frameon=False,
+    )
     return None
 
 

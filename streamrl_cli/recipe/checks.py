@@ -17,7 +17,9 @@ Problem = tuple[str, str]
 
 
 def templates_dir() -> Path:
-    return Path(__file__).resolve().parents[2] / "slurm_templates"
+    from streamrl_cli.resources import data_dir
+
+    return data_dir("slurm_templates")
 
 
 def check(r: Recipe) -> list[Problem]:

@@ -27,9 +27,11 @@ from streamrl_cli.recipe.walk import walk
 
 
 def shipped_recipes_dir() -> Path:
-    """recipes/ of this checkout (or $STREAMRL_RECIPES)."""
+    """Shipped recipes: in the installed package, else recipes/ of the checkout ($STREAMRL_RECIPES wins)."""
+    from streamrl_cli.resources import data_dir
+
     env = os.environ.get("STREAMRL_RECIPES")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "recipes"
+    return Path(env) if env else data_dir("recipes")
 
 
 def list_recipes(root: Path | None = None) -> list[str]:
@@ -192,7 +194,7 @@ def _check_group_option(o: Any, roots: list[Path], problems: list[str]) -> None:
     options = sorted({p.stem for r in roots if (r / group).is_dir() for p in (r / group).glob("*.yaml")})
     if not isinstance(value, str) or value not in options:
         close = difflib.get_close_matches(str(value), options, n=1, cutoff=0.4)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = f" (did you mean `{o.key_or_group}={close[0]}`?)" if close else ""
         problems.append(
             f"command line: {o.input_line}: no option {value!r} in config group {group!r}{hint}; "
             f"valid: {', '.join(options)}"
@@ -230,47 +232,115 @@ def _compose(path: Path, shipped: Path, group_overrides: list[str]) -> tuple[dic
 
 def _apply_override(cfg: dict, o: Any, problems: list[str]) -> None:
     keys = o.key_or_group.split(".")
+    adding = o.is_add() or o.is_force_add()
     parent = cfg
     for i, k in enumerate(keys[:-1]):
         nxt = parent.get(k) if isinstance(parent, dict) else None
         if not isinstance(nxt, dict):
-            if o.is_add() or o.is_force_add():
-                nxt = parent.setdefault(k, {}) if isinstance(parent, dict) else None
-            if not isinstance(nxt, dict):
-                problems.append(_unknown(f"command line: {o.input_line}", keys[: i + 1], parent))
+            if nxt is None and _in_schema(keys[: i + 1]) and isinstance(parent, dict):
+                if not adding:  # a new entry of an open mapping (clusters, env): added with +
+                    problems.append(_not_yet(o))
+                    return
+                nxt = parent.setdefault(k, {})
+            else:
+                problems.append(_unknown(cfg, o, keys[: i + 1]))
                 return
         parent = nxt
     last = keys[-1]
     exists = last in parent
     if o.is_delete():
         if not exists:
-            problems.append(_unknown(f"command line: {o.input_line}: cannot delete", keys, parent))
+            problems.append(_unknown(cfg, o, keys, "cannot delete"))
         else:
             del parent[last]
+    elif not exists and not _in_schema(keys):
+        # Only names the schema allows can be added: never suggest `+` for any other.
+        problems.append(_unknown(cfg, o, keys))
     elif o.is_force_add():
         parent[last] = o.value()
     elif o.is_add():
         if exists:
             problems.append(
                 f"command line: {o.input_line}: {o.key_or_group} already exists; "
-                f"use {o.key_or_group}=... to change it (or ++ to add or change)"
+                f"use `{_retyped(o, o.key_or_group, add='')}` to change it"
             )
         else:
             parent[last] = o.value()
     elif not exists:
-        problems.append(
-            _unknown(f"command line: {o.input_line}", keys, parent)
-            + f" (to add a new key use +{o.input_line})"
-        )
+        problems.append(_not_yet(o))
     else:
         parent[last] = o.value()
 
 
-def _unknown(where: str, keys: list[str], parent: Any) -> str:
-    names = list(parent) if isinstance(parent, dict) else []
-    close = difflib.get_close_matches(keys[-1], names, n=1, cutoff=0.5)
-    hint = f"; did you mean {'.'.join([*keys[:-1], close[0]])!r}?" if close else ""
+def _not_yet(o: Any) -> str:
+    return (
+        f"command line: {o.input_line}: no {o.key_or_group!r} yet; "
+        f"to add it use `{_retyped(o, o.key_or_group, add='+')}`"
+    )
+
+
+def _in_schema(keys: list[str]) -> bool:
+    """Whether the schema has a place for ``keys`` (any name is allowed in a ``dict[str, ...]``)."""
+    import dataclasses
+    import types
+    import typing
+
+    typ: Any = Recipe
+    for k in keys:
+        if typing.get_origin(typ) in (typing.Union, types.UnionType):
+            typ = next(a for a in typing.get_args(typ) if a is not type(None))
+        if dataclasses.is_dataclass(typ):
+            hints = typing.get_type_hints(typ)
+            if k not in hints:
+                return False
+            typ = hints[k]
+        elif typing.get_origin(typ) is dict:
+            typ = typing.get_args(typ)[1]
+        else:
+            return False
+    return True
+
+
+def _retyped(o: Any, key: str, add: str | None = None) -> str:
+    """The override ``o`` as the user would type it with ``key`` (and prefix ``add`` if given)."""
+    text = o.input_line
+    prefix = "~" if o.is_delete() else "++" if o.is_force_add() else "+" if o.is_add() else ""
+    rest = text[len(prefix) + len(o.key_or_group) :]
+    return f"{prefix if add is None else add}{key}{rest}"
+
+
+def _unknown(cfg: dict, o: Any, keys: list[str], doing: str = "") -> str:
+    """Unknown key: the corrected override, ready to run, when every part has a close match."""
+    where = f"command line: {o.input_line}" + (f": {doing}" if doing else "")
+    full = o.key_or_group.split(".")
+    fixed = _closest_path(cfg, full)
+    if fixed is not None:
+        add = "" if o.is_add() or o.is_force_add() else None  # a key that exists is set, not added
+        hint = f"; did you mean `{_retyped(o, '.'.join(fixed), add=add)}`?"
+    else:
+        node: Any = cfg
+        for k in keys[:-1]:
+            node = node.get(k) if isinstance(node, dict) else None
+        names = sorted(node) if isinstance(node, dict) else []
+        hint = f"; valid keys of {'.'.join(keys[:-1]) or 'the recipe'}: {', '.join(names)}" if names else ""
     return f"{where}: unknown key {'.'.join(keys)!r}{hint}"
+
+
+def _closest_path(cfg: dict, keys: list[str]) -> list[str] | None:
+    """``keys`` with each unknown part replaced by its closest existing name, or None."""
+    node: Any = cfg
+    out = []
+    for k in keys:
+        if not isinstance(node, dict):
+            return None
+        if k not in node:
+            close = difflib.get_close_matches(k, [str(n) for n in node], n=1, cutoff=0.5)
+            if not close:
+                return None
+            k = close[0]
+        out.append(k)
+        node = node[k]
+    return out if out != keys else None
 
 
 class Provenance:

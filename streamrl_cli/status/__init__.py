@@ -75,6 +75,7 @@ def collect(run: RunDir) -> dict[str, Any]:
         "age_s": round(time.time() - info["created"], 1) if info.get("created") else None,
         "rendezvous": rdv,
         "progress": rdv.get("progress") or _progress_from_metrics(run),
+        "outcome": None if state in ACTIVE_STATES else outcome(run),
         "sites": sites(members),
         "roles": roles,
     }
@@ -279,12 +280,28 @@ def _derive_state(recorded: str, jobs: list[dict], procs: list[local.LocalProc])
     return ("running" if running else "pending" if pending else recorded), problems
 
 
+ACTIVE_STATES = ("created", "pending", "running", "stalled", "cancelling")
+
+
+def current_state(run: RunDir) -> str:
+    """The run's state now, from run.json, SLURM and its local processes (no server is asked)."""
+    jobs = slurm.run_job_states(run.jobs()) if run.jobs() else []
+    state, _ = _derive_state(run.info().get("state", "unknown"), jobs, local.procs(run))
+    return state
+
+
 def _progress_from_metrics(run: RunDir) -> dict[str, Any]:
-    """Without a server: the last metrics record that has a step."""
+    """Without a server (a finished run, or its server gone): progress from the run's records.
+
+    The trainer posts one record per iteration to metrics.jsonl; the last one says how far the
+    run got, in the same keys the trainer posts as progress while it runs.
+    """
+    from streamrl_cli.metrics.read import is_iteration
+
     try:
         with open(run.metrics, "rb") as f:
             f.seek(0, 2)
-            f.seek(max(0, f.tell() - 65536))
+            f.seek(max(0, f.tell() - 262144))
             lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return {}
@@ -293,10 +310,60 @@ def _progress_from_metrics(run: RunDir) -> dict[str, Any]:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
-        record = rec.get("record", rec)
-        if "step" in record:
+        if is_iteration(rec):
+            return _progress_of(rec, run.info().get("iterations"))
+        record = rec.get("record", rec) if isinstance(rec, dict) else None
+        if isinstance(record, dict) and "step" in record:
             return record
     return {}
+
+
+def _progress_of(rec: dict[str, Any], iterations: Any) -> dict[str, Any]:
+    def rounded(key: str, digits: int) -> Any:
+        v = rec.get(key)
+        return round(v, digits) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+    out = {
+        "step": rec["iteration"] + 1,
+        "iterations": iterations if isinstance(iterations, int) else None,
+        "reward": rounded("reward_mean", 4),
+        "eval_reward": rounded("eval/reward_mean", 4),
+        "samples_per_s": rounded("samples_per_s", 2),
+        "trainer_idle": rounded("idle/trainer", 3),
+        "generator_idle": rounded("idle/generator", 3),
+        "mode": rec.get("mode"),
+        "from": "metrics.jsonl",
+    }
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def step_text(progress: dict[str, Any]) -> str:
+    """`40/40`, `12` or `-`: how far a run got."""
+    step = progress.get("step")
+    if step is None:
+        return "-"
+    total = progress.get("iterations")
+    return f"{step}/{total}" if total else str(step)
+
+
+def outcome(run: RunDir) -> dict[str, Any]:
+    """How a run ended, from its records: when, and what the last lifecycle event says."""
+    info = run.info()
+    ended = info.get("ended")
+    out: dict[str, Any] = {"ended": ended if isinstance(ended, int | float) else None}
+    try:
+        events = run.events()
+    except (ValueError, OSError):
+        events = []
+    final = next((e for e in reversed(events) if e.get("event") in ("finished", "failed", "cancelled")), None)
+    if final:
+        out["event"] = final["event"]
+        for key in ("failed", "reason", "job_states"):
+            if final.get(key):
+                out[key] = final[key]
+    if out["ended"] is not None and isinstance(info.get("started"), int | float):
+        out["duration_s"] = round(out["ended"] - info["started"], 1)
+    return out
 
 
 def runs_summary() -> list[dict[str, Any]]:
@@ -305,6 +372,7 @@ def runs_summary() -> list[dict[str, Any]]:
     for run in rundir.catalog():
         info = run.info()
         jobs = run.jobs()
+        progress = _progress_from_metrics(run)
         state = info.get("state", "unknown")
         if state == "running" and not jobs:  # a local run: are its processes there?
             state = (
@@ -320,7 +388,7 @@ def runs_summary() -> list[dict[str, Any]]:
                     c.get("slurm_cluster") or k for k, c in (info.get("clusters") or {}).items()
                 ),
                 "state": state,
-                "step": _progress_from_metrics(run).get("step"),
+                **{k: progress.get(k) for k in ("step", "iterations")},
                 "created": info.get("created"),
                 "age_s": round(time.time() - info["created"], 1) if info.get("created") else None,
                 "jobs": len(jobs),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich import box
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -47,20 +48,53 @@ def age(seconds: float | None) -> str:
     return f"{seconds:.0f}s"
 
 
-def runs_table(rows: list[dict[str, Any]]) -> Table:
-    table = Table(title="runs", title_justify="left")
-    for col in ("run", "name", "launcher", "clusters", "state", "step", "age"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(
-            r["run"],
-            r["name"] or "-",
-            ",".join(r["launchers"]) or "-",
-            ",".join(r["clusters"]) or "-",
-            styled(r["state"]),
-            str(r["step"]) if r["step"] is not None else "-",
-            age(r["age_s"]),
-        )
+# Columns of the runs table, most important first; narrower terminals drop from the end of
+# OPTIONAL, so the run id (the one thing a user copies) is always whole on one line.
+ESSENTIAL = ("run", "state", "step")
+OPTIONAL = ("age", "name", "clusters", "launcher")
+
+
+def _runs_cells(r: dict[str, Any]) -> dict[str, str]:
+    step = r.get("step")
+    total = r.get("iterations")
+    return {
+        "run": r["run"],
+        "name": r["name"] or "-",
+        "launcher": ",".join(r["launchers"]) or "-",
+        "clusters": ",".join(r["clusters"]) or "-",
+        "state": str(r["state"]),
+        "step": "-" if step is None else f"{step}/{total}" if total else str(step),
+        "age": age(r["age_s"]),
+    }
+
+
+def runs_table(rows: list[dict[str, Any]], width: int | None = None) -> RenderableType:
+    """The runs, with as many columns as fit in ``width``; never a cut run id."""
+    cells = [_runs_cells(r) for r in rows]
+
+    def needed(cols: list[str]) -> int:  # per column: 2 padding, 1 divider (an upper bound)
+        return sum(3 + max([len(c)] + [len(row[c]) for row in cells]) for c in cols)
+
+    columns = [*ESSENTIAL, *OPTIONAL]
+    while width is not None and len(columns) > len(ESSENTIAL) and needed(columns) > width:
+        columns.pop()
+    if width is not None and needed(columns) > width:
+        # Narrower than even id, state and step: one plain line per run, the id first and whole.
+        # Never wrapped here: a terminal may fold the line, but a copy gives the id back whole.
+        lines = [
+            Text.assemble(
+                c["run"], " ", styled(c["state"]), f" step {c['step']}", no_wrap=True, overflow="ignore"
+            )
+            for c in cells
+        ]
+        return Group(*(lines or [Text("no runs yet: streamrl run local")]))
+    order = [c for c in ("run", "name", "launcher", "clusters", "state", "step", "age") if c in columns]
+    # No vertical rules: more room for the columns, and an id copies without box characters.
+    table = Table(title="runs", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for col in order:
+        table.add_column(col, no_wrap=col == "run", min_width=len(col))
+    for c in cells:
+        table.add_row(*(styled(c[col]) if col == "state" else c[col] for col in order))
     if not rows:
         table.caption = "no runs yet: streamrl run local"
     return table
@@ -89,20 +123,18 @@ def run_view(doc: dict[str, Any]) -> RenderableType:
             f"rendezvous {rdv['url'] or '-'}: {rdv['error']} (showing what SLURM and the run directory know)",
             style="yellow",
         )
-    p = doc["progress"] or {}
+    p = dict(doc["progress"] or {})
+    if "step" in p and p.get("iterations"):
+        p["step"] = f"{p['step']}/{p['iterations']}"
     keys = (
-        "step",
-        "samples_per_s",
-        "trainer_idle",
-        "generator_idle",
-        "reward",
-        "eval_reward",
-        "ranker_recall20",
-    )
+        "step", "reward", "eval_reward", "samples_per_s", "trainer_idle", "generator_idle", "ranker_recall20"
+    )  # fmt: skip
     pline = Text(
         "progress: " + ("  ".join(f"{k} {p[k]}" for k in keys if k in p) or "no progress reported yet")
     )
     parts: list[RenderableType] = [head, rline, pline]
+    if doc.get("outcome"):
+        parts.append(outcome_line(doc["state"], doc["outcome"]))
     parts += [Text(f"! {problem}", style="red") for problem in doc["problems"]]
     if doc.get("sites"):
         parts.append(sites_table(doc["sites"]))
@@ -111,6 +143,23 @@ def run_view(doc: dict[str, Any]) -> RenderableType:
     errors = [m for role in doc["roles"] for m in role["members"] if m.get("last_error")]
     parts += [Text(f"{m['member_id']} last error: {m['last_error']}", style="yellow") for m in errors]
     return Group(*parts)
+
+
+def outcome_line(state: str, out: dict[str, Any]) -> Text:
+    """`ended: failed 3.2m ago after 12.0m (generator-1)`: how a finished run ended."""
+    import time
+
+    text = Text.assemble("ended: ", styled(state))
+    if out.get("ended") is not None:
+        text.append(f" {age(time.time() - out['ended'])} ago")
+    if out.get("duration_s") is not None:
+        text.append(f" after {age(out['duration_s'])}")
+    detail = out.get("failed") or out.get("job_states")
+    if detail:
+        text.append(f" ({', '.join(map(str, detail))})")
+    if out.get("reason"):
+        text.append(f": {out['reason']}")
+    return text
 
 
 def sites_table(sites: list[dict[str, Any]]) -> Table:

@@ -483,6 +483,7 @@ class Pipeline:
             "reward_std": statistics.pstdev(rewards),
             "reward_max": max(rewards),
             "reward/unscored": sum(not r.scored for r in rows),
+            "reward_min": min(rewards),  # with reward_max: the range the plots clip the ±std band to
             "samples": len(rows),
             "tokens": tokens,
             "len/mean": tokens / len(rows),
