@@ -150,11 +150,13 @@ def cancel(
     """
     from streamrl_cli import rundir
     from streamrl_cli import status as st
+    from streamrl_cli.launch import local
     from streamrl_cli.launch import run as launcher
 
     r = rundir.find(run_name)
     state = st.current_state(r)
-    if state not in st.ACTIVE_STATES:
+    # Live processes of the run always get stopped, whatever its (possibly damaged) run.json says.
+    if state not in st.ACTIVE_STATES and not any(p.running() for p in local.procs(r)):
         how = {
             "dry-run": "was a dry run",
             "ended": "has already ended (its processes are gone)",

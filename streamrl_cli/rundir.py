@@ -197,7 +197,7 @@ class RunDir:
     def info(self) -> dict:
         info, problem = read_json_checked(self.run_json, {})
         if problem:
-            _warn_once(problem + "; the run's name, recipe and state are unknown")
+            warn_once(problem + "; the run's name, recipe and state are unknown")
         return info if isinstance(info, dict) else {}
 
     def damage(self) -> list[str]:
@@ -217,7 +217,7 @@ class RunDir:
         if problem and not path.with_suffix(".json.damaged").exists():
             # Keep the damaged bytes for a person to look at; the new run.json starts without them.
             os.replace(path, path.with_suffix(".json.damaged"))
-            _warn_once(f"{problem}; kept as run.json.damaged, a new run.json is written")
+            warn_once(f"{problem}; kept as run.json.damaged, a new run.json is written")
         info = {**self.info(), **changes}
         write_json(path, info)
         return info
@@ -287,14 +287,14 @@ def catalog() -> list[RunDir]:
         if RunDir(path).run_json.exists():
             seen[str(path)] = RunDir(path)
     if skipped and skipped != [len(lines)]:  # a torn last line is a crash mid-append: not worth a word
-        _warn_once(f"{where}: skipped unreadable line(s) {', '.join(map(str, skipped[:10]))}")
+        warn_once(f"{where}: skipped unreadable line(s) {', '.join(map(str, skipped[:10]))}")
     return list(seen.values())
 
 
 _warned: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
     """A warning on stderr (once per message per process): damaged files are said, not hidden."""
     if message not in _warned:
         _warned.add(message)

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 
 from streamrl_cli.launch.plan import JobSpec
-from streamrl_cli.rundir import RunDir, read_json_checked, write_json
+from streamrl_cli.rundir import RunDir, read_json_checked, warn_once, write_json
 
 
 @dataclass
@@ -114,10 +114,9 @@ def procs(run: RunDir) -> list[LocalProc]:
     except TypeError:
         pass
     found = recover_procs(run)
-    print(
-        f"warning: {run.local_json} is damaged; found {len(found)} live process(es) of this run "
-        "in the process table (role processes started in its directory)",
-        file=sys.stderr,
+    warn_once(
+        f"{run.local_json} is damaged; found {len(found)} live process(es) of this run "
+        "in the process table (role processes started in its directory)"
     )
     return found
 

@@ -101,7 +101,6 @@ def reopen(run: RunDir) -> Prepared:
         raise ClusterError(
             f"run {run.name} still has roles running: stop it first (`streamrl cancel {run.name}`)"
         )
-    import yaml
     from omegaconf.errors import OmegaConfBaseException
 
     from streamrl_cli.errors import RecipeError
@@ -386,8 +385,8 @@ def _follow_scale(follower, console: Console) -> bool:  # type: ignore[no-untype
 def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:
     """Cancel every job of the run on every cluster and stop its local processes. Returns what was done."""
     done, errors = [], []
-    if run.info().get("state") in ENDED_STATES:
-        return done  # its record of how it ended stays as it is
+    if run.info().get("state") in ENDED_STATES and not any(r.running() for r in local.procs(run)):
+        return done  # its record of how it ended stays as it is (unless processes still run)
     # Said before any signal is sent, so that a `streamrl run` watching the roles reads their
     # exits as a cancel, not as a failure.
     run.update_info(state="cancelling")
