@@ -101,7 +101,6 @@ def reopen(run: RunDir) -> Prepared:
         raise ClusterError(
             f"run {run.name} still has roles running: stop it first (`streamrl cancel {run.name}`)"
         )
-    import yaml
     from omegaconf.errors import OmegaConfBaseException
 
     from streamrl_cli.errors import RecipeError
