@@ -297,7 +297,7 @@ def export(
     from streamrl_cli.trainer.export import ExportError, export_checkpoint
 
     r = rundir.find(run_name)
-    done = sorted(p for p in (r.path / "checkpoints").glob("iter-*") if (p / ckpt.STATE).is_file())
+    done = sorted(p for p in r.checkpoints.glob("iter-*") if (p / ckpt.STATE).is_file())
     have = ", ".join(str(int(p.name.removeprefix("iter-"))) for p in done) or "none"
     if iteration is None:
         if not done:
@@ -309,9 +309,9 @@ def export(
             raise ExportError(
                 f"run {r.name} has no complete checkpoint of iteration {iteration}; have: {have}"
             )
-    model = load_spec(r.path / "roles" / "trainer.yaml").model
+    model = load_spec(r.role_spec("trainer")).model  # typed: the schema's ModelConfig
     with err.status(f"exporting {path.name} of {r.name}"):
-        written = export_checkpoint(path, model["path"], out, model.get("dtype") or "float32")
+        written = export_checkpoint(path, model.path, out, model.dtype)
     console.print(f"wrote {written}", markup=False, highlight=False, soft_wrap=True)
 
 
