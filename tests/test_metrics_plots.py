@@ -138,6 +138,19 @@ def test_read_iterations_keeps_trainer_records_and_the_last_of_a_repeat(tmp_path
     assert iters[4]["reward_mean"] == pytest.approx(-1.0 + 0.08 * 4)  # the resumed run's record wins
 
 
+def test_evaluations_join_the_iteration_they_evaluated(tmp_path):
+    """The trainer posts an evaluation as its own record (no `iteration` key) when it ends; its
+    eval/* values reach the plots and status through the evaluated iteration's record."""
+    ev = {"time": T0 + 50, "member_id": "trainer-0", "role": "trainer", "rank": 0,
+          "eval/iteration": 2, "eval/reward_mean": 0.7, "eval/samples": 8}  # fmt: skip
+    other = {**ev, "role": "generator", "eval/iteration": 3, "eval/reward_mean": 0.1}
+    run_dir = make_run(tmp_path, [*simulate("sync-stream"), ev, other])
+    iters = read_iterations(run_dir)
+    assert [r.get("eval/reward_mean") for r in iters] == [None, None, 0.7, None, None, None]
+    out = plot_run(run_dir, tmp_path / "plots")
+    assert "reward" not in out.skipped
+
+
 def test_read_iterations_without_a_metrics_file(tmp_path):
     assert read_iterations(tmp_path) == []
 

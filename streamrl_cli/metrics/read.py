@@ -26,10 +26,26 @@ def is_iteration(rec: Any) -> bool:
     )
 
 
+def is_evaluation(rec: Any) -> bool:
+    """A trainer record of one held-out evaluation (``eval/*`` keys; ``eval/iteration`` says whose
+    weights were evaluated). It has no ``iteration`` key: it is posted when the evaluation ends."""
+    return (
+        isinstance(rec, dict)
+        and rec.get("role") == "trainer"
+        and rec.get("rank", 0) == 0
+        and isinstance(rec.get("eval/iteration"), int)
+        and not isinstance(rec.get("eval/iteration"), bool)
+    )
+
+
 def read_iterations(run_dir: Path) -> list[dict[str, Any]]:
-    """One record per iteration, in iteration order; the last record of a repeated iteration wins."""
+    """One record per iteration, in iteration order; the last record of a repeated iteration wins.
+
+    An evaluation's ``eval/*`` values join the record of the iteration it evaluated, so plots and
+    status read them like any other per-iteration value."""
     path = RunDir(Path(run_dir)).metrics
     latest: dict[int, dict[str, Any]] = {}
+    evals: dict[int, dict[str, Any]] = {}
     try:
         f = open(path, "rb")
     except FileNotFoundError:
@@ -42,4 +58,9 @@ def read_iterations(run_dir: Path) -> list[dict[str, Any]]:
                 continue
             if is_iteration(rec):
                 latest[rec["iteration"]] = rec
+            elif is_evaluation(rec):
+                evals[rec["eval/iteration"]] = {k: v for k, v in rec.items() if k.startswith("eval/")}
+    for i, ev in evals.items():
+        if i in latest:
+            latest[i] = {**latest[i], **ev}
     return [latest[i] for i in sorted(latest)]
