@@ -44,6 +44,7 @@ def collect(run: RunDir) -> dict[str, Any]:
             }
         )
     state, problems = _derive_state(info.get("state", "unknown"), jobs, procs)
+    problems += _member_errors(run)
     return {
         "schema": SCHEMA_VERSION,
         "run": run.name,
@@ -145,6 +146,20 @@ def _members(run: RunDir, role: str, live: list[dict]) -> list[dict]:
                 "metrics": {},
             }
         )
+    return out
+
+
+def _member_errors(run: RunDir) -> list[str]:
+    """The reason each failed process wrote into its record before exiting (its first line)."""
+    out = []
+    for f in sorted((run.path / "members").glob("*.json")):
+        rec = rundir.read_json(f) or {}
+        if rec.get("exit_code") and rec.get("error"):
+            where = f" on {rec['host']}" if rec.get("host") else ""
+            first = str(rec["error"]).strip().splitlines()[0] if str(rec["error"]).strip() else ""
+            out.append(
+                f"{rec.get('role')} rank {rec.get('rank')}{where} exited with {rec['exit_code']}: {first}"
+            )
     return out
 
 

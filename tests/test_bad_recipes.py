@@ -103,6 +103,18 @@ MISTAKES = [
         ],
         ["does not divide the model's 6 attention heads"],
     ),
+    (
+        "a site option that StreamRL sets from the roles",
+        "",
+        ["+clusters.local.sbatch.ntasks_per_node=3"],
+        ["clusters.local.sbatch.ntasks_per_node", "--ntasks-per-node is set by StreamRL"],
+    ),
+    (
+        "a site option written with dashes",
+        "clusters: {local: {sbatch: {'--constraint': a100}}}\n",
+        [],
+        ["clusters.local.sbatch", "without dashes"],
+    ),
 ]
 
 

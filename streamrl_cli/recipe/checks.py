@@ -10,7 +10,7 @@ import difflib
 from collections.abc import Iterator
 from pathlib import Path
 
-from streamrl_cli.recipe.schema import LOGGERS, ClusterConfig, Recipe, RoleJobConfig
+from streamrl_cli.recipe.schema import LOGGERS, RESERVED_SBATCH, ClusterConfig, Recipe, RoleJobConfig
 
 Problem = tuple[str, str]
 
@@ -43,6 +43,18 @@ def _clusters(r: Recipe) -> Iterator[Problem]:
                 f"clusters.{name}.setup_template",
                 f"no file {c.setup_template!r} in slurm_templates/; have: {have}",
             )
+        for key in c.sbatch:
+            opt = str(key).replace("_", "-")
+            if opt.startswith("-") or not opt:
+                yield f"clusters.{name}.sbatch", f"write option names without dashes: {opt.lstrip('-')!r}"
+            elif opt in RESERVED_SBATCH:
+                yield (
+                    f"clusters.{name}.sbatch.{key}",
+                    f"--{opt} is set by StreamRL from the roles' settings (nodes, GPUs, CPUs, partition, "
+                    "time_min, arrays, logs); set it there instead",
+                )
+        if c.launcher == "local" and (c.sbatch or c.srun_args or c.python or c.exclusive):
+            yield f"clusters.{name}", "sbatch, srun_args, python and exclusive apply to launcher=slurm only"
         for pname, p in c.partitions.items():
             for key in ("gpus_per_node", "cpus_per_node", "mem_gb_per_node", "max_nodes"):
                 if getattr(p, key) < (0 if key == "gpus_per_node" else 1):
@@ -88,7 +100,7 @@ def _placement(
         return c, None
     # Trainer ranks are one task per GPU, all on the same node: their CPUs add up.
     tasks = max(getattr(job, "gpus_per_node", 1), 1)
-    if job.cpus_per_task * tasks > p.cpus_per_node:
+    if job.cpus_per_task * tasks > p.cpus_per_node and not c.sbatch.get("overcommit"):
         out.append(
             (
                 f"roles.{role}.cpus_per_task",
