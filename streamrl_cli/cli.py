@@ -69,7 +69,9 @@ def run(
         raise typer.Exit(launcher.launch(prepared, console))
     if recipe is None:
         raise StreamRLError("missing RECIPE (see `streamrl recipes`), or --resume RUN")
-    composed = load(recipe, overrides or [])
+    from streamrl_cli.launch.checks import before_submit
+
+    composed = before_submit(load(recipe, overrides or []))  # nothing is written if this fails
     prepared = launcher.prepare(composed, root=root, dry_run=dry_run)
     if dry_run:
         _print_plan(prepared)
