@@ -134,27 +134,13 @@ def _trainer(r: Recipe) -> Iterator[Problem]:
     if t.zero_stage not in (0, 1, 2, 3):
         yield "roles.trainer.zero_stage", f"must be 0, 1, 2 or 3, got {t.zero_stage}"
     for key in ("tensor_parallel", "pipeline_parallel"):
-        if getattr(t, key) < 1:
-            yield f"roles.trainer.{key}", f"must be at least 1, got {getattr(t, key)}"
-    gpus = t.nodes * t.gpus_per_node
-    mp = t.tensor_parallel * t.pipeline_parallel
-    if gpus > 0 and mp >= 1 and gpus % mp:
-        yield (
-            "roles.trainer.tensor_parallel",
-            (
-                f"tensor_parallel × pipeline_parallel = {mp} does not divide the trainer's {gpus} GPUs "
-                f"({t.nodes} nodes × {t.gpus_per_node}); valid TP×PP: {_divisors(gpus)}"
-            ),
-        )
-    if t.gpus_per_node > 0 and t.tensor_parallel > t.gpus_per_node:
-        yield (
-            "roles.trainer.tensor_parallel",
-            (
-                f"tensor parallelism stays inside a node: {t.tensor_parallel} > "
-                f"{t.gpus_per_node} GPUs per node"
-            ),
-        )
-    yield from _heads(r, "trainer", t.tensor_parallel)
+        if getattr(t, key) != 1:
+            yield (
+                f"roles.trainer.{key}",
+                f"{getattr(t, key)}: the trainer is ZeRO data parallel only (DeepSpeed ZeRO stages 0-3, "
+                "optionally with cpu_offload) and runs no tensor or pipeline parallel layout; set it to 1 "
+                "and shard the model with zero_stage=3 (tune-split plans such layouts)",
+            )
 
 
 def _generator(r: Recipe) -> Iterator[Problem]:

@@ -93,8 +93,10 @@ class TrainerConfig(RoleJobConfig):
 
     nodes: int = 1  # nodes of the trainer job
     gpus_per_node: int = 1  # GPUs on each trainer node
-    tensor_parallel: int = 1  # TP degree (within a node)
-    pipeline_parallel: int = 1  # PP degree
+    # The trainer is DeepSpeed ZeRO data parallel (stages 0-3, optional CPU offload): it runs no
+    # tensor or pipeline parallel layout, so these stay 1 (anything else is refused, not ignored).
+    tensor_parallel: int = 1  # TP degree: 1 only
+    pipeline_parallel: int = 1  # PP degree: 1 only
     zero_stage: int = 1  # DeepSpeed ZeRO stage, 0-3
     cpu_offload: bool = False  # ZeRO-Offload: optimizer states in host memory (tune-split may pick it)
     program: str = "streamrl_cli.trainer.main:main"  # `module:function` the trainer's processes run
