@@ -104,7 +104,9 @@ def run(
         raise typer.Exit(launcher.launch(prepared, console))
     if recipe is None:
         raise UsageError("missing RECIPE (see `streamrl recipes`), or --resume RUN")
-    composed = load(recipe, _overrides(overrides))
+    from streamrl_cli.launch.checks import before_submit
+
+    composed = before_submit(load(recipe, _overrides(overrides)))  # nothing is written if this fails
     prepared = launcher.prepare(composed, root=root, dry_run=dry_run)
     if dry_run:
         _print_plan(prepared)

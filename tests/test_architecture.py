@@ -19,7 +19,6 @@ PACKAGE = REPO / "streamrl_cli"
 # recipe.checks rejects a job that asks for more than a node has (so they decide what may run).
 CHECKED_ONLY = {
     ("PartitionConfig", "cpus_per_node"),
-    ("PartitionConfig", "mem_gb_per_node"),
     ("ClusterConfig", "local_gpus"),
 }
 

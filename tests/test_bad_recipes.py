@@ -27,10 +27,14 @@ MISTAKES = [
         ["roles.trainer.gpus_per_node", "partition 'h800' has 4"],
     ),
     (
-        "tensor parallel does not divide the GPUs",
+        "a trainer layout the trainer does not run (it is ZeRO data parallel only)",
         "",
-        ["roles.trainer.gpus_per_node=4", "roles.trainer.tensor_parallel=3"],
-        ["roles.trainer.tensor_parallel", "does not divide", "valid TP×PP: 1, 2, 4"],
+        [
+            "roles.trainer.gpus_per_node=2",
+            "roles.trainer.tensor_parallel=2",
+            "roles.trainer.pipeline_parallel=2",
+        ],
+        ["roles.trainer.tensor_parallel: 2", "roles.trainer.pipeline_parallel: 2", "ZeRO data parallel only"],
     ),
     (
         "generator TP does not divide its GPUs",
@@ -98,10 +102,22 @@ MISTAKES = [
         [
             "model.num_attention_heads=6",
             "model.num_kv_heads=6",
-            "roles.trainer.gpus_per_node=4",
-            "roles.trainer.tensor_parallel=4",
+            "roles.generator.gpus_per_instance=4",
+            "roles.generator.tensor_parallel=4",
         ],
         ["does not divide the model's 6 attention heads"],
+    ),
+    (
+        "a site option that StreamRL sets from the roles",
+        "",
+        ["+clusters.local.sbatch.ntasks_per_node=3"],
+        ["clusters.local.sbatch.ntasks_per_node", "--ntasks-per-node is set by StreamRL"],
+    ),
+    (
+        "a site option written with dashes",
+        "clusters: {local: {sbatch: {'--constraint': a100}}}\n",
+        [],
+        ["clusters.local.sbatch", "without dashes"],
     ),
 ]
 

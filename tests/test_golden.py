@@ -21,8 +21,26 @@ RUN_DIR = Path("/RUN_DIR")
 PYTHON = "PYTHON"
 
 
-def rendered(name: str) -> dict[str, str]:
-    r = load(name).recipe
+# Site options as an HPC site would set them (a cluster with a container runtime, a reservation,
+# a wckey of its own): golden files show exactly what they add to the scripts.
+SITE_OPTIONS = [
+    "+clusters.a.sbatch.constraint='h800&ib'",
+    "+clusters.a.sbatch.reservation=rl-week",
+    "+clusters.a.sbatch.gres_flags=enforce-binding",
+    "+clusters.a.sbatch.wckey=llm-post-training",
+    "+clusters.a.sbatch.exclusive=true",
+    "+clusters.a.srun_args=['--mpi=pmix','--container-image=/shared/images/streamrl.sqsh']",
+    "+clusters.a.python=/opt/conda/envs/streamrl/bin/python",
+    "+clusters.b.sbatch.account=gen-pool",
+    "roles.generator.mem_gb=200",
+]
+CASES = {name: (name, []) for name in list_recipes()} | {
+    "two-site-h800-h20+site-options": ("two-site-h800-h20", SITE_OPTIONS),
+}
+
+
+def rendered(name: str, overrides: list[str] | None = None) -> dict[str, str]:
+    r = load(name, overrides).recipe
     out = {}
     for job in plan.jobs(r):
         if job.launcher == "slurm":
@@ -34,10 +52,10 @@ def rendered(name: str) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("name", list_recipes())
+@pytest.mark.parametrize("name", list(CASES))
 def test_rendered_scripts_match_golden(name):
     folder = GOLDEN / name.replace("/", "__")
-    scripts = rendered(name)
+    scripts = rendered(*CASES[name])
     if os.environ.get("STREAMRL_UPDATE_GOLDEN"):
         folder.mkdir(parents=True, exist_ok=True)
         for old in folder.iterdir():

@@ -41,12 +41,19 @@ def test_table_marks_the_recommendation():
     assert "h20 @site-b" in out.stdout and "h800 @site-a" in out.stdout
 
 
+def dataset(tmp_path) -> list[str]:
+    """A prompts file and its reward: `run` refuses a paper recipe without one (no silent toy task)."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "What is 2+3?", "answer": "5"}\n')
+    return [f"task.dataset={data}", "task.reward=streamrl_cli.tasks.rewards:math_answer"]
+
+
 def test_written_yaml_recipe_is_accepted_by_run_dry_run(tmp_path, runs_root):
     target = tmp_path / "tuned.yaml"
     out = streamrl("tune-split", "paper/qwen2.5-72b-ppo", "--write", str(target))
     assert out.returncode == 0, out.stderr
     assert target.read_text().startswith("# written by `streamrl tune-split paper/qwen2.5-72b-ppo`")
-    run = streamrl("run", str(target), "--dry-run", "--root", str(runs_root))
+    run = streamrl("run", str(target), *dataset(tmp_path), "--dry-run", "--root", str(runs_root))
     assert run.returncode == 0, run.stderr
     doc = json.loads(streamrl("tune-split", "paper/qwen2.5-72b-ppo", "--json").stdout)["recommended"]
     cfg = next(runs_root.glob("*/config.yaml")).read_text()
@@ -60,7 +67,9 @@ def test_written_overrides_are_accepted_by_run_dry_run(tmp_path, runs_root):
     assert out.returncode == 0, out.stderr
     lines = [ln for ln in target.read_text().splitlines() if ln and not ln.startswith("#")]
     assert "roles.generator.cluster=a" in lines and "roles.trainer.cluster=a" in lines
-    run = streamrl("run", "two-site-h800-h20", *lines, "--dry-run", "--root", str(runs_root))
+    run = streamrl(
+        "run", "two-site-h800-h20", *lines, *dataset(tmp_path), "--dry-run", "--root", str(runs_root)
+    )
     assert run.returncode == 0, run.stderr
 
 

@@ -84,7 +84,7 @@ def test_generation_is_tail_bound_more_gpus_help_little():
 
 
 def test_training_layouts_respect_memory_and_scale():
-    tm = TrainingModel(AnalyticCostModel(), HW.get("h800"), workload(QWEN_72B))
+    tm = TrainingModel(AnalyticCostModel(), HW.get("h800"), workload(QWEN_72B), layouts="megatron")
     assert tm.best(8) is None  # actor, critic, reference and Adam states of 72B do not fit 8 GPUs
     p16, p64 = tm.best(16), tm.best(64)
     assert p16 is not None and p16.memory_gb <= HW.get("h800").usable_bytes / 1e9

@@ -140,9 +140,9 @@ def test_pools_from_recipe_flags_and_sites():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"gpus": 8}, "budget too small: training qwen2.5-72b .* needs at least 16 h800 GPUs"),
+        ({"gpus": 8}, "budget too small: training qwen2.5-72b .* needs at least 24 h800 GPUs"),
         ({"gpus": 1}, "budget too small"),
-        ({"sites": "a100:8,h20:8"}, "needs at least 16 a100 GPUs"),
+        ({"sites": "a100:8,h20:8"}, "needs at least 24 a100 GPUs"),
         ({"sites": "h900:64"}, "did you mean 'h800'"),
         ({"sites": "nope=3"}, "no cluster 'nope'"),
         ({"sites": "h800=4x"}, "expected CLUSTER"),

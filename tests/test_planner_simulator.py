@@ -103,7 +103,8 @@ def test_skewness_dispatch_isolates_long_prompts_longest_first():
 
 def _paper_setup(size: str, gpus: int):
     wl = workload_from_recipe(load(f"paper/qwen2.5-{size}-ppo").recipe)
-    planner = Planner(wl, load_hardware(), AnalyticCostModel())
+    # The paper ran a Megatron trainer (TP/PP layouts): its measurements are reproduced with those.
+    planner = Planner(wl, load_hardware(), AnalyticCostModel(), layouts="megatron")
     pool = Pool("h800", "h800", gpus)
     return planner, pool, planner.search([pool]).recommended
 

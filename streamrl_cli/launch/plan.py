@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamrl_cli.recipe.schema import PlannerConfig, Recipe
+from streamrl_cli.recipe.schema import ClusterConfig, PlannerConfig, Recipe
 from streamrl_cli.roles.spec import GeneratorSpec, RendezvousSpec, RoleSpec, TrainerSpec
 from streamrl_cli.rundir import RunDir
 
@@ -41,6 +41,10 @@ class JobSpec:
     setup_template: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     site: str = "default"
+    sbatch: dict[str, object] = field(default_factory=dict)  # the cluster's extra #SBATCH options
+    srun_args: list[str] = field(default_factory=list)  # the cluster's extra srun arguments
+    python: str | None = None  # interpreter on the cluster's nodes (null: this host's)
+    exclusive: bool = False  # whole nodes: --exclusive
 
     @property
     def processes(self) -> int:
@@ -204,6 +208,7 @@ def job_spec(
 ) -> JobSpec:
     """A job of ``role`` on ``cluster`` with that cluster's launcher, account, setup and env."""
     c = r.clusters[cluster]
+    mem, exclusive = memory(c, partition, nodes_gpus=gpus, mem_gb=mem)
     return JobSpec(
         role=role,
         cluster=cluster,
@@ -223,4 +228,30 @@ def job_spec(
         setup_template=c.setup_template,
         env=dict(c.env),
         site=c.site,
+        sbatch=dict(c.sbatch),
+        srun_args=list(c.srun_args),
+        python=c.python,
+        exclusive=exclusive,
     )
+
+
+def memory(
+    c: ClusterConfig, partition: str | None, *, nodes_gpus: int, mem_gb: int | None
+) -> tuple[int | None, bool]:
+    """The job's memory per node (GiB) and whether it takes its nodes exclusively.
+
+    A recipe's own ``mem_gb`` wins. Otherwise a GPU job gets its GPUs' share of the node's memory
+    (SLURM's fallback, DefMemPerCPU × CPUs, is sized for CPU jobs: a few GiB, too little to load a
+    7B model); a job that takes every GPU of its nodes on a cluster with ``exclusive`` gets the node.
+    CPU-only jobs (a rendezvous server) keep the site's default.
+    """
+    p = c.partitions.get(partition) if partition else None
+    if c.launcher != "slurm" or p is None or nodes_gpus <= 0 or p.gpus_per_node <= 0:
+        return mem_gb, False
+    whole = nodes_gpus >= p.gpus_per_node
+    exclusive = c.exclusive and whole
+    if mem_gb is not None:
+        return mem_gb, exclusive
+    if exclusive:
+        return 0, True  # --mem=0: all of each node's memory, whatever the node really has
+    return max(1, p.mem_gb_per_node * min(nodes_gpus, p.gpus_per_node) // p.gpus_per_node), exclusive

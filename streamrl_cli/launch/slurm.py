@@ -21,6 +21,19 @@ from streamrl_cli.recipe.checks import templates_dir
 from streamrl_cli.rundir import RunDir
 
 SUBMITIT_COMMAND = "{python} -u -m submitit.core._submit {folder}"
+SRUN_ARGS = ("--kill-on-bad-exit=1", "--cpu-bind=cores")
+# Site options that submitit renders itself: set through its parameter, so one line comes out.
+SUBMITIT_NAMES = {
+    "mem": "mem",
+    "wckey": "wckey",
+    "account": "account",
+    "qos": "qos",
+    "comment": "comment",
+    "constraint": "constraint",
+    "exclude": "exclude",
+    "mem-per-gpu": "mem_per_gpu",
+    "mem-per-cpu": "mem_per_cpu",
+}
 
 
 def setup_lines(job: JobSpec, run_dir: Path) -> list[str]:
@@ -52,21 +65,39 @@ def sbatch_parameters(job: JobSpec, run_name: str, run_dir: Path) -> dict[str, A
         "setup": setup_lines(job, run_dir),
         "stderr_to_stdout": True,
         "signal_delay_s": 30,
-        "wckey": "streamrl",
+        "wckey": None,  # submitit's default ("submitit") is dropped: sites that want one set `sbatch.wckey`
+        # One dead rank ends the step at once, instead of leaving the others in a collective until
+        # its timeout; cores bound per task so that ranks do not migrate across each other's cores.
+        "srun_args": [*SRUN_ARGS, *job.srun_args],
     }
     if job.gpus_per_node:
         params["gpus_per_node"] = job.gpus_per_node
-    if job.mem_gb:
-        params["mem"] = f"{job.mem_gb}GB"
+    if job.mem_gb is not None:
+        params["mem"] = f"{job.mem_gb}GB" if job.mem_gb else "0"
     if job.account:
         params["account"] = job.account
     if job.qos:
         params["qos"] = job.qos
+    if job.exclusive:
+        extra["exclusive"] = True
     if job.array:
         params["array_parallelism"] = job.max_running or job.array
+    for key, value in job.sbatch.items():  # the site's options last: they may override ours (mem, time)
+        if value is None or value is False:
+            continue
+        name = key.replace("_", "-")
+        if name in SUBMITIT_NAMES:
+            params[SUBMITIT_NAMES[name]] = value
+        else:
+            extra[name] = value
     if extra:
         params["additional_parameters"] = extra
     return params
+
+
+def job_python(job: JobSpec) -> str:
+    """The interpreter the job's nodes run: the cluster's own, else this host's (shared software)."""
+    return job.python or shlex.quote(sys.executable)
 
 
 def log_folder(run_dir: Path, job: JobSpec) -> Path:
@@ -79,7 +110,7 @@ def render(job: JobSpec, run_name: str, run_dir: Path, python: str | None = None
 
     folder = log_folder(run_dir, job)
     command = SUBMITIT_COMMAND.format(
-        python=python or shlex.quote(sys.executable), folder=shlex.quote(str(folder))
+        python=job.python or python or job_python(job), folder=shlex.quote(str(folder))
     )
     return _make_sbatch_string(
         command=command, folder=folder, map_count=job.array, **sbatch_parameters(job, run_name, run_dir)
@@ -90,11 +121,8 @@ def submit(job: JobSpec, run_name: str, run_dir: Path, entry: Any, spec_path: Pa
     """Submit ``entry(spec_path)`` as ``job``; returns the SLURM job id (the array id for arrays)."""
     import submitit
 
-    executor = (
-        _array_executor()(folder=log_folder(run_dir, job))
-        if job.array == 1
-        else submitit.SlurmExecutor(folder=log_folder(run_dir, job))
-    )
+    cls = _array_executor() if job.array == 1 else submitit.SlurmExecutor
+    executor = cls(folder=log_folder(run_dir, job), python=job_python(job))
     executor.update_parameters(**sbatch_parameters(job, run_name, run_dir))
     try:
         if job.array:

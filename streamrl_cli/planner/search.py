@@ -90,8 +90,9 @@ def trainer_counts(pool: Pool, gpn: int) -> list[int]:
 class Planner:
     """Searches allocations for one workload; stage models are built once per hardware kind."""
 
-    def __init__(self, wl: Workload, hardware: Hardware, cm: CostModel):
+    def __init__(self, wl: Workload, hardware: Hardware, cm: CostModel, layouts: str = "trainer"):
         self.wl, self.hardware, self.cm = wl, hardware, cm
+        self.layouts = layouts  # training layouts planned (see TrainingModel)
         self._gen: dict[tuple[str, int], GenerationModel] = {}
         self._train: dict[tuple[str, int], TrainingModel] = {}
         self._tables: dict[tuple, list] = {}
@@ -113,7 +114,7 @@ class Planner:
         hw = self.spec(pool)
         key = (hw.name, hw.gpus_per_node)
         if key not in self._train:
-            self._train[key] = TrainingModel(self.cm, hw, self.wl)
+            self._train[key] = TrainingModel(self.cm, hw, self.wl, self.layouts)
         return self._train[key]
 
     def gen_table(self, pool: Pool) -> list[GenPlan | None]:

@@ -29,6 +29,8 @@ from streamrl_cli.planner.hardware import GPUSpec
 from streamrl_cli.planner.workload import Workload
 
 MAX_PP = 16
+TRAINER_TPS = (1,)  # tensor-parallel degrees the trainer runs
+TRAINER_PPS = (1,)  # pipeline-parallel degrees the trainer runs
 ZERO_STAGES = (1, 2, 3)
 ACTIVATION_LAYERS_EXTRA = 16  # one layer's full working set, in units of a layer-boundary checkpoint
 
@@ -63,15 +65,21 @@ class TrainPlan:
 class TrainingModel:
     """P_train for one hardware kind and workload; plans are memoised."""
 
-    def __init__(self, cm: CostModel, hw: GPUSpec, wl: Workload):
+    def __init__(self, cm: CostModel, hw: GPUSpec, wl: Workload, layouts: str = "trainer"):
+        """``layouts``: "trainer" plans only what StreamRL's trainer runs, ZeRO data parallel (TP1
+        PP1); "megatron" also TP within a node and PP, as the paper's trainer ran (for reproducing
+        its measurements, never for a recipe)."""
         self.cm, self.hw, self.wl = cm, hw, wl
         m = wl.model
-        self.tps = [
-            tp
-            for tp in (1, 2, 4, 8, 16)
-            if tp <= hw.gpus_per_node and m.heads % tp == 0 and (tp == 1 or hw.nvlink_bw > 0)
-        ]
-        self.pps = [pp for pp in range(1, min(MAX_PP, m.layers) + 1) if m.layers % pp == 0]
+        if layouts == "trainer":
+            self.tps, self.pps = list(TRAINER_TPS), list(TRAINER_PPS)
+        else:
+            self.tps = [
+                tp
+                for tp in (1, 2, 4, 8, 16)
+                if tp <= hw.gpus_per_node and m.heads % tp == 0 and (tp == 1 or hw.nvlink_bw > 0)
+            ]
+            self.pps = [pp for pp in range(1, min(MAX_PP, m.layers) + 1) if m.layers % pp == 0]
         self._best = lru_cache(maxsize=None)(lambda g: self._best_uncached(g, lambda p: p.time_s))
         self._front = lru_cache(maxsize=None)(self._pareto)
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from streamrl_cli.recipe.paths import is_reward_file
-from streamrl_cli.recipe.schema import LOGGERS, ClusterConfig, Recipe, RoleJobConfig
+from streamrl_cli.recipe.schema import LOGGERS, RESERVED_SBATCH, ClusterConfig, Recipe, RoleJobConfig
 
 Problem = tuple[str, str]
 
@@ -56,6 +56,18 @@ def _clusters(r: Recipe) -> Iterator[Problem]:
                 f"clusters.{name}.setup_template",
                 f"no file {c.setup_template!r} in slurm_templates/; have: {have}",
             )
+        for key in c.sbatch:
+            opt = str(key).replace("_", "-")
+            if opt.startswith("-") or not opt:
+                yield f"clusters.{name}.sbatch", f"write option names without dashes: {opt.lstrip('-')!r}"
+            elif opt in RESERVED_SBATCH:
+                yield (
+                    f"clusters.{name}.sbatch.{key}",
+                    f"--{opt} is set by StreamRL from the roles' settings (nodes, GPUs, CPUs, partition, "
+                    "time_min, arrays, logs); set it there instead",
+                )
+        if c.launcher == "local" and (c.sbatch or c.srun_args or c.python or c.exclusive):
+            yield f"clusters.{name}", "sbatch, srun_args, python and exclusive apply to launcher=slurm only"
         for pname, p in c.partitions.items():
             for key in ("gpus_per_node", "cpus_per_node", "mem_gb_per_node", "max_nodes"):
                 if getattr(p, key) < (0 if key == "gpus_per_node" else 1):
@@ -101,7 +113,7 @@ def _placement(
         return c, None
     # Trainer ranks are one task per GPU, all on the same node: their CPUs add up.
     tasks = max(getattr(job, "gpus_per_node", 1), 1)
-    if job.cpus_per_task * tasks > p.cpus_per_node:
+    if job.cpus_per_task * tasks > p.cpus_per_node and not c.sbatch.get("overcommit"):
         out.append(
             (
                 f"roles.{role}.cpus_per_task",
@@ -135,27 +147,13 @@ def _trainer(r: Recipe) -> Iterator[Problem]:
     if t.zero_stage not in (0, 1, 2, 3):
         yield "roles.trainer.zero_stage", f"must be 0, 1, 2 or 3, got {t.zero_stage}"
     for key in ("tensor_parallel", "pipeline_parallel"):
-        if getattr(t, key) < 1:
-            yield f"roles.trainer.{key}", f"must be at least 1, got {getattr(t, key)}"
-    gpus = t.nodes * t.gpus_per_node
-    mp = t.tensor_parallel * t.pipeline_parallel
-    if gpus > 0 and mp >= 1 and gpus % mp:
-        yield (
-            "roles.trainer.tensor_parallel",
-            (
-                f"tensor_parallel × pipeline_parallel = {mp} does not divide the trainer's {gpus} GPUs "
-                f"({t.nodes} nodes × {t.gpus_per_node}); valid TP×PP: {_divisors(gpus)}"
-            ),
-        )
-    if t.gpus_per_node > 0 and t.tensor_parallel > t.gpus_per_node:
-        yield (
-            "roles.trainer.tensor_parallel",
-            (
-                f"tensor parallelism stays inside a node: {t.tensor_parallel} > "
-                f"{t.gpus_per_node} GPUs per node"
-            ),
-        )
-    yield from _heads(r, "trainer", t.tensor_parallel)
+        if getattr(t, key) != 1:
+            yield (
+                f"roles.trainer.{key}",
+                f"{getattr(t, key)}: the trainer is ZeRO data parallel only (DeepSpeed ZeRO stages 0-3, "
+                "optionally with cpu_offload) and runs no tensor or pipeline parallel layout; set it to 1 "
+                "and shard the model with zero_stage=3 (tune-split plans such layouts)",
+            )
 
 
 def _generator(r: Recipe) -> Iterator[Problem]:

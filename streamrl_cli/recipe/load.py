@@ -71,6 +71,9 @@ class Composed:
     path: Path
     overrides: list[str]
     choices: dict[str, str]  # config group (with @package) -> option chosen
+    # `model` keys the recipe or its overrides set (the rest are schema defaults, which the
+    # architecture of the model's config.json may replace before a run).
+    model_keys: frozenset[str] = frozenset()
 
 
 def load(recipe: str, overrides: list[str] | None = None) -> Composed:
@@ -112,7 +115,17 @@ def load(recipe: str, overrides: list[str] | None = None) -> Composed:
                 problems.append(prov.describe(p, msg))
     if problems or typed is None:
         raise RecipeError(problems, source=str(path))
-    return Composed(recipe=checks.resolve(typed), path=path, overrides=overrides, choices=choices)
+    model_keys = set((cfg.get("model") or {}) if isinstance(cfg, dict) else ())
+    for o in value_ovr:
+        if o.key_or_group.startswith("model."):
+            (model_keys.discard if o.is_delete() else model_keys.add)(o.key_or_group.split(".")[1])
+    return Composed(
+        recipe=checks.resolve(typed),
+        path=path,
+        overrides=overrides,
+        choices=choices,
+        model_keys=frozenset(model_keys),
+    )
 
 
 def _schema_defaults() -> dict:

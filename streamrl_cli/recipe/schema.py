@@ -9,6 +9,7 @@ that every problem of a recipe is reported at once rather than the first ``__pos
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 LAUNCHERS = ("slurm", "local")
 RENDEZVOUS_PLACEMENTS = ("submit-host", "job")
@@ -25,6 +26,12 @@ MODEL_BUILDERS = ("tiny", "tiny-warm")
 SKEW_DISPATCH = ("random", "skewness-aware")
 SKEW_SCHEDULE = ("fifo", "lpt")
 RANKERS = ("none", "learned", "history", "oracle")
+# sbatch options the launcher owns (clusters.X.sbatch may not set them): a site's value would
+# break placement, logs or the array.
+RESERVED_SBATCH = frozenset(
+    {"job-name", "output", "error", "open-mode", "array", "nodes", "ntasks", "ntasks-per-node",
+     "gpus-per-node", "gpus", "gres", "cpus-per-task", "partition", "clusters", "signal", "time"}
+)  # fmt: skip
 
 
 def choices(*values: str, default: str) -> str:
@@ -56,6 +63,14 @@ class ClusterConfig:
     qos: str | None = None  # sbatch --qos
     setup_template: str | None = None  # file in slurm_templates/ whose lines run before each role
     env: dict[str, str] = field(default_factory=dict)  # variables exported in every job (NCCL, proxies)
+    # Site options. Extra `#SBATCH --key=value` lines for every job on this cluster (true: a bare
+    # flag such as --exclusive; false/null: left out), e.g. {constraint: h800, reservation: rl}.
+    sbatch: dict[str, Any] = field(default_factory=dict)
+    srun_args: list[str] = field(
+        default_factory=list
+    )  # extra `srun` arguments (--mpi=pmix, --container-image=...)
+    python: str | None = None  # interpreter on this cluster's nodes (null: this host's, same path)
+    exclusive: bool = False  # jobs that take every GPU of their nodes ask --exclusive and all node memory
 
 
 @dataclass(kw_only=True)
@@ -66,7 +81,9 @@ class RoleJobConfig:
     partition: str | None = None  # partition of that cluster (required for SLURM clusters)
     time_min: int = 60  # wall-clock limit of the job, minutes
     cpus_per_task: int = 1  # CPU cores per task
-    mem_gb: int | None = None  # memory per node, GiB (null: the partition's default)
+    mem_gb: int | None = (
+        None  # memory per node, GiB (null: the job's GPU share of the partition's node memory)
+    )
     program: str = "streamrl_cli.roles.preflight:main"  # `module:function` the role's processes run
 
 
@@ -76,8 +93,10 @@ class TrainerConfig(RoleJobConfig):
 
     nodes: int = 1  # nodes of the trainer job
     gpus_per_node: int = 1  # GPUs on each trainer node
-    tensor_parallel: int = 1  # TP degree (within a node)
-    pipeline_parallel: int = 1  # PP degree
+    # The trainer is DeepSpeed ZeRO data parallel (stages 0-3, optional CPU offload): it runs no
+    # tensor or pipeline parallel layout, so these stay 1 (anything else is refused, not ignored).
+    tensor_parallel: int = 1  # TP degree: 1 only
+    pipeline_parallel: int = 1  # PP degree: 1 only
     zero_stage: int = 1  # DeepSpeed ZeRO stage, 0-3
     cpu_offload: bool = False  # ZeRO-Offload: optimizer states in host memory (tune-split may pick it)
     program: str = "streamrl_cli.trainer.main:main"  # `module:function` the trainer's processes run

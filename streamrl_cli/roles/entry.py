@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.roles.spec import RoleSpec, load_spec
@@ -63,11 +64,21 @@ def update_record(spec: RoleSpec, rank: int, **fields: object) -> None:
 
 
 def run_role(spec_path: str, rank: int | None = None) -> int:
+    from streamrl_cli.roles.placement import apply, gpus_per_process, placement
+
     spec = load_spec(spec_path)
     rank = rank_from_env(spec.role) if rank is None else rank
-    write_atomic(
-        record_path(spec, rank), json.dumps(start_record(spec, rank), indent=2, sort_keys=True) + "\n"
-    )
+    record = start_record(spec, rank)
+    try:
+        # Before anything imports torch: the GPUs this process uses (LOCAL_RANK, CUDA_VISIBLE_DEVICES).
+        where = placement(
+            os.environ, gpus_per_process(spec.role, spec.settings), narrow=spec.role == "generator"
+        )
+    except StreamRLError as e:
+        return _failed(spec, rank, record, e, e.exit_code or 1)
+    apply(where, os.environ)
+    record.update(where.record(), cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    write_atomic(record_path(spec, rank), json.dumps(record, indent=2, sort_keys=True) + "\n")
     if spec.role != "rendezvous":  # roles that start processes (vLLM's engine): none outlives the role
         from streamrl_cli.roles import reaper
 
@@ -78,9 +89,21 @@ def run_role(spec_path: str, rank: int | None = None) -> int:
         code = int(program(spec, rank) or 0)
     except StreamRLError as e:
         # A user-facing error (a peer missing, a server unreachable): its message is the whole story.
-        print(f"error: {spec.role} rank {rank}: {e}", file=sys.stderr, flush=True)
-        code = e.exit_code or 1
+        return _failed(spec, rank, record, e, e.exit_code or 1)
+    except Exception as e:
+        # Anything else still leaves its reason where `streamrl status` reads it, then fails the task
+        # with its traceback in the log (and srun --kill-on-bad-exit ends the other ranks).
+        update_record(spec, rank, finished=time.time(), exit_code=1, error=f"{type(e).__name__}: {e}"[:2000])
+        raise
     update_record(spec, rank, finished=time.time(), exit_code=code)
     if code:
         raise SystemExit(code)
     return code
+
+
+def _failed(spec: RoleSpec, rank: int, record: dict, e: BaseException, code: int) -> NoReturn:
+    print(f"error: {spec.role} rank {rank}: {e}", file=sys.stderr, flush=True)
+    if not record_path(spec, rank).exists():
+        write_atomic(record_path(spec, rank), json.dumps(record, indent=2, sort_keys=True) + "\n")
+    update_record(spec, rank, finished=time.time(), exit_code=code, error=str(e)[:2000])
+    raise SystemExit(code)

@@ -58,6 +58,7 @@ def collect(run: RunDir) -> dict[str, Any]:
                 or "none reported"
             )
         )
+    problems += _member_errors(run)
     problems = [*run.damage(), *problems]
     return {
         "schema": SCHEMA_VERSION,
@@ -250,6 +251,20 @@ def _members(run: RunDir, role: str, live: list[dict]) -> list[dict]:
                 "metrics": {},
             }
         )
+    return out
+
+
+def _member_errors(run: RunDir) -> list[str]:
+    """The reason each failed process wrote into its record before exiting (its first line)."""
+    out = []
+    for f in sorted(run.members.glob("*.json")):
+        rec = rundir.read_json(f) or {}
+        if rec.get("exit_code") and rec.get("error"):
+            where = f" on {rec['host']}" if rec.get("host") else ""
+            first = str(rec["error"]).strip().splitlines()[0] if str(rec["error"]).strip() else ""
+            out.append(
+                f"{rec.get('role')} rank {rec.get('rank')}{where} exited with {rec['exit_code']}: {first}"
+            )
     return out
 
 

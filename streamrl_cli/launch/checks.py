@@ -1,0 +1,180 @@
+"""Checks before anything is queued: the mistakes that would otherwise surface after the queue wait.
+
+`streamrl run` and `run --dry-run` call :func:`before_submit` on the composed recipe. Every
+problem is collected and reported at once (a RecipeError, exit 2) and nothing is written or
+submitted. What is checked, where the submit host can see it:
+
+- the task: through the tasks package's own loader (`make_task`), so the dataset is read, every
+  row has the prompt field, and the reward imports and is callable exactly as the trainer will
+  find them; a task that is not built-in must name a dataset;
+- the model directory: `config.json` and a tokenizer; the architecture numbers the recipe does
+  not give are taken from `config.json`, and a number that contradicts it is an error;
+- the loggers: their packages import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from streamrl_cli.errors import RecipeError, StreamRLError
+from streamrl_cli.recipe.load import Composed
+from streamrl_cli.recipe.schema import ModelConfig, Recipe
+
+BUILTIN_TASKS = ("builtin",)
+# Any of these beside config.json is a tokenizer transformers can load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+LOGGER_MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}
+# recipe key -> config.json keys (first found wins)
+ARCH_KEYS = {
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "num_attention_heads": ("num_attention_heads", "n_head"),
+    "num_kv_heads": ("num_key_value_heads",),
+}
+PARAMS_TOLERANCE = 0.15  # params_b is an estimate from the shapes: ±15 % is agreement
+
+
+def before_submit(composed: Composed) -> Composed:
+    """``composed`` with the model's architecture filled in from config.json; RecipeError otherwise."""
+    r = composed.recipe
+    problems: list[str] = []
+    model = _model(r.model, composed.model_keys, problems)
+    _task(r, problems)
+    _loggers(r, problems)
+    if problems:
+        raise RecipeError(problems, source=str(composed.path))
+    if model is r.model:
+        return composed
+    return dataclasses.replace(composed, recipe=dataclasses.replace(r, model=model))
+
+
+def _task(r: Recipe, problems: list[str]) -> None:
+    from streamrl_cli.tasks import make_task
+
+    t = r.task
+    if t.dataset is None and t.name not in BUILTIN_TASKS:
+        problems.append(
+            f"task.dataset: task {t.name!r} is not built-in and names no dataset: set "
+            "task.dataset=/path/to/prompts.jsonl (with a task.reward), or task=builtin for the "
+            "built-in toy task"
+        )
+        return
+    # The chat template's tokenizer is the model's: only where the model is already there.
+    model = Path(os.path.expanduser(r.model.path))
+    model_path = str(model) if model.is_dir() else None
+    sets = [t] + ([dataclasses.replace(t, dataset=t.eval_dataset)] if t.eval_dataset else [])
+    for task in sets:
+        try:
+            make_task(task, seed=r.train.seed, model_path=model_path)
+        except StreamRLError as e:
+            problems.append(str(e) if task is t else f"task.eval_dataset: {e}")
+        except Exception as e:  # a user's reward module failing at import time
+            problems.append(f"task: {type(e).__name__}: {e}")
+
+
+def _loggers(r: Recipe, problems: list[str]) -> None:
+    for name in r.train.loggers:
+        module = LOGGER_MODULES.get(name)
+        if module is None:
+            continue  # the recipe's own validation names the valid loggers
+        try:
+            importlib.import_module(module)
+        except Exception as e:
+            problems.append(
+                f"train.loggers: {name!r} needs the package behind {module!r}, which does not import "
+                f"here ({type(e).__name__}: {e}); pip install {name} or drop it from train.loggers"
+            )
+
+
+def _model(m: ModelConfig, given: frozenset[str], problems: list[str]) -> ModelConfig:
+    path = Path(os.path.expanduser(m.path))
+    if not path.exists():
+        if m.builder is None and _looks_like_path(m.path):
+            problems.append(
+                f"model.path: {m.path} does not exist (a directory with config.json and a tokenizer, "
+                "or a hub id such as Qwen/Qwen2.5-7B on clusters with a model cache)"
+            )
+        return m  # a hub id, or a model the builder makes: nothing to read here
+    if not path.is_dir():
+        problems.append(f"model.path: {m.path} is a file, not a model directory")
+        return m
+    config_file = path / "config.json"
+    missing = []
+    if not config_file.is_file():
+        missing.append("config.json")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        missing.append(f"tokenizer (one of {', '.join(TOKENIZER_FILES)})")
+    if missing:
+        problems.append(f"model.path: {m.path} has no {' and no '.join(missing)}")
+    if not config_file.is_file():
+        return m
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        problems.append(f"model.path: cannot read {config_file}: {e}")
+        return m
+    return _architecture(m, config, given, str(config_file), problems)
+
+
+def _looks_like_path(p: str) -> bool:
+    return p.startswith(("/", "./", "../", "~")) or os.sep in p and p.count("/") != 1
+
+
+def architecture(config: dict[str, Any]) -> dict[str, Any]:
+    """The recipe's architecture numbers of a transformers config.json (what it states)."""
+    config = config.get("text_config", config) if "num_hidden_layers" not in config else config
+    out: dict[str, Any] = {}
+    for key, names in ARCH_KEYS.items():
+        for n in names:
+            if isinstance(config.get(n), int):
+                out[key] = config[n]
+                break
+    if "num_kv_heads" not in out and "num_attention_heads" in out:
+        out["num_kv_heads"] = out["num_attention_heads"]
+    params = estimate_params(config, out)
+    if params is not None:
+        out["params_b"] = float(f"{params / 1e9:.3g}")
+    return out
+
+
+def estimate_params(config: dict[str, Any], arch: dict[str, Any]) -> float | None:
+    """Parameters of a decoder-only transformer from its shapes (attention, gated MLP, embeddings)."""
+    try:
+        h, layers = arch["hidden_size"], arch["num_layers"]
+        heads, kv = arch["num_attention_heads"], arch["num_kv_heads"]
+        vocab, inter = int(config["vocab_size"]), int(config["intermediate_size"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    head_dim = int(config.get("head_dim") or h // heads)
+    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2  # q, o; k, v
+    mlp = 3 * h * inter  # gate, up, down
+    embed = vocab * h * (1 if config.get("tie_word_embeddings") else 2)
+    return float(layers * (attn + mlp) + embed)
+
+
+def _architecture(
+    m: ModelConfig, config: dict[str, Any], given: frozenset[str], where: str, problems: list[str]
+) -> ModelConfig:
+    stated = architecture(config)
+    fill: dict[str, Any] = {}
+    for key, value in stated.items():
+        ours = getattr(m, key)
+        if key not in given:
+            fill[key] = value
+        elif key == "params_b":
+            if ours > 0 and abs(ours - value) > PARAMS_TOLERANCE * value:
+                problems.append(
+                    f"model.params_b: {ours} but {where} describes a model of about {value:.3g} B "
+                    "parameters; fix the recipe or leave params_b out to use the config's"
+                )
+        elif ours != value:
+            problems.append(
+                f"model.{key}: {ours} but {where} says {value}; fix the recipe or leave "
+                f"model.{key} out to use the config's"
+            )
+    return dataclasses.replace(m, **fill) if fill else m
