@@ -101,7 +101,7 @@ def test_factory_kinds_and_errors(tmp_path):
 
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "hi"}\n')
-    dataset = DatasetTask(data, reward=lambda ps, cs: [0.0] * len(cs))
+    dataset = DatasetTask(data, reward=lambda prompts, completions, **_: [0.0] * len(completions))
     with pytest.raises(RankerError, match="oracle.*knows no expected output lengths"):
         make_ranker(SkewnessConfig(ranker="oracle"), model_path=None, task=dataset)
 

@@ -78,14 +78,12 @@ def test_bad_sampling_keys_are_reported(override, key):
 
 
 def test_sampling_keys_reach_every_request():
-    from streamrl_cli.trainer.main import sampling_keys
+    from streamrl_cli.trainer.pipeline import sampling_keys
 
     a = load("local", ["algorithm.top_p=0.9", "algorithm.top_k=5", "algorithm.stop=[END,'###']"]).recipe
-    import dataclasses
-
-    keys = sampling_keys(dataclasses.asdict(a.algorithm))
+    keys = sampling_keys(a.algorithm)
     assert keys == {"top_k": 5, "top_p": 0.9, "stop": ["END", "###"]}
-    assert sampling_keys(dataclasses.asdict(load("local").recipe.algorithm)) == {}
+    assert sampling_keys(load("local").recipe.algorithm) == {}
 
 
 # ---- the real engine, on weights with peaked distributions (the builder's are near uniform) ----
