@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -100,3 +101,37 @@ def slurm_remote(slurm):
         if os.environ.get("CI"):
             pytest.fail("second SLURM test cluster `remote` is not running")
         pytest.skip("second SLURM test cluster `remote` is not running")
+
+
+@contextlib.contextmanager
+def rendezvous_in_thread(run_dir: Path):
+    """A real rendezvous server of ``run_dir`` on loopback, in a thread of this process: yields an
+    httpx client that carries the run's token (stopped when the block ends)."""
+    import asyncio
+    import json
+    import threading
+    import time
+
+    import httpx
+
+    from streamrl_cli.rendezvous import create_secret
+    from streamrl_cli.rendezvous.server import run
+
+    token = create_secret(run_dir)
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    coro = run(run_dir, host="127.0.0.1", port=0, lease_s=30.0, ssl_context=None, token=token, stop=stop)
+    thread = threading.Thread(target=loop.run_until_complete, args=(coro,), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not (run_dir / "rendezvous.json").exists():
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    url = json.loads((run_dir / "rendezvous.json").read_text())["url"]
+    try:
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=5) as http:
+            yield http
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout=10)
+        loop.close()

@@ -7,17 +7,11 @@ here is raw httpx, the way curl or a buggy member would send it, not through the
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import threading
-import time
 
 import httpx
 import pytest
-
-from streamrl_cli.rendezvous import create_secret
-from streamrl_cli.rendezvous.server import run
+from conftest import rendezvous_in_thread
 
 ENDPOINTS = [
     ("POST", "/v1/register"),
@@ -39,24 +33,10 @@ ENDPOINTS = [
 def api(tmp_path_factory):
     """(http client with the token, run dir): a server in a thread, shared by this module."""
     run_dir = tmp_path_factory.mktemp("rendezvous-api")
-    token = create_secret(run_dir)
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    coro = run(run_dir, host="127.0.0.1", port=0, lease_s=30.0, ssl_context=None, token=token, stop=stop)
-    thread = threading.Thread(target=loop.run_until_complete, args=(coro,), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not (run_dir / "rendezvous.json").exists():
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    url = json.loads((run_dir / "rendezvous.json").read_text())["url"]
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=5) as http:
+    with rendezvous_in_thread(run_dir) as http:
         r = http.post("/v1/register", json={"role": "generator", "rank": 0})
         assert r.status_code == 200, r.text
         yield http
-    loop.call_soon_threadsafe(stop.set)
-    thread.join(timeout=10)
-    loop.close()
 
 
 def test_healthz_needs_no_token(api):

@@ -4,39 +4,21 @@ server on loopback, raw HTTP."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
-import threading
-import time
 
 import httpx
 import pytest
+from conftest import rendezvous_in_thread
 
-from streamrl_cli.rendezvous import create_secret
 from streamrl_cli.rendezvous.protocol import MAX_BODY_DEPTH, clean_text
-from streamrl_cli.rendezvous.server import run
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("rendezvous-hostile")
-    token = create_secret(run_dir)
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    coro = run(run_dir, host="127.0.0.1", port=0, lease_s=30.0, ssl_context=None, token=token, stop=stop)
-    thread = threading.Thread(target=loop.run_until_complete, args=(coro,), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not (run_dir / "rendezvous.json").exists():
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    url = json.loads((run_dir / "rendezvous.json").read_text())["url"]
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=5) as http:
+    with rendezvous_in_thread(run_dir) as http:
         yield http, run_dir
-    loop.call_soon_threadsafe(stop.set)
-    thread.join(timeout=10)
-    loop.close()
 
 
 def raw_request(base: httpx.URL, head: bytes) -> bytes:
