@@ -19,6 +19,7 @@ layout: every path inside a run directory comes from it, nowhere else spells a f
       members/<role>-<rank>.json  start records written by each role process        RunDir.member_record()
       events.jsonl             lifecycle events (submitted, cancelled, finished)    RunDir.events_jsonl
       checkpoints/             the trainer's checkpoints                            RunDir.checkpoints
+      model/                   the final iteration as a Hugging Face model (export)  RunDir.exported_model
       plots/                   `streamrl plot`'s default output                     RunDir.plots
       attempts/<n>/            what an earlier attempt left (--resume)              RunDir.attempt()
 
@@ -180,6 +181,10 @@ class RunDir:
     @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
+
+    @property
+    def exported_model(self) -> Path:
+        return self.path / "model"
 
     @property
     def attempts(self) -> Path:

@@ -168,7 +168,7 @@ def _submit(run: RunDir, job: JobSpec, base: int, k: int) -> str:
 
     scaled = dataclasses.replace(job, array=k, env={**job.env, RANK_BASE_ENV: str(base)})
     name = run.info().get("name", run.name)
-    script = run.jobs_dir / f"{job.key}-from{base}.sbatch"
+    script = run.job_script(f"{job.key}-from{base}", "slurm")
     write_atomic(script, slurm.render(scaled, name, run.path))
     job_id = slurm.submit(scaled, name, run.path, run_role, run.role_spec("generator"))
     run.add_job(

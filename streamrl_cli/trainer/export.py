@@ -30,7 +30,6 @@ class ExportError(StreamRLError):
 
 
 TAG = "ckpt"  # the tag trainer.checkpoint saves under
-EXPORT_DIR = "model"  # train.export_final writes <run dir>/model
 
 
 def fp32_state(actor_dir: Path) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from typing import Any
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.recipe.schema import TaskConfig
 from streamrl_cli.roles.spec import TrainerSpec
+from streamrl_cli.rundir import RunDir
 from streamrl_cli.trainer.pipeline import sampling_keys
 
 log = logging.getLogger("streamrl.trainer")
@@ -291,14 +292,14 @@ class TrainerRole:
     def _export_final(self) -> None:
         """The last checkpoint (the final iteration's: always saved) as a HF model in the run directory."""
         from streamrl_cli.trainer import checkpoint as ckpt
-        from streamrl_cli.trainer.export import EXPORT_DIR, export_checkpoint
+        from streamrl_cli.trainer.export import export_checkpoint
 
         last = ckpt.latest(self.run_dir)
         if last is None:
             raise StreamRLError(f"train.export_final: {self.run_dir} has no complete checkpoint to export")
         self.rdv.set_status(state="exporting")
         m = self.spec.model
-        out = export_checkpoint(last, m.path, self.run_dir / EXPORT_DIR, m.dtype)
+        out = export_checkpoint(last, m.path, RunDir(self.run_dir).exported_model, m.dtype)
         log.info("exported %s as a Hugging Face model to %s", last.name, out)
 
     def _evaluator(self, task_cfg: TaskConfig, seed: int, tokenize: Any, tok: Any, sinks: list[Any]) -> Any:
