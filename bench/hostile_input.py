@@ -273,7 +273,15 @@ def main() -> None:
             print(name, json.dumps(results[name]), flush=True)
     total = sum(r["inputs"] for r in results.values())
     five = sum(n for c, n in results["rendezvous"]["status_codes"].items() if c >= 500)
-    print(json.dumps({"bench": "hostile_input", "malformed_inputs": total, "http_5xx": five,
+    # The headline: how much of what the attackers asked the relay to allocate before the handshake
+    # (12 frames of 64 MiB, the attack of this run) the worst server actually grew by.
+    asked_mb = 12 * 64
+    growth = max(r["rss_peak_mb"] - r["rss_before_mb"] for r in results.values())
+    print(f"worst server growth {growth:.1f} MB of the {asked_mb} MB the attack asked for; "
+          f"{total} malformed inputs, {five} HTTP 5xx")  # fmt: skip
+    print(json.dumps({"bench": "hostile_input", "metric": "worst_server_rss_growth_mb_vs_pre_auth_asked",
+                      "value": round(growth, 1), "baseline": asked_mb, "ratio": round(growth / asked_mb, 4),
+                      "target": 0.05, "malformed_inputs": total, "http_5xx": five,
                       "all_serve": all(r["serves"] for r in results.values()),
                       **{f"{k}_rss_peak_mb": r["rss_peak_mb"] for k, r in results.items()}}))  # fmt: skip
     os._exit(0)
