@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from streamrl_cli.models.tiny import TinySpec, build_tiny_model
+from streamrl_cli.recipe.schema import AlgorithmConfig
 from streamrl_cli.trainer.batch import Rollout, collate
 from streamrl_cli.trainer.checkpoint import save_engines
 from streamrl_cli.trainer.export import MARKER, ExportError, export_checkpoint
@@ -51,7 +52,7 @@ def test_an_exported_checkpoint_gives_the_trainers_logprobs(models, tmp_path, st
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base = models[kind]
-    cfg = LossConfig(name="grpo", kl_mode="none", max_len=16)
+    cfg = LossConfig.from_recipe(AlgorithmConfig(name="grpo", kl_mode="none", is_correction="off"), 16)
     learner = Learner(base, cfg, OptimConfig(zero_stage=stage, lr=0.05), torch.device("cpu"), torch.float32)
     learner.micro_step(collate(rollouts(6, seed=stage)), last=True)
     learner.step()  # the weights move away from the base model's
