@@ -82,6 +82,11 @@ def scaled_events(run_dir: Path) -> list[dict]:
     return [e for e in evs if e["event"] in ("scaled", "scale_failed")]
 
 
+@pytest.mark.skip(
+    reason="known bug (#13): a local instance added by `streamrl scale` is bound to core 0, which the "
+    "lone first instance already uses; on 2 cores its vLLM engine starves and serves no sample within "
+    "900 s. Unskip once scaled local instances get a core of their own."
+)
 def test_scale_by_hand_grows_and_shrinks_a_local_run(runs_root):
     # More iterations than the test waits for: the run must outlast the new instance's engine start
     # however fast this machine trains. The test ends it with `streamrl cancel` once the run went
