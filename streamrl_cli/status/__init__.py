@@ -96,6 +96,14 @@ def stalled_for(
     return idle if idle > bound_s else None
 
 
+def _transfer(rec: dict[str, Any] | None, seconds: str, size: str) -> dict[str, Any] | None:
+    """One weight transfer a generator reported (its metrics record), under its seconds/bytes keys."""
+    if rec is None:
+        return None
+    return {"version": rec.get("weights/version"), "at": rec["weights/at"],
+            "seconds": rec.get(seconds), "bytes": rec.get(size)}  # fmt: skip
+
+
 def sites(members: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per site: its members, its relay (at a site without the trainer: the lowest-ranked generator
     past start-up, the rule the generators follow), the weight version its generators serve, and
@@ -130,23 +138,9 @@ def sites(members: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 ],
                 "relay": up[0]["member_id"] if up else None,
                 "weight_version": min(served) if served else None,
-                "last_transfer": None
-                if last is None
-                else {
-                    "version": last.get("weights/version"),
-                    "at": last["weights/at"],
-                    "seconds": last.get("weights/transfer_s"),
-                    "bytes": last.get("weights/bytes"),
-                },
+                "last_transfer": _transfer(last, "weights/transfer_s", "weights/bytes"),
                 # What crossed the inter-site link last (the relay's fetch from the trainer).
-                "last_wan_transfer": None
-                if last_wan is None
-                else {
-                    "version": last_wan.get("weights/version"),
-                    "at": last_wan["weights/at"],
-                    "seconds": last_wan.get("weights/wan_s"),
-                    "bytes": last_wan.get("weights/wan_bytes"),
-                },
+                "last_wan_transfer": _transfer(last_wan, "weights/wan_s", "weights/wan_bytes"),
             }
         )
     return out
