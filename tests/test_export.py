@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from streamrl_cli.recipe.schema import AlgorithmConfig
 from streamrl_cli.trainer.batch import Rollout, collate
 from streamrl_cli.trainer.checkpoint import save_engines
 from streamrl_cli.trainer.export import MARKER, ExportError, export_checkpoint
-from streamrl_cli.trainer.learner import Learner, LossConfig, OptimConfig, init_distributed
+from streamrl_cli.trainer.learner import Learner, LossConfig, OptimConfig, init_distributed, open_group_store
 from streamrl_cli.trainer.models import policy_forward
 from streamrl_cli.transport.wire import Sample
 
@@ -25,10 +24,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_distributed(0, 1, f"127.0.0.1:{port}", "gloo")
+    store, address = open_group_store(1, "127.0.0.1")
+    init_distributed(0, 1, address, "gloo", store)
     return {
         "untied": str(build_tiny_model(root / "untied")),
         "tied": str(build_tiny_model(root / "tied", TinySpec(tie_word_embeddings=True))),

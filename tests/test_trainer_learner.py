@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import sys
 
 import pytest
@@ -20,7 +19,14 @@ from streamrl_cli.models.tiny import build_tiny_model
 from streamrl_cli.recipe.schema import AlgorithmConfig
 from streamrl_cli.trainer import losses as L
 from streamrl_cli.trainer.batch import Rollout, collate
-from streamrl_cli.trainer.learner import Learner, LossConfig, OptimConfig, init_distributed, leave_group
+from streamrl_cli.trainer.learner import (
+    Learner,
+    LossConfig,
+    OptimConfig,
+    init_distributed,
+    leave_group,
+    open_group_store,
+)
 from streamrl_cli.trainer.models import load_policy, load_reference
 from streamrl_cli.transport.wire import Sample
 
@@ -33,10 +39,8 @@ def loss_config(**algorithm) -> LossConfig:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = build_tiny_model(tmp_path_factory.mktemp("learner") / "tiny")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_distributed(0, 1, f"127.0.0.1:{port}", "gloo")
+    store, address = open_group_store(1, "127.0.0.1")
+    init_distributed(0, 1, address, "gloo", store)
     return str(path)
 
 
@@ -109,11 +113,11 @@ def assert_same(got: dict, expected: dict) -> None:
 CFG = loss_config(name="grpo", loss_agg="token-mean", kl_coef=0.05, is_correction="on")
 
 
-def _rank_main(rank: int, port: int, path: str, out: str) -> None:
+def _rank_main(rank: int, address: str, path: str, out: str) -> None:
     """Two trainer ranks in lockstep through RankDriver/follow, ZeRO-2 over gloo."""
     from streamrl_cli.trainer.ranks import RankDriver, follow
 
-    init_distributed(rank, 2, f"127.0.0.1:{port}", "gloo")
+    init_distributed(rank, 2, address, "gloo")
     torch.set_num_threads(1)
     learner = Learner(path, CFG, OptimConfig(zero_stage=2, lr=0.0), torch.device("cpu"), torch.float32)
     if rank:
@@ -139,11 +143,10 @@ def _rank_main(rank: int, port: int, path: str, out: str) -> None:
 def test_two_data_parallel_ranks_give_the_whole_batch_gradient(model_dir, tmp_path):
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store, address = open_group_store(2, "127.0.0.1")  # both ranks join the store this process hosts
     out = tmp_path / "grads.pt"
-    mp.start_processes(_rank_main, args=(port, model_dir, str(out)), nprocs=2, start_method="spawn")
+    mp.start_processes(_rank_main, args=(address, model_dir, str(out)), nprocs=2, start_method="spawn")
+    del store
     expected = reference_grads(model_dir, CFG, rollouts(11, seed=7))
     assert_same(torch.load(out), expected)
 

@@ -29,7 +29,6 @@ import gc
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -180,14 +179,16 @@ def measure_train(
 
 
 def _deepspeed(model, optimizer, stage: int, dev: str = "cpu", dtype: str = "float32"):  # type: ignore[no-untyped-def]
-    # One process (gloo on CPU, NCCL on a GPU), as DeepSpeed's launcher would set it up.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+    # One process (gloo on CPU, NCCL on a GPU). Its group's store lives in this process: a TCP
+    # store on a port probed free first can lose that port to another process before it binds.
+    import torch.distributed as dist
+
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
         os.environ.setdefault(k, v)
-    os.environ.setdefault("MASTER_PORT", str(port))
     os.environ.setdefault("DS_ACCELERATOR", dev)
+    if not dist.is_initialized():
+        backend = "nccl" if dev == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     import deepspeed
 
     config = {
@@ -198,7 +199,7 @@ def _deepspeed(model, optimizer, stage: int, dev: str = "cpu", dtype: str = "flo
     }
     if dev == "cuda" and dtype in ("bfloat16", "float16"):
         config["bf16" if dtype == "bfloat16" else "fp16"] = {"enabled": True}
-    deepspeed.init_distributed(dist_backend="nccl" if dev == "cuda" else "gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if dev == "cuda" else "gloo", auto_mpi_discovery=False)
     engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine, opt, f"deepspeed {deepspeed.__version__} zero-{stage}"
 

@@ -98,8 +98,17 @@ class OptimConfig:
     max_grad_norm: float = 1.0
 
 
-def init_distributed(rank: int, world: int, master: str, backend: str) -> None:
-    """The trainer ranks' default group (DeepSpeed's), before any engine is made."""
+def open_group_store(world: int, host: str) -> tuple[Any, str]:
+    """Rank 0's store for the trainer group and its address. The store binds a port the OS picks
+    as it listens: a port probed free and closed first can be taken by another process before
+    the store binds it (seen in CI as EADDRINUSE)."""
+    store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False)
+    return store, f"{host}:{store.port}"
+
+
+def init_distributed(rank: int, world: int, master: str, backend: str, store: Any = None) -> None:
+    """The trainer ranks' default group (DeepSpeed's), before any engine is made. Rank 0 passes the
+    store it opened with `open_group_store`; the other ranks connect to it at `master`."""
     host, _, port = master.rpartition(":")
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"),
@@ -109,6 +118,10 @@ def init_distributed(rank: int, world: int, master: str, backend: str) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
+    if not dist.is_initialized():
+        if store is None:
+            store = dist.TCPStore(host, int(port), world, is_master=False)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 

@@ -48,12 +48,6 @@ def _round(x: float | None, digits: int) -> float | None:
     return None if x is None else round(x, digits)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class TrainerRole:
     def __init__(self, spec: TrainerSpec, rank: int):
         self.spec, self.rank = spec, rank
@@ -96,6 +90,7 @@ class TrainerRole:
         world = self.spec.world
         host = socket.gethostname()
         addresses: dict[str, str] = {}
+        store: Any = None  # rank 0's store for the trainer group
         info: dict[str, Any] = {"program": "trainer", "pid": os.getpid(), "device": str(device)}
         if self.rank == 0:
             from streamrl_cli.models.warmup import ensure_model
@@ -104,7 +99,9 @@ class TrainerRole:
             svc, publisher = self._data_plane(backend if cuda else "gloo")
             addresses.update(samples=svc.address.replace("0.0.0.0", host), **publisher.addresses())
             info.update(publisher.info())
-            addresses["dist"] = f"{host if world > 1 else '127.0.0.1'}:{free_port()}"
+            from streamrl_cli.trainer.learner import open_group_store
+
+            store, addresses["dist"] = open_group_store(world, host if world > 1 else "127.0.0.1")
         self.rdv.register("trainer", self.rank, cluster=self.spec.cluster, site=self.spec.site, host=host,
                           addresses=addresses, info=info)  # fmt: skip
         self.rdv.start_heartbeat()
@@ -115,7 +112,7 @@ class TrainerRole:
 
         # DeepSpeed builds and loads its ops here; a build lock a killed run left must not block us.
         with LockWatch(on_error=self._fatal):
-            init_distributed(self.rank, world, master, backend)
+            init_distributed(self.rank, world, master, backend, store if self.rank == 0 else None)
             learner = self._learner(device)
         from streamrl_cli.trainer.ranks import RankDriver, follow
 
