@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,3 +136,15 @@ def rendezvous_in_thread(run_dir: Path):
         loop.call_soon_threadsafe(stop.set)
         thread.join(timeout=10)
         loop.close()
+
+
+def none_alive(recs: list[dict]) -> bool:
+    """No process of these `local.json` records still runs (a zombie has ended: it is only unreaped)."""
+    for r in recs:
+        try:
+            p = psutil.Process(r["pid"])
+            if abs(p.create_time() - r["created"]) < 0.05 and p.status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.Error:
+            pass
+    return True

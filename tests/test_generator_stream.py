@@ -19,6 +19,7 @@ from streamrl_cli.generator.weights import (
     weight_source,
 )
 from streamrl_cli.recipe.schema import GeneratorConfig, ModelConfig, TaskConfig, TrainConfig
+from streamrl_cli.roles.entry import CPU_SLOT_ENV, cpu_slot
 from streamrl_cli.roles.spec import GeneratorSpec
 from streamrl_cli.transport.wire import Request
 from streamrl_cli.weights.broadcast import process_backend
@@ -120,6 +121,17 @@ def test_cpu_instances_on_one_host_get_their_own_cores():
     assert cpu_binding(0, 1, list(range(8)), 8) is None
     assert cpu_binding(1, 2, [3], 1) is None  # one core: nothing to spread, vLLM decides
     assert cpu_binding(1, 4, [4, 5], 16) is None  # confined by its scheduler (a SLURM task): vLLM decides
+
+
+def test_an_instance_scale_added_takes_its_place_among_the_hosts_instances(monkeypatch):
+    # A run launched with one instance, scaled to two: the newcomer (rank 1 of a launch world of 1)
+    # must not get vLLM's choice, the lone first instance's core; it takes the second of two.
+    monkeypatch.delenv(CPU_SLOT_ENV, raising=False)
+    assert cpu_slot(1, 1) == (1, 1) and cpu_binding(*cpu_slot(1, 1), [0, 1], 2) is None
+    monkeypatch.setenv(CPU_SLOT_ENV, "1/2")
+    assert cpu_slot(1, 1) == (1, 2) and cpu_binding(*cpu_slot(1, 1), [0, 1], 2) == "1"
+    monkeypatch.setenv(CPU_SLOT_ENV, "2/2")  # not a place among two: the launch's rank and world
+    assert cpu_slot(5, 3) == (5, 3)
 
 
 def test_weight_source_follows_the_trainer_or_the_recipe_layout():

@@ -9,8 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
-from conftest import PREFLIGHT, REPO, STREAMRL, streamrl
+from conftest import PREFLIGHT, REPO, STREAMRL, none_alive, streamrl
 
 HOLD = "+clusters.local.env.STREAMRL_PREFLIGHT_HOLD_S=120"
 
@@ -42,17 +41,6 @@ def members_ok(run_dir: Path) -> int:
 
 def pids(run_dir: Path) -> list[dict]:
     return json.loads((run_dir / "local.json").read_text())
-
-
-def none_alive(recs: list[dict]) -> bool:
-    for r in recs:
-        try:
-            p = psutil.Process(r["pid"])
-            if abs(p.create_time() - r["created"]) < 0.05 and p.status() != psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.Error:
-            pass
-    return True
 
 
 def start_held_run(runs_root: Path) -> tuple[subprocess.Popen, Path]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from streamrl_cli.errors import ClusterError
 from streamrl_cli.launch import local, plan, slurm
 from streamrl_cli.launch.plan import JobSpec
+from streamrl_cli.roles.entry import CPU_SLOT_ENV
 from streamrl_cli.rundir import RunDir, write_atomic, write_json
 
 RANK_BASE_ENV = "STREAMRL_RANK_BASE"
@@ -125,8 +126,11 @@ def apply(run: RunDir, target: int, *, job: JobSpec | None = None) -> ScaleResul
         base, k = next_rank(run), target - len(have)
         if job.launcher == "local":
             spec_path = run.role_spec("generator")
-            for rank in range(base, base + k):
-                local.spawn(run, "generator", rank, local.role_command(spec_path, rank), job.env)
+            for i, rank in enumerate(range(base, base + k)):
+                # Its place among the instances that will share this host, so that its engine gets
+                # cores of its own instead of the first instance's (see generator.main.cpu_binding).
+                env = {**job.env, CPU_SLOT_ENV: f"{len(have) + i}/{target}"}
+                local.spawn(run, "generator", rank, local.role_command(spec_path, rank), env)
         else:
             result.jobs.append(_submit(run, job, base, k))
         result.added = list(range(base, base + k))

@@ -42,6 +42,7 @@ from streamrl_cli.generator.engine import GenerationEngine, GenerationRequest, m
 from streamrl_cli.generator.stream import Meter, to_engine_request, to_samples
 from streamrl_cli.generator.weights import WeightPath, make_weight_path
 from streamrl_cli.rendezvous.client import RendezvousClient, RendezvousRequestError
+from streamrl_cli.roles.entry import cpu_slot
 from streamrl_cli.roles.spec import GeneratorSpec
 from streamrl_cli.weights.layout import STARTING, WAITING
 
@@ -73,7 +74,9 @@ def engine_kwargs(spec: GeneratorSpec, rank: int = 0) -> dict[str, Any]:
         "tensor_parallel": g.tensor_parallel,
         "seed": spec.train.seed,
         "max_num_seqs": g.max_num_seqs,
-        "cpu_cores": cpu_binding(rank, spec.world, sorted(os.sched_getaffinity(0)), os.cpu_count() or 1)
+        "cpu_cores": cpu_binding(
+            *cpu_slot(rank, spec.world), sorted(os.sched_getaffinity(0)), os.cpu_count() or 1
+        )
         if cpu
         else None,
     }

@@ -22,6 +22,10 @@ from streamrl_cli.rundir import RunDir, write_atomic
 
 __all__ = ["load_spec", "run_role"]
 
+# "index/count": the place of a local generator instance `streamrl scale` added among the instances
+# that will share its host, and their number (a launch's instances take their rank of its world).
+CPU_SLOT_ENV = "STREAMRL_CPU_SLOT"
+
 
 def rank_from_env(role: str) -> int:
     """Generator instances are array tasks; trainer ranks are the tasks of one job."""
@@ -29,6 +33,14 @@ def rank_from_env(role: str) -> int:
         # An array job added by scaling starts its task ids at 0 again: its ranks start after the run's.
         return int(os.environ.get("STREAMRL_RANK_BASE", "0")) + int(os.environ["SLURM_ARRAY_TASK_ID"])
     return int(os.environ.get("SLURM_PROCID", os.environ.get("STREAMRL_RANK", "0")))
+
+
+def cpu_slot(rank: int, world: int) -> tuple[int, int]:
+    """This instance's place among the local instances sharing the host, and their number."""
+    index, _, count = os.environ.get(CPU_SLOT_ENV, "").partition("/")
+    if index.isdigit() and count.isdigit() and int(index) < int(count):
+        return int(index), int(count)
+    return rank, world
 
 
 def start_record(spec: RoleSpec, rank: int) -> dict:
