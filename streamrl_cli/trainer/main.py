@@ -362,8 +362,12 @@ class TrainerRole:
         return ptl_from_profile(profile)
 
     def _wait_generators_serving(self) -> None:
-        """Iteration 0's clock starts when every generator serves (engine up, stream connected)."""
-        self.rdv.wait_for("generator", self.generators, timeout=WAIT_S)
+        """Iteration 0's clock starts when every generator serves (engine up, stream connected).
+
+        One that is still starting (not registered yet, or loading its engine) after `WAIT_S` does
+        not hold the run: it starts with those serving, and the late one joins a run in progress
+        (as a scaled-up instance does). Only a run with no generator serving fails then.
+        """
         deadline = time.monotonic() + WAIT_S
         while True:
             members = self.rdv.members("generator")
@@ -384,9 +388,22 @@ class TrainerRole:
                     + ")"
                 )
             if time.monotonic() > deadline:
+                starting = [f"{m['member_id']} ({m.get('reported_state') or 'registered'})"
+                            for m in alive if m not in serving]  # fmt: skip
+                missing = self.generators - len(members)
+                if missing > 0:
+                    starting.append(f"{missing} not registered")
+                if serving:
+                    log.warning(
+                        "starting with %d of %d generators serving after %.0fs; still starting: %s "
+                        "(they join when they serve)",
+                        len(serving), self.generators, WAIT_S, ", ".join(starting),
+                    )  # fmt: skip
+                    return
                 raise StreamRLError(
-                    f"{len(serving)} of {self.generators} generators serving after {WAIT_S:.0f}s "
-                    f"(states: {sorted(m.get('reported_state') or '-' for m in alive)})"
+                    f"no generator serving after {WAIT_S:.0f}s of {self.generators} expected; "
+                    f"still starting: {', '.join(starting) or '-'}"
+                    + "".join(f"; {m['member_id']}: {m.get('last_error') or m['state']}" for m in gone)
                 )
             time.sleep(0.5)
 
