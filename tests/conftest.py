@@ -148,3 +148,37 @@ def none_alive(recs: list[dict]) -> bool:
         except psutil.Error:
             pass
     return True
+
+
+def metrics_records(run: Path, role: str) -> list[dict]:
+    """A run's metrics.jsonl records of `role`, read while the run writes it (a torn last line is skipped)."""
+    import json
+
+    path = run / "metrics.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("role") == role:
+            out.append(rec)
+    return out
+
+
+def job_logs(run: Path, tail: int | None = 2500) -> str:
+    """Every SLURM job log of a run: the last `tail` characters of each (None: whole)."""
+    files = sorted((run / "logs").rglob("*.out"))
+    return "\n".join(f"== {p}\n" + p.read_text(errors="replace")[-(tail or 0) :] for p in files)
+
+
+def wait_on_run(pred, timeout: float, what: str, run: Path) -> None:  # type: ignore[no-untyped-def]
+    """Poll `pred` until it holds; past `timeout`, fail with the run's job logs."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(2)
+    raise AssertionError(f"timed out waiting for {what}\n{job_logs(run)}")

@@ -37,6 +37,17 @@ MISTAKES = [
         ["roles.trainer.tensor_parallel: 2", "roles.trainer.pipeline_parallel: 2", "ZeRO data parallel only"],
     ),
     (
+        "a time-limit warning that would come at the job's start",
+        "",
+        ["roles.trainer.time_min=2", "roles.trainer.signal_lead_s=120", "roles.generator.signal_lead_s=5"],
+        [
+            "roles.trainer.signal_lead_s",
+            "less than the time limit (time_min=2: 120 s), got 120",
+            "roles.generator.signal_lead_s",
+            "at least 10 s",
+        ],
+    ),  # fmt: skip
+    (
         "generator TP does not divide its GPUs",
         "",
         ["roles.generator.gpus_per_instance=2", "roles.generator.tensor_parallel=4"],

@@ -15,7 +15,7 @@ import pytest
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.tasks import Prompt, Task
-from streamrl_cli.trainer.pipeline import Pipeline, PipelineConfig, sample_seed
+from streamrl_cli.trainer.pipeline import Pipeline, PipelineConfig, Stopped, sample_seed
 from streamrl_cli.transport.wire import Sample
 
 
@@ -418,3 +418,32 @@ def test_evaluation_runs_between_iterations_and_at_the_end_without_being_trained
     # an evaluation goes out once its weights are served, after the batch due with them
     first = events.index(("dispatch", "eval1/c/0"))
     assert events.index(("weights", 2)) < first and events.index(("dispatch", "it2/c/8")) < first
+
+
+@pytest.mark.parametrize("mode", ["sync-stream", "async"])
+def test_a_stop_asked_mid_run_checkpoints_that_iteration_and_stops_after_it(mode):
+    # SLURM's warning (USR2/SIGTERM) sets a flag the pipeline reads once per iteration: the iteration
+    # in progress finishes, is checkpointed whatever checkpoint_every says, and the run stops there.
+    events: list = []
+    gens = Generators(events, 0)
+    records: list = []
+    checkpoints: list = []
+    task = CountTask(64)
+    asked = {"now": False}
+
+    def on_record(rec):
+        records.append(rec)
+        asked["now"] = rec["iteration"] == 1  # asked during iteration 2
+
+    pipe = Pipeline(
+        PipelineConfig(mode=mode, group_size=2, global_batch=4, micro_batch=2), task=task,
+        sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6], detokenize=lambda ids: "x",
+        svc=gens, driver=Driver(events), publisher=Publisher(events, gens), on_record=on_record,
+        on_checkpoint=lambda i, state, stopping: checkpoints.append((i, state["next_iteration"], stopping)),
+        clock=Clock(), stop_requested=lambda: asked["now"],
+    )  # fmt: skip
+    with pytest.raises(Stopped) as stop:
+        pipe.run(0, 10, 0)
+    assert stop.value.next_iteration == 3
+    assert [r["iteration"] for r in records] == [0, 1, 2]
+    assert checkpoints == [(0, 1, False), (1, 2, False), (2, 3, True)]

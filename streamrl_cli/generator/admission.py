@@ -74,6 +74,16 @@ class Admission(Generic[T]):
             out.append(head.item)
         return out
 
+    def drop_waiting(self) -> int:
+        """Forget every request not yet admitted (their dispatcher is gone); returns how many."""
+        n = len(self._heap)
+        self._heap.clear()
+        return n
+
+    def running_keys(self) -> list[str]:
+        """The requests in the engine now."""
+        return list(self._running)
+
     def finish(self, key: str) -> None:
         """A request left the engine (finished, failed or aborted): its sequences free their places."""
         size = self._running.pop(key, None)

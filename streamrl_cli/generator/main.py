@@ -43,6 +43,7 @@ from streamrl_cli.generator.stream import Meter, to_engine_request, to_samples
 from streamrl_cli.generator.weights import WeightPath, make_weight_path
 from streamrl_cli.rendezvous.client import RendezvousClient, RendezvousRequestError
 from streamrl_cli.roles.entry import cpu_slot
+from streamrl_cli.roles.requeue import under_slurm
 from streamrl_cli.roles.spec import GeneratorSpec
 from streamrl_cli.weights.layout import STARTING, WAITING
 
@@ -54,6 +55,7 @@ log = logging.getLogger("streamrl.generator")
 WAIT_S = 600.0  # for the rendezvous file, the trainer's registration, its hello answer
 METRICS_S = 5.0  # metrics report interval
 POLL_S = 0.5  # how long one blocking call in a thread may wait before checking for a stop
+TRAINER_EVENTS = ("member_left", "member_lost", "member_registered")  # about trainer rank 0
 
 
 def main(spec: GeneratorSpec, rank: int) -> int:
@@ -155,6 +157,7 @@ class GeneratorRole:
         self._serving = asyncio.Event()  # the sample stream is connected: requests come in
         self.transfer: dict[str, Any] = {}  # the last weight transfer, as metrics (`streamrl status`)
         self._failure: BaseException | None = None  # why the role ends, if it fails
+        self._requeue = False  # SLURM's USR2 (time limit near): requeue our task once we left
 
     async def run(self) -> int:
         from streamrl_cli.rendezvous import read_secret
@@ -163,6 +166,8 @@ class GeneratorRole:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
+        if under_slurm():  # hand our work back now, and come back in the requeued task
+            loop.add_signal_handler(signal.SIGUSR2, self._requeue_requested)
         run_dir = Path(self.spec.run_dir)
         await asyncio.to_thread(wait_for_file, Path(self.spec.rendezvous_file), WAIT_S)
         self.rdv = RendezvousClient.from_run_dir(run_dir, tls_ca=self.spec.rendezvous_ca)
@@ -201,6 +206,11 @@ class GeneratorRole:
         finally:
             await self._shutdown()
 
+    def _requeue_requested(self) -> None:
+        log.warning("%s: SIGUSR2: handing the work back; the task requeues itself", self.member_id)
+        self._requeue = True
+        self._stop.set()
+
     def make_weights(self, token: str) -> WeightPath:
         """How weights reach us (the trainer's group, or our site's relay); tests tune its timeouts."""
         return make_weight_path(self.spec, self.rank, self.engine, self.rdv, token)
@@ -235,9 +245,17 @@ class GeneratorRole:
 
     async def _receive(self) -> None:
         """Requests dispatched to us join the admission queue, in their priority order."""
-        await self._serving.wait()
         while True:
-            reqs = await asyncio.to_thread(self.sender.requests, POLL_S)
+            await self._serving.wait()
+            sender = self.sender
+            try:
+                reqs = await asyncio.to_thread(sender.requests, POLL_S)
+            except Exception:
+                if self._serving.is_set() and self.sender is sender:
+                    raise
+                continue  # the trainer we served is gone (see _follow_trainer): its stream was closed
+            if self.sender is not sender:
+                continue  # dispatched by the trainer that went: the new one dispatches again
             for req in reqs:
                 self.meter.submitted(time.time())
                 er = to_engine_request(req, next(self._serial), self.defaults)
@@ -266,21 +284,29 @@ class GeneratorRole:
             self._wake.set()
             samples = [] if result.aborted else to_samples(result, self.member_id)
             self.meter.finished(time.time(), len(samples), sum(len(s.token_ids) for s in samples))
-            if samples:
-                if self.sender.room() >= len(samples):
-                    self._send_all(samples)  # on the engine's thread: no other thread takes the GIL
-                else:  # in a thread: send() blocks while the trainer has the window full (back-pressure)
-                    await asyncio.to_thread(self._send_all, samples)
+            sender = self.sender if self._serving.is_set() else None
+            if samples and sender is not None:
+                try:
+                    if sender.room() >= len(samples):
+                        self._send_all(sender, samples)  # on the engine's thread: no other takes the GIL
+                    else:  # in a thread: send() blocks while the trainer has the window full (back-pressure)
+                        await asyncio.to_thread(self._send_all, sender, samples)
+                except Exception:
+                    if self.sender is sender:
+                        raise
+                    # for the trainer that went (its stream closed under us): the new one dispatches again
 
-    def _send_all(self, samples: list[Sample]) -> None:
+    def _send_all(self, sender: Any, samples: list[Sample]) -> None:
         for s in samples:
-            self.sender.send(s)
+            sender.send(s)
 
     async def _follow_events(self, since: int) -> None:
-        """Weight versions proposed for generators, the trainer leaving (the run is over), and generators
-        lost or leaving (at a far site, the relay may be gone: we may be the next)."""
+        """Weight versions proposed for generators, the trainer leaving (the run is over) or going and
+        coming back (see `_follow_trainer`), and generators lost or leaving (at a far site, the
+        relay may be gone: we may be the next)."""
         trainer_id = self.trainer["member_id"]
         await self._deliver_orphaned()  # a version our site's lost relay left pending may be ours now
+        gone_since: float | None = None  # when the trainer went, while we wait for it to come back
         while True:
             doc = await asyncio.to_thread(self.rdv.events, since, 10.0)
             since = doc["next_since"]
@@ -290,14 +316,72 @@ class GeneratorRole:
                     log.info("%s: version %s proposed %.3fs ago", self.member_id, data["version"],
                              time.time() - ev["time"])  # fmt: skip
                     await self._update_weights(int(data["version"]), data)
-                elif ev["type"] == "member_left" and data.get("member_id") == trainer_id:
-                    log.info("%s: the trainer left; finishing", self.member_id)
-                    self._stop.set()
-                    return
+                elif data.get("member_id") == trainer_id and ev["type"] in TRAINER_EVENTS:
+                    gone_since = await self._follow_trainer(ev["type"], data, gone_since)
+                    if self._stop.is_set():
+                        return
                 elif ev["type"] in ("member_lost", "member_left") and data["member_id"].startswith(
                     "generator-"
                 ):
                     await self._deliver_orphaned()
+            wait_s = self.spec.train.stall_after_s
+            if gone_since is not None and time.monotonic() - gone_since > wait_s:
+                raise StreamRLError(
+                    f"the trainer went and did not come back within train.stall_after_s={wait_s:.0f}s"
+                )
+
+    async def _follow_trainer(
+        self, kind: str, data: dict[str, Any], gone_since: float | None
+    ) -> float | None:
+        """The trainer left, was lost or registered (again); returns since when we wait for it, if we do.
+
+        It leaves for good (the run is over, or failed): we finish. It leaves to come back (its job
+        requeued itself after SLURM's time-limit warning, or was preempted) or is lost: we wait up
+        to `train.stall_after_s` for it. A trainer process that registers anew (a requeued job, a
+        restart) dispatches from its checkpoint and pushes its weights first: what the old one
+        dispatched is dropped, and we serve the new one once we loaded its weights.
+        """
+        from streamrl_cli.roles.requeue import PREEMPTED, REQUEUED
+
+        if kind == "member_left":
+            reason = str(data.get("reason") or "")
+            if not reason.startswith((REQUEUED, PREEMPTED)):
+                log.info("%s: the trainer left (%s); finishing", self.member_id, reason or "stopped")
+                self._stop.set()
+                return None
+            log.info("%s: the trainer left (%s); waiting for it to come back", self.member_id, reason)
+            await self._drop_trainer()
+            return time.monotonic()
+        if kind == "member_lost":
+            log.warning("%s: the trainer is lost; waiting for it to come back", self.member_id)
+            return gone_since or time.monotonic()
+        same = data.get("host") == self.trainer.get("host") and (data.get("info") or {}).get("pid") == (
+            self.trainer.get("info") or {}
+        ).get("pid")
+        if same:  # the same process, registered again after a lapse of its heartbeats: nothing changed
+            return None
+        await self._drop_trainer()
+        self.trainer = await asyncio.to_thread(self._find_trainer)
+        log.info("%s: a new trainer process (incarnation %s) leads the run; waiting for its weights",
+                 self.member_id, self.trainer.get("incarnation"))  # fmt: skip
+        return None
+
+    async def _drop_trainer(self) -> None:
+        """Stop serving the trainer that went: what it dispatched is dropped (waiting and running),
+        its sample stream closed; we wait for weights (the new trainer pushes them first)."""
+        if self.sender is None and not self._serving.is_set():
+            return
+        self._serving.clear()
+        dropped = self.admission.drop_waiting()
+        running = self.admission.running_keys()
+        await self.engine.abort(running)
+        sender, self.sender = self.sender, None
+        if sender is not None:
+            await asyncio.to_thread(sender.close, 0.0)
+        self.rdv.set_status(state=WAITING)
+        await asyncio.to_thread(self.rdv.heartbeat)
+        log.info("%s: dropped %d queued and %d running requests of the trainer that went",
+                 self.member_id, dropped, len(running))  # fmt: skip
 
     async def _deliver_orphaned(self) -> None:
         proposal = await asyncio.to_thread(self.weights.orphaned)
@@ -381,6 +465,18 @@ class GeneratorRole:
             "pid": os.getpid(),
         }
 
+    def _requeue_task(self) -> str:
+        """Our task back in the queue (after USR2): the leave reason that says so, or why not."""
+        from streamrl_cli.roles.requeue import REQUEUED, requeue_self
+
+        try:
+            job = requeue_self()
+        except StreamRLError as e:
+            log.error("%s: %s", self.member_id, e)
+            return f"failed: {e}"
+        log.info("%s: requeued task %s", self.member_id, job)
+        return f"{REQUEUED}: SIGUSR2, task {job}"
+
     async def _shutdown(self) -> None:
         # Order: stop producing, hand over what was produced, then say we left (the trainer
         # re-dispatches the rest at once), then free the engine.
@@ -388,7 +484,9 @@ class GeneratorRole:
             await asyncio.to_thread(self.sender.close, 5.0)
         if self.rdv is not None:
             failure = self._failure
-            if self._stop.is_set() or failure is None or isinstance(failure, asyncio.CancelledError):
+            if self._requeue and failure is None:
+                reason = self._requeue_task()
+            elif self._stop.is_set() or failure is None or isinstance(failure, asyncio.CancelledError):
                 reason = "stopped"
             else:  # said loudly: `streamrl status` shows it as this member's last error
                 reason = f"failed: {type(failure).__name__}: {failure}"

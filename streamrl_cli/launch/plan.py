@@ -45,6 +45,7 @@ class JobSpec:
     srun_args: list[str] = field(default_factory=list)  # the cluster's extra srun arguments
     python: str | None = None  # interpreter on the cluster's nodes (null: this host's)
     exclusive: bool = False  # whole nodes: --exclusive
+    signal_lead_s: int = 30  # USR2 this long before the time limit (--signal=USR2@N)
 
     @property
     def processes(self) -> int:
@@ -170,6 +171,7 @@ def jobs(recipe: Recipe) -> list[JobSpec]:
             time_min=t.time_min,
             array=None,
             max_running=None,
+            signal_lead_s=t.signal_lead_s,
         )
     )
     out.append(
@@ -186,6 +188,7 @@ def jobs(recipe: Recipe) -> list[JobSpec]:
             time_min=g.time_min,
             array=g.instances,
             max_running=g.max_running,
+            signal_lead_s=g.signal_lead_s,
         )
     )
     return out
@@ -205,6 +208,7 @@ def job_spec(
     time_min: int,
     array: int | None,
     max_running: int | None,
+    signal_lead_s: int = 30,
 ) -> JobSpec:
     """A job of ``role`` on ``cluster`` with that cluster's launcher, account, setup and env."""
     c = r.clusters[cluster]
@@ -232,6 +236,7 @@ def job_spec(
         srun_args=list(c.srun_args),
         python=c.python,
         exclusive=exclusive,
+        signal_lead_s=signal_lead_s,
     )
 
 

@@ -64,7 +64,7 @@ def sbatch_parameters(job: JobSpec, run_name: str, run_dir: Path) -> dict[str, A
         "cpus_per_task": job.cpus_per_task,
         "setup": setup_lines(job, run_dir),
         "stderr_to_stdout": True,
-        "signal_delay_s": 30,
+        "signal_delay_s": job.signal_lead_s,
         "wckey": None,  # submitit's default ("submitit") is dropped: sites that want one set `sbatch.wckey`
         # One dead rank ends the step at once, instead of leaving the others in a collective until
         # its timeout; cores bound per task so that ranks do not migrate across each other's cores.

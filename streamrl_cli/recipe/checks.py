@@ -222,6 +222,12 @@ def _gpus_fit(
 def _common(job: RoleJobConfig, role: str) -> Iterator[Problem]:
     if job.time_min < 1:
         yield f"roles.{role}.time_min", f"must be at least 1 minute, got {job.time_min}"
+    if not 10 <= job.signal_lead_s < job.time_min * 60:
+        yield (
+            f"roles.{role}.signal_lead_s",
+            f"must be at least 10 s and less than the time limit (time_min={job.time_min}: "
+            f"{job.time_min * 60} s), got {job.signal_lead_s}",
+        )
     if job.cpus_per_task < 1:
         yield f"roles.{role}.cpus_per_task", f"must be at least 1, got {job.cpus_per_task}"
     if ":" not in job.program:

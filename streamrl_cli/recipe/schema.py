@@ -85,6 +85,11 @@ class RoleJobConfig:
         None  # memory per node, GiB (null: the job's GPU share of the partition's node memory)
     )
     program: str = "streamrl_cli.roles.preflight:main"  # `module:function` the role's processes run
+    # SLURM: USR2 comes this long before the time limit. The trainer finishes its iteration, saves a
+    # checkpoint and requeues its job, which resumes from it (a run longer than the limit goes on in
+    # the requeued job); a generator hands its work back and requeues its task. Give the trainer an
+    # iteration plus a checkpoint's write.
+    signal_lead_s: int = 120
 
 
 @dataclass(kw_only=True)

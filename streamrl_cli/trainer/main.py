@@ -55,11 +55,16 @@ class TrainerRole:
         self.rdv: Any = None
         self.closers: list[Any] = []
         self._last_step = 0  # the latest iteration recorded (eval records are logged at it)
+        self.ends: Any = None  # SLURM's warnings before the job ends (roles.requeue.EndSignals)
 
     def run(self) -> int:
         from streamrl_cli.rendezvous import RendezvousClient, read_secret
         from streamrl_cli.roles.preflight import wait_for_file
+        from streamrl_cli.roles.requeue import EndSignals
 
+        # Before anything slow: a signal during start-up must not kill us (rank 0 checks it later).
+        warn = lambda name: log.warning("%s: ending after this iteration's checkpoint", name)  # noqa: E731
+        self.ends = EndSignals(warn, ignore=self.rank != 0)
         wait_for_file(Path(self.spec.rendezvous_file), WAIT_S)
         self.rdv = RendezvousClient.from_run_dir(self.run_dir, tls_ca=self.spec.rendezvous_ca)
         self.token = read_secret(self.run_dir)
@@ -122,14 +127,35 @@ class TrainerRole:
             leave_group()
             self.rdv.leave("stopped")
             return code
+        from streamrl_cli.trainer.pipeline import Stopped
+
         driver = RankDriver(learner, world)
+        stopped: Stopped | None = None
         try:
             self._train(driver, svc, publisher)
+        except Stopped as e:
+            stopped = e
         finally:
             driver.stop()
         leave_group()
-        self.rdv.leave("stopped")
+        self.rdv.leave("stopped" if stopped is None else self._end_early(stopped))
         return 0
+
+    def _end_early(self, stopped: Any) -> str:
+        """After the checkpoint SLURM's warning asked for: requeue our job after USR2; say why we leave
+        (a reason starting `requeued`/`preempted` keeps the generators waiting for us to come back)."""
+        from streamrl_cli.roles.requeue import PREEMPTED, REQUEUED, requeue_self
+
+        why = f"{self.ends.signal_name}; checkpointed, resumes at iteration {stopped.next_iteration}"
+        if self.ends.requeue:
+            job = requeue_self()
+            log.info("requeued job %s: %s", job, why)
+            return f"{REQUEUED}: {why}"
+        if RunDir(self.run_dir).info().get("state") in ("cancelling", "cancelled"):
+            return "stopped"  # `streamrl cancel`: the run is over
+        # SIGTERM otherwise: a preemption (the site's SLURM requeues the job) or a cancel by hand.
+        log.info("ending on %s", why)
+        return f"{PREEMPTED}: {why}"
 
     def _data_plane(self, backend: str) -> tuple[Any, Any]:
         from streamrl_cli.trainer.publish import WeightPublisher
@@ -251,8 +277,8 @@ class TrainerRole:
                      i, _round(rec["reward_mean"], 3), rec["samples_per_s"], 100 * rec["idle/trainer"],
                      100 * rec["idle/generator"])  # fmt: skip
 
-        def on_checkpoint(i: int, state: dict[str, Any]) -> None:
-            if (every and (i + 1) % every == 0) or i + 1 == iterations:
+        def on_checkpoint(i: int, state: dict[str, Any], stopping: bool) -> None:
+            if stopping or (every and (i + 1) % every == 0) or i + 1 == iterations:
                 path = ckpt.checkpoint_dir(self.run_dir, i)
                 driver.save(path, {**state, "rng": ckpt.rng_state()})
                 ckpt.prune(self.run_dir, keep)
@@ -264,7 +290,7 @@ class TrainerRole:
             cfg, task=task, sampler=sampler, tokenize=tokenize,
             detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True), svc=svc, driver=driver,
             publisher=publisher, on_record=on_record, on_checkpoint=on_checkpoint, ranker=ranker, ptl=ptl,
-            evaluator=evaluator,
+            evaluator=evaluator, stop_requested=self.ends.requested.is_set,
         )  # fmt: skip
         try:
             pipe.run(start, iterations, version, push_first=push)

