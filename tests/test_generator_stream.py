@@ -108,7 +108,7 @@ def test_engine_settings_come_from_the_recipe():
         settings=GeneratorConfig(cluster="local", engine="vllm", tensor_parallel=1, gpus_per_instance=0)
     )
     assert engine_kwargs(cpu)["dtype"] is None  # the engine picks float32 on CPUs
-    assert kw["cpu_cores"] is None  # GPUs: no CPU binding
+    assert kw["cpu_cores"] is None  # TP 2: no CPU binding (vLLM's CPU workers take theirs)
 
 
 def test_cpu_instances_on_one_host_get_their_own_cores():
@@ -132,6 +132,10 @@ def test_an_instance_scale_added_takes_its_place_among_the_hosts_instances(monke
     assert cpu_slot(1, 1) == (1, 2) and cpu_binding(*cpu_slot(1, 1), [0, 1], 2) == "1"
     monkeypatch.setenv(CPU_SLOT_ENV, "2/2")  # not a place among two: the launch's rank and world
     assert cpu_slot(5, 3) == (5, 3)
+    # A scaled SLURM array of two tasks after two instances: its tasks take places 2 and 3 of 4.
+    monkeypatch.setenv(CPU_SLOT_ENV, "2/4")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
+    assert cpu_slot(3, 2) == (3, 4)
 
 
 def test_weight_source_follows_the_trainer_or_the_recipe_layout():

@@ -108,3 +108,30 @@ def test_a_generator_task_warned_by_usr2_hands_back_its_work_and_rejoins(slurm, 
     assert "SIGUSR2: handing the work back" in text and "requeued task" in text, text[-5000:]
     member = json.loads((run / "members" / "generator-0.json").read_text())
     assert member.get("slurm_array_task_id") == "0"
+
+
+def test_a_requeued_trainer_job_resumes_from_its_checkpoint_by_itself(slurm, runs_root):
+    # `scontrol requeue`, as a preemption with requeue does: SIGTERM, SIGKILL after KillWait (5 s on
+    # the test cluster), the job back in the queue. The trainer checkpoints if it can in time, else
+    # the newest periodic checkpoint counts; either way the requeued job resumes by itself.
+    n = 200  # iterations take about half a second here: the requeue must come mid-run
+    run = launch(
+        runs_root, f"train.iterations={n}", "train.checkpoint_every=5", "roles.generator.instances=1"
+    )  # noqa: E501
+    trainer = job_id(run, "trainer")
+    wait_on_run(lambda: len(iterations(run)) >= 3, 900, "three iterations", run)
+    subprocess.run(["scontrol", "requeue", trainer], check=True, timeout=30)
+    start_requeued(trainer, run, 120)
+    ended = ("finished", "failed", "stalled", "cancelled")
+    wait_on_run(lambda: status(run)["state"] in ended, 900, "the end", run)
+    doc = status(run)
+    assert doc["state"] == "finished", f"{doc['state']}: {doc.get('problems')}\n{job_logs(run)}"
+    done = iterations(run)
+    assert sorted(set(done)) == list(range(n)), done
+    # What the first job trained past its last checkpoint is trained again, from that checkpoint on.
+    restarts = [j for j in range(1, len(done)) if done[j] <= done[j - 1]]
+    assert len(restarts) <= 1, done
+    k = restarts[0] if restarts else len(done)
+    assert done[:k] == list(range(k)) and done[k:] == list(range(n - (len(done) - k), n)), done
+    text = job_logs(run, tail=None)
+    assert "resuming from" in text and "a new trainer process" in text, text[-5000:]

@@ -132,7 +132,7 @@ def apply(run: RunDir, target: int, *, job: JobSpec | None = None) -> ScaleResul
                 env = {**job.env, CPU_SLOT_ENV: f"{len(have) + i}/{target}"}
                 local.spawn(run, "generator", rank, local.role_command(spec_path, rank), env)
         else:
-            result.jobs.append(_submit(run, job, base, k))
+            result.jobs.append(_submit(run, job, base, k, slots=(len(have), target)))
         result.added = list(range(base, base + k))
     elif target < len(have):
         going = have[target:][::-1]  # the newest first; the lowest ranks (a site's relay) stay
@@ -167,10 +167,13 @@ def _mark_released(run: RunDir, inst: Instance) -> None:
     write_json(run.jobs_json, jobs)
 
 
-def _submit(run: RunDir, job: JobSpec, base: int, k: int) -> str:
+def _submit(run: RunDir, job: JobSpec, base: int, k: int, slots: tuple[int, int]) -> str:
     from streamrl_cli.roles.entry import run_role
 
-    scaled = dataclasses.replace(job, array=k, env={**job.env, RANK_BASE_ENV: str(base)})
+    # Task t's CPU slot is first + t of the instances sharing a node (see generator.main.cpu_binding).
+    first, count = slots
+    env = {**job.env, RANK_BASE_ENV: str(base), CPU_SLOT_ENV: f"{first}/{count}"}
+    scaled = dataclasses.replace(job, array=k, env=env)
     name = run.info().get("name", run.name)
     script = run.job_script(f"{job.key}-from{base}", "slurm")
     write_atomic(script, slurm.render(scaled, name, run.path))

@@ -66,9 +66,10 @@ def main(spec: GeneratorSpec, rank: int) -> int:
 
 def engine_kwargs(spec: GeneratorSpec, rank: int = 0) -> dict[str, Any]:
     """Engine settings from the recipe: the model, its dtype, the longest prompt + output, the batch bound,
-    and on CPUs the core this instance's worker runs on."""
+    and the cores this instance's worker runs on if vLLM runs on CPUs (the engine ignores them on
+    GPUs; a recipe's GPU count does not say which, as the test clusters' GPUs are only counted)."""
     g = spec.settings
-    cpu = g.gpus_per_instance == 0 and g.tensor_parallel == 1
+    cpu = g.tensor_parallel == 1
     return {
         "model": os.path.expanduser(spec.model.path),
         "dtype": None if g.gpus_per_instance == 0 else spec.model.dtype,  # CPU: float32

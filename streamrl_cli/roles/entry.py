@@ -22,8 +22,9 @@ from streamrl_cli.rundir import RunDir, write_atomic
 
 __all__ = ["load_spec", "run_role"]
 
-# "index/count": the place of a local generator instance `streamrl scale` added among the instances
-# that will share its host, and their number (a launch's instances take their rank of its world).
+# "index/count": the place of a generator instance `streamrl scale` added among the instances that
+# will share its host, and their number; an array task adds its task id to the index (the array's
+# first task takes `index`). A launch's instances take their rank of its world.
 CPU_SLOT_ENV = "STREAMRL_CPU_SLOT"
 
 
@@ -37,9 +38,10 @@ def rank_from_env(role: str) -> int:
 
 def cpu_slot(rank: int, world: int) -> tuple[int, int]:
     """This instance's place among the local instances sharing the host, and their number."""
-    index, _, count = os.environ.get(CPU_SLOT_ENV, "").partition("/")
-    if index.isdigit() and count.isdigit() and int(index) < int(count):
-        return int(index), int(count)
+    first, _, count = os.environ.get(CPU_SLOT_ENV, "").partition("/")
+    task = os.environ.get("SLURM_ARRAY_TASK_ID", "0")
+    if first.isdigit() and count.isdigit() and task.isdigit() and int(first) + int(task) < int(count):
+        return int(first) + int(task), int(count)
     return rank, world
 
 
