@@ -131,6 +131,11 @@ class RunDir:
         return self.path / "rendezvous.json"
 
     @property
+    def staged_ca(self) -> Path:
+        """The rendezvous server's CA, as a cluster without the submit host's filesystem gets it."""
+        return self.path / "rendezvous-ca.pem"
+
+    @property
     def rendezvous_state(self) -> Path:
         return self.path / "rendezvous"
 

@@ -74,3 +74,37 @@ def test_two_site_testbed_trains_through_the_relay(slurm_remote, runs_root):
     assert far_site["last_wan_transfer"]["bytes"] > 0 and far_site["last_wan_transfer"]["version"] >= 1
     members = {p.stem: json.loads(p.read_text()) for p in (run / "members").glob("*.json")}
     assert members["trainer-0"]["slurm_cluster"] != members["generator-0"]["slurm_cluster"] == "remote"
+
+
+def test_far_site_generators_run_from_their_own_run_root(slurm_remote, runs_root, tmp_path):
+    """No shared filesystem assumed: the far cluster's jobs get their files inside their scripts,
+    unpack them under its run_root, and read nothing of the run directory."""
+    far = tmp_path / "remote-scratch"
+    out = streamrl(
+        "run", "two-site-testbed", "train.iterations=3", "train.checkpoint_every=0",
+        f"+clusters.remote.run_root={far}", "--root", str(runs_root), env={"STREAMRL_JOB_POLL_S": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    (run,) = list(runs_root.iterdir())
+    assert str(run) not in (run / "jobs" / "remote-generator.sbatch").read_text()
+    deadline = time.monotonic() + RUN_S
+    doc: dict = {}
+    while time.monotonic() < deadline:
+        doc = status(run)
+        if doc["state"] in ("finished", "failed", "ended", "stalled", "cancelled"):
+            break
+        time.sleep(2)
+    there = far / run.name
+    logs = "\n".join(
+        p.read_text(errors="replace")[-1500:] for d in (run, there) for p in d.glob("logs/*/*.out")
+    )
+    assert doc["state"] == "finished", f"{doc['state']}: {doc.get('problems')}\n{logs}"
+    assert [r["iteration"] for r in records(run, "trainer") if "iteration" in r] == [0, 1, 2]
+    # The generators lived in the far copy: their start records and logs are there, not here.
+    assert sorted(p.stem for p in (there / "members").glob("*.json")) == ["generator-0", "generator-1"]
+    assert not list((run / "members").glob("generator-*.json"))
+    assert list((there / "logs" / "generator").glob("*_log.out"))
+    gen = json.loads((there / "members" / "generator-0.json").read_text())
+    assert gen["slurm_cluster"] == "remote"
+    # ... and they served the run: their samples were trained, their records reached the server.
+    assert {r["member_id"] for r in records(run, "generator")} >= {"generator-0", "generator-1"}

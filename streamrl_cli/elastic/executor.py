@@ -176,7 +176,7 @@ def _submit(run: RunDir, job: JobSpec, base: int, k: int, slots: tuple[int, int]
     scaled = dataclasses.replace(job, array=k, env=env)
     name = run.info().get("name", run.name)
     script = run.job_script(f"{job.key}-from{base}", "slurm")
-    write_atomic(script, slurm.render(scaled, name, run.path))
+    write_atomic(script, slurm.render(scaled, name, run.path), mode=slurm.script_mode(scaled))
     job_id = slurm.submit(scaled, name, run.path, run_role, run.role_spec("generator"))
     run.add_job(
         {

@@ -46,6 +46,7 @@ class JobSpec:
     python: str | None = None  # interpreter on the cluster's nodes (null: this host's)
     exclusive: bool = False  # whole nodes: --exclusive
     signal_lead_s: int = 30  # USR2 this long before the time limit (--signal=USR2@N)
+    run_root: str | None = None  # the cluster's own directory for runs (no shared filesystem)
 
     @property
     def processes(self) -> int:
@@ -237,6 +238,7 @@ def job_spec(
         python=c.python,
         exclusive=exclusive,
         signal_lead_s=signal_lead_s,
+        run_root=c.run_root,
     )
 
 

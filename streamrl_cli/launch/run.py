@@ -62,7 +62,9 @@ def prepare(composed: Composed, root: Path | None = None, dry_run: bool = False)
     for job in jobs:
         scripts[job.key] = run.job_script(job.key, job.launcher)
         if job.launcher == "slurm":
-            write_atomic(scripts[job.key], slurm.render(job, r.run.name, run.path))
+            write_atomic(
+                scripts[job.key], slurm.render(job, r.run.name, run.path), mode=slurm.script_mode(job)
+            )
         else:
             write_atomic(scripts[job.key], local.render(job, spec_paths[job.role]))
     run.update_info(
@@ -204,7 +206,10 @@ def launch(p: Prepared, console: Console) -> int:
 def _submit(p: Prepared, job: JobSpec, console: Console) -> None:
     from streamrl_cli.roles.entry import run_role
 
-    job_id = slurm.submit(job, p.run.info()["name"], p.run.path, run_role, p.spec_paths[job.role])
+    name = p.run.info()["name"]
+    if job.run_root:  # the script carries the rendezvous address, known only now
+        write_atomic(p.scripts[job.key], slurm.render(job, name, p.run.path), mode=slurm.script_mode(job))
+    job_id = slurm.submit(job, name, p.run.path, run_role, p.spec_paths[job.role])
     rec = {
         "role": job.role,
         "cluster": job.cluster,

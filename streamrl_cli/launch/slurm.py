@@ -8,6 +8,8 @@ polls state with `sacct -j ID` on the local cluster only. So here jobs are keyed
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import json
 import shlex
 import subprocess
@@ -55,6 +57,8 @@ def sbatch_parameters(job: JobSpec, run_name: str, run_dir: Path) -> dict[str, A
     extra: dict[str, Any] = {}
     if job.slurm_cluster:
         extra["clusters"] = job.slurm_cluster
+    there = staged_run(job, run_dir)
+    setup = setup_lines(job, there.path if there else run_dir)
     params: dict[str, Any] = {
         "job_name": f"streamrl-{run_name}-{job.role}",
         "partition": job.partition,
@@ -62,7 +66,7 @@ def sbatch_parameters(job: JobSpec, run_name: str, run_dir: Path) -> dict[str, A
         "nodes": job.nodes,
         "ntasks_per_node": job.tasks_per_node,
         "cpus_per_task": job.cpus_per_task,
-        "setup": setup_lines(job, run_dir),
+        "setup": [*stage_lines(job, run_dir), *setup] if there else setup,
         "stderr_to_stdout": True,
         "signal_delay_s": job.signal_lead_s,
         "wckey": None,  # submitit's default ("submitit") is dropped: sites that want one set `sbatch.wckey`
@@ -95,34 +99,120 @@ def sbatch_parameters(job: JobSpec, run_name: str, run_dir: Path) -> dict[str, A
     return params
 
 
+def staged_run(job: JobSpec, run_dir: Path) -> RunDir | None:
+    """Where a job on a cluster without the submit host's filesystem keeps this run's files
+    (``run_root/<run id>``, same layout); None when it reads the run directory itself."""
+    return RunDir(Path(job.run_root) / Path(run_dir).name) if job.run_root else None
+
+
+def staged_files(job: JobSpec, run_dir: Path) -> dict[Path, tuple[bytes, int]]:
+    """What a staged job reads, as its cluster's copies: path there -> (content, mode).
+
+    The role spec with its paths moved to the staged directory, the run's secret, the rendezvous
+    address once the server published it, and the server's CA when it uses TLS.
+    """
+    from streamrl_cli.roles.spec import load_spec, spec_yaml
+
+    run, there = RunDir(Path(run_dir)), staged_run(job, run_dir)
+    assert there is not None
+    spec = load_spec(run.role_spec(job.role))
+    files: dict[Path, tuple[bytes, int]] = {there.secret: (run.secret.read_bytes(), 0o600)}
+    if run.endpoint.is_file():
+        files[there.endpoint] = (run.endpoint.read_bytes(), 0o644)
+    ca = None
+    if spec.rendezvous_ca:
+        ca = str(there.staged_ca)
+        files[there.staged_ca] = (Path(spec.rendezvous_ca).expanduser().read_bytes(), 0o644)
+    spec = dataclasses.replace(
+        spec,
+        run_dir=str(there.path),
+        rendezvous_file=str(there.endpoint),
+        secret_file=str(there.secret),
+        rendezvous_ca=ca,
+    )
+    files[there.role_spec(job.role)] = (spec_yaml(spec).encode(), 0o644)
+    return files
+
+
+def stage_lines(job: JobSpec, run_dir: Path) -> list[str]:
+    """Shell lines that write the staged files on the job's first node before its role starts.
+
+    The files travel inside the job script (SLURM carries it to the other cluster), base64-encoded;
+    each is written beside its place and renamed, so array tasks starting together never read half
+    a file. A requeued job writes them again, unchanged.
+    """
+    there = staged_run(job, run_dir)
+    assert there is not None
+    lines = [
+        "# Staged: this cluster does not see the run directory; what its roles read follows.",
+        f"mkdir -p -m 700 {shlex.quote(str(there.path))}",
+        f"mkdir -p {shlex.quote(str(there.roles))} {shlex.quote(str(there.role_logs(job.role)))}"
+        f" {shlex.quote(str(there.members))}",
+    ]
+    for path, (data, mode) in staged_files(job, run_dir).items():
+        dest = shlex.quote(str(path))
+        tmp = shlex.quote(f"{path}.part-") + '"$SLURM_JOB_ID"'
+        lines += [
+            f"(umask 077; base64 -d > {tmp} <<'STREAMRL_STAGED'",
+            *base64.encodebytes(data).decode().splitlines(),
+            "STREAMRL_STAGED",
+            f"chmod {mode:o} {tmp} && mv -f {tmp} {dest})",
+        ]
+    return lines
+
+
 def job_python(job: JobSpec) -> str:
     """The interpreter the job's nodes run: the cluster's own, else this host's (shared software)."""
     return job.python or shlex.quote(sys.executable)
 
 
 def log_folder(run_dir: Path, job: JobSpec) -> Path:
-    return RunDir(run_dir).role_logs(job.role)
+    """Where the job's logs go: the role's log folder of the run (of its staged copy when staged)."""
+    return (staged_run(job, run_dir) or RunDir(run_dir)).role_logs(job.role)
+
+
+def job_command(job: JobSpec, run_dir: Path, python: str | None = None) -> str:
+    """What each task of the job runs under srun.
+
+    submitit's runner unpickles the role's entry from the log folder, which only a shared
+    filesystem brings to the nodes; a staged job runs the role's own command on its staged spec.
+    """
+    py = job.python or python or job_python(job)
+    there = staged_run(job, run_dir)
+    if there is not None:
+        return f"{py} -u -m streamrl_cli.roles {shlex.quote(str(there.role_spec(job.role)))}"
+    return SUBMITIT_COMMAND.format(python=py, folder=shlex.quote(str(log_folder(run_dir, job))))
 
 
 def render(job: JobSpec, run_name: str, run_dir: Path, python: str | None = None) -> str:
     """The sbatch script submitit will submit for ``job`` (same function, same parameters)."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    folder = log_folder(run_dir, job)
-    command = SUBMITIT_COMMAND.format(
-        python=job.python or python or job_python(job), folder=shlex.quote(str(folder))
-    )
     return _make_sbatch_string(
-        command=command, folder=folder, map_count=job.array, **sbatch_parameters(job, run_name, run_dir)
+        command=job_command(job, run_dir, python),
+        folder=log_folder(run_dir, job),
+        map_count=job.array,
+        **sbatch_parameters(job, run_name, run_dir),
     )
+
+
+def script_mode(job: JobSpec) -> int:
+    """A staged job's script carries the run's secret: readable by its owner only."""
+    return 0o600 if job.run_root else 0o644
 
 
 def submit(job: JobSpec, run_name: str, run_dir: Path, entry: Any, spec_path: Path) -> str:
-    """Submit ``entry(spec_path)`` as ``job``; returns the SLURM job id (the array id for arrays)."""
+    """Submit ``entry(spec_path)`` as ``job``; returns the SLURM job id (the array id for arrays).
+
+    A staged job (``run_root``) runs ``python -m streamrl_cli.roles`` on its staged spec instead
+    of submitit's runner; submitit still renders, submits and numbers it.
+    """
     import submitit
 
     cls = _array_executor() if job.array == 1 else submitit.SlurmExecutor
-    executor = cls(folder=log_folder(run_dir, job), python=job_python(job))
+    if job.run_root:
+        cls = _staged_executor(cls, job_command(job, run_dir), log_folder(run_dir, job))
+    executor = cls(folder=RunDir(run_dir).role_logs(job.role), python=job_python(job))
     executor.update_parameters(**sbatch_parameters(job, run_name, run_dir))
     try:
         if job.array:
@@ -164,6 +254,23 @@ def _array_executor() -> type:
             return [job]
 
     return OneTaskArrayExecutor
+
+
+def _staged_executor(base: type, command: str, folder: Path) -> type:
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    class StagedExecutor(base):  # type: ignore[misc, valid-type]
+        """Submits from the run's log folder here; the job runs ``command`` and logs to ``folder``,
+        on its own cluster's filesystem."""
+
+        @property
+        def _submitit_command_str(self) -> str:
+            return command
+
+        def _make_submission_file_text(self, command: str, uid: str) -> str:
+            return _make_sbatch_string(command=command, folder=folder, **self.parameters)
+
+    return StagedExecutor
 
 
 def _stderr(e: BaseException) -> str:

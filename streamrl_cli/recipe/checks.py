@@ -28,6 +28,7 @@ def check(r: Recipe) -> list[Problem]:
         *_trainer(r),
         *_generator(r),
         *_rendezvous(r),
+        *_run_roots(r),
         *_workload(r),
         *_task(r),
     ]
@@ -66,8 +67,16 @@ def _clusters(r: Recipe) -> Iterator[Problem]:
                     f"--{opt} is set by StreamRL from the roles' settings (nodes, GPUs, CPUs, partition, "
                     "time_min, arrays, logs); set it there instead",
                 )
-        if c.launcher == "local" and (c.sbatch or c.srun_args or c.python or c.exclusive):
-            yield f"clusters.{name}", "sbatch, srun_args, python and exclusive apply to launcher=slurm only"
+        if c.launcher == "local" and (c.sbatch or c.srun_args or c.python or c.exclusive or c.run_root):
+            yield (
+                f"clusters.{name}",
+                "sbatch, srun_args, python, exclusive and run_root apply to launcher=slurm only",
+            )
+        if c.run_root is not None and not Path(c.run_root).is_absolute():
+            yield (
+                f"clusters.{name}.run_root",
+                f"must be an absolute path on that cluster's nodes, got {c.run_root!r}",
+            )
         for pname, p in c.partitions.items():
             for key in ("gpus_per_node", "cpus_per_node", "mem_gb_per_node", "max_nodes"):
                 if getattr(p, key) < (0 if key == "gpus_per_node" else 1):
@@ -241,6 +250,23 @@ def _heads(r: Recipe, role: str, tp: int) -> Iterator[Problem]:
             f"roles.{role}.tensor_parallel",
             (f"{tp} does not divide the model's {heads} attention heads; valid: {_divisors(heads)}"),
         )
+
+
+def _run_roots(r: Recipe) -> Iterator[Problem]:
+    """Only generators run off the run directory's filesystem: the trainer writes checkpoints and
+    the rendezvous server the run's metrics and journal, which `status`, `plot` and `--resume` read."""
+    z = r.roles.rendezvous
+    homes = {"trainer": r.roles.trainer.cluster}
+    if z.placement == "job" and z.cluster:
+        homes["rendezvous"] = z.cluster
+    for role, cluster in homes.items():
+        c = r.clusters.get(cluster)
+        if c is not None and c.run_root is not None:
+            yield (
+                f"clusters.{cluster}.run_root",
+                f"the {role} runs on {cluster!r} and writes the run's own files (checkpoints, metrics): "
+                "it needs the run directory itself; run_root is for clusters that host generators only",
+            )
 
 
 def _rendezvous(r: Recipe) -> Iterator[Problem]:

@@ -71,6 +71,12 @@ class ClusterConfig:
     )  # extra `srun` arguments (--mpi=pmix, --container-image=...)
     python: str | None = None  # interpreter on this cluster's nodes (null: this host's, same path)
     exclusive: bool = False  # jobs that take every GPU of their nodes ask --exclusive and all node memory
+    # This cluster's own directory for runs, when its nodes do not see the submit host's filesystem
+    # (another site). Its jobs carry what they read (their role spec, the run's secret, the
+    # rendezvous address) inside the job script and unpack it under run_root/<run id>, where their
+    # logs go too. null: the run directory itself (one shared filesystem). Generators only: the
+    # trainer and a rendezvous job write the run's checkpoints and metrics, so they run where it is.
+    run_root: str | None = None
 
 
 @dataclass(kw_only=True)
