@@ -58,6 +58,20 @@ def test_the_local_default_trains_and_records_every_iteration(local_run):
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("iter-*")) == ["iter-000001", "iter-000003"]
 
 
+def test_the_generators_sample_from_exactly_the_trainers_policy(local_run):
+    """Training–inference agreement: in sync-stream mode the trainer's log-probs, before each
+    step, are of the weights the generators sampled with; in float32 on CPU they agree to 1e-4
+    after every weight update (a stale or wrongly loaded tensor, such as an untied LM head, shows
+    as a jump once the first version is loaded)."""
+    out, run_dir = local_run
+    assert out.returncode == 0
+    recs = trainer_records(run_dir)
+    assert len(recs) == 4
+    for r in recs:
+        assert 0.0 <= r["rollout/logp_abs_diff"] <= 1e-4, (r["iteration"], r["rollout/logp_abs_diff"])
+        assert 0.0 <= r["rollout/kl"] <= 1e-4, (r["iteration"], r["rollout/kl"])
+
+
 def test_plots_of_the_run(local_run):
     _, run_dir = local_run
     out = streamrl("plot", str(run_dir))

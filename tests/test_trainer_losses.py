@@ -16,6 +16,7 @@ from streamrl_cli.trainer.losses import (
     importance_weights,
     kl_estimate,
     policy_loss,
+    rollout_mismatch,
     token_logprobs,
     token_rewards,
     value_loss,
@@ -313,3 +314,16 @@ def test_aggregate_gradients_follow_the_mode():
 def test_aggregate_unknown_mode_lists_valid_modes():
     with pytest.raises(ValueError, match="token-mean, seq-mean-token-mean, seq-mean-token-sum-norm"):
         aggregate(torch.zeros(1, 2), torch.ones(1, 2), "sum", max_len=2)
+
+
+def test_rollout_mismatch_by_hand():
+    """|Δ log p| and k3 KL(behaviour ‖ trainer) summed over response tokens only."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, -7.0]])
+    behaviour = torch.tensor([[-1.5, -2.0, -9.0], [-0.3, -2.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])  # the last column is padding
+    got = rollout_mismatch(logp, behaviour, mask)
+    deltas = [0.5, 0.0, 0.2, -1.0]
+    assert got["logp_abs_diff"].item() == pytest.approx(sum(abs(d) for d in deltas))
+    assert got["kl"].item() == pytest.approx(sum(math.exp(d) - 1 - d for d in deltas))
+    same = rollout_mismatch(behaviour, behaviour, mask)
+    assert same["logp_abs_diff"].item() == 0.0 and same["kl"].item() == 0.0

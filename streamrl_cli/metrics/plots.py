@@ -162,6 +162,14 @@ TRAINING_PANELS = [
         ],
         "KL",
     ),
+    (
+        "trainer vs generator log-probs",
+        [
+            ("rollout/logp_abs_diff", "mean |Δ log p| per token"),
+            ("rollout/kl", "KL(generator ‖ trainer), k3"),
+        ],
+        "nats per token",
+    ),
     ("gradient norm", [("grad_norm", "grad norm (before clipping)")], "L2 norm"),
     ("clip fraction", [("clip_frac", "clipped tokens")], "fraction of tokens"),
     ("entropy", [("loss/entropy", "policy entropy"), ("entropy", "entropy")], "nats per token"),

@@ -217,6 +217,8 @@ class Learner:
             self._add(f"pg/{key}", v)
         if is_w is not None:
             self._add("pg/is_weight", (is_w * mask).sum())
+        for key, v in L.rollout_mismatch(old_logp, mb.behaviour_logp, mask).items():
+            self._add(f"rollout/{key}", v)
         if c.name == "ppo":
             vl = L.value_loss(values, values.detach(), ret, mask, c.value_clip)
             vnum, _ = L.aggregate(vl, mask, c.loss_agg, c.max_len)
@@ -258,6 +260,11 @@ class Learner:
         out["approx_kl"] = sums.get("pg/approx_kl", 0.0) / tokens
         if "pg/is_weight" in sums:
             out["is_weight/mean"] = sums["pg/is_weight"] / tokens
+        # How far the generators' log-probs are from the trainer's for the same tokens, before this
+        # step's update (sync modes: the same weights, so only the engines differ; async: plus one step).
+        for key in ("logp_abs_diff", "kl"):
+            if f"rollout/{key}" in sums:
+                out[f"rollout/{key}"] = sums[f"rollout/{key}"] / tokens
         return out
 
     def full_gradients(self) -> dict[str, torch.Tensor]:

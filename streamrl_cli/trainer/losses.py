@@ -135,6 +135,19 @@ def policy_loss(
     return loss, stats
 
 
+def rollout_mismatch(logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Sums over the response tokens of how the trainer's log-probs differ from the generators'
+    for the same tokens: |Δ log p| and the k3 estimate of KL(behaviour ‖ trainer), which is
+    exp(Δ) − 1 − Δ with Δ = log p_trainer − log p_behaviour (never negative; the tokens were
+    sampled from the behaviour policy). Divide by the token count for per-token means."""
+    with torch.no_grad():
+        delta = (logp.detach() - behaviour_logp) * mask
+        return {
+            "logp_abs_diff": delta.abs().sum(),
+            "kl": ((torch.expm1(delta) - delta) * mask).sum(),
+        }
+
+
 def importance_weights(old_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, cap: float) -> Tensor:
     """Truncated importance weights per token: min(exp(old_logp - behaviour_logp), cap), 0 where masked."""
     with torch.no_grad():
