@@ -245,11 +245,23 @@ class RunDir:
             return []
         return [json.loads(line) for line in lines if line.strip()]
 
-    def jobs(self) -> list[dict]:
-        return read_json(self.jobs_json, [])
+    def jobs(self, replaced: bool = False) -> list[dict]:
+        """The run's SLURM jobs; those ``replace_job`` replaced (an ended trainer job submitted
+        again) only with ``replaced``."""
+        jobs = read_json(self.jobs_json, [])
+        return jobs if replaced else [j for j in jobs if not j.get("replaced")]
 
     def add_job(self, record: dict) -> None:
-        write_json(self.jobs_json, [*self.jobs(), record])
+        write_json(self.jobs_json, [*self.jobs(replaced=True), record])
+
+    def replace_job(self, old: dict, new: dict) -> None:
+        """Mark job ``old`` replaced (it stays listed, ignored when telling whether the run ended)
+        and add ``new`` in its place."""
+        jobs = self.jobs(replaced=True)
+        for j in jobs:
+            if str(j["job_id"]) == str(old["job_id"]) and j.get("slurm_cluster") == old.get("slurm_cluster"):
+                j["replaced"] = True
+        write_json(self.jobs_json, [*jobs, new])
 
 
 def create(root: Path, name: str, now: float | None = None) -> RunDir:

@@ -53,6 +53,11 @@ class ScaleResult:
 
 def generator_job(run: RunDir) -> JobSpec:
     """The generator role's job as the run launched it (from its resolved config)."""
+    return role_job(run, "generator")
+
+
+def role_job(run: RunDir, role: str) -> JobSpec:
+    """A role's job as the run launched it (from its resolved config)."""
     from omegaconf import OmegaConf
 
     from streamrl_cli.recipe.schema import Recipe
@@ -62,7 +67,7 @@ def generator_job(run: RunDir) -> JobSpec:
         recipe = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Recipe), tree))
     except (OSError, ValueError) as e:
         raise ClusterError(f"cannot read {run.config}: {e}") from None
-    return next(j for j in plan.jobs(recipe) if j.role == "generator")
+    return next(j for j in plan.jobs(recipe) if j.role == role)
 
 
 def launcher_of(run: RunDir) -> str:
@@ -160,7 +165,7 @@ def release(run: RunDir, going: list[Instance], grace_s: float = 30.0) -> None:
 
 
 def _mark_released(run: RunDir, inst: Instance) -> None:
-    jobs = run.jobs()
+    jobs = run.jobs(replaced=True)
     for j in jobs:
         if str(j["job_id"]) == inst.job_id and j.get("slurm_cluster") == inst.slurm_cluster:
             j["released"] = sorted({*j.get("released", []), inst.task})

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,7 +134,7 @@ def reopen(run: RunDir) -> Prepared:
     spec_paths = {role: run.role_spec(role) for role in ("trainer", "generator", "rendezvous")}
     specs = {role: load_spec(path) for role, path in spec_paths.items()}
     scripts = {j.key: run.job_script(j.key, j.launcher) for j in jobs}
-    run.update_info(state="created", resumed=time.time(), attempt=n + 1)
+    run.update_info(state="created", resumed=time.time(), attempt=n + 1, trainer_restarts=0)
     run.event("resumed", attempt=n + 1)
     return Prepared(run=run, specs=specs, spec_paths=spec_paths, jobs=jobs, scripts=scripts)
 
@@ -196,7 +197,7 @@ def launch(p: Prepared, console: Console) -> int:
         raise
     run.update_info(state="running", started=time.time())
     if any(j.launcher == "local" for j in role_jobs):
-        return watch_local(run, console)
+        return watch_local(run, console, restart=_trainer_restarter(p))
     console.print(
         f"submitted; follow with `streamrl status {run.name}`, stop with `streamrl cancel {run.name}`"
     )
@@ -242,8 +243,28 @@ def wait_rendezvous(run: RunDir, timeout: float) -> str:
     raise RendezvousError(f"the rendezvous server did not start within {timeout:.0f} s (see {run.path}/logs)")
 
 
-def watch_local(run: RunDir, console: Console) -> int:
-    """Wait for the local role processes, with a live table; Ctrl-C (or SIGTERM) stops them all."""
+def _trainer_restarter(p: Prepared) -> Callable[[], list[local.LocalProc]] | None:
+    """Starts the local trainer job again (it resumes from the newest checkpoint), if it is local."""
+    job = next((j for j in p.jobs if j.role == "trainer" and j.launcher == "local"), None)
+    if job is None:
+        return None
+    return lambda: local.start_job(p.run, job, p.spec_paths["trainer"])
+
+
+def trainer_restarts_left(run: RunDir) -> int:
+    """How many more times this attempt of the run may start its trainer again (roles.trainer.restarts)."""
+    spec = load_spec(run.role_spec("trainer"))
+    assert isinstance(spec, TrainerSpec)
+    return spec.settings.restarts - int(run.info().get("trainer_restarts") or 0)
+
+
+def watch_local(
+    run: RunDir, console: Console, restart: Callable[[], list[local.LocalProc]] | None = None
+) -> int:
+    """Wait for the local role processes, with a live table; Ctrl-C (or SIGTERM) stops them all.
+
+    A trainer that dies is started again by ``restart`` while roles.trainer.restarts allows.
+    """
     from rich.live import Live
 
     from streamrl_cli.launch.view import live_view, summary_line
@@ -257,6 +278,7 @@ def watch_local(run: RunDir, console: Console) -> int:
     roles = [r for r in local.procs(run) if r.role != "rendezvous"]
     failed: list[local.LocalProc] = []
     gone: set[int] = set()  # generators that failed: the run goes on without them
+    replaced: set[int] = set()  # trainer processes that died and were started again
     no_generator = False
     follower = _scale_follower(run, console)
     try:
@@ -274,12 +296,26 @@ def watch_local(run: RunDir, console: Console) -> int:
                     if codes[r.pid] not in (None, 0) and r.pid not in gone:
                         gone.add(r.pid)
                         _generator_failed(run, r, codes[r.pid], console)
-                failed = [r for r in roles if codes[r.pid] not in (None, 0) and r.role != "generator"]
-                trainers = [r for r in roles if r.role == "trainer"]
+                failed = [
+                    r
+                    for r in roles
+                    if codes[r.pid] not in (None, 0) and r.role != "generator" and r.pid not in replaced
+                ]
+                trainers = [r for r in roles if r.role == "trainer" and r.pid not in replaced]
                 if gone and all(codes[r.pid] is not None for r in gens):
                     # None left, and not released (those exit 0): nothing will produce samples.
                     failed += [r for r in gens if r.pid in gone]
                     no_generator = True
+                if (
+                    restart is not None
+                    and failed
+                    and all(r.role == "trainer" for r in failed)
+                    and run.info().get("state") not in ("cancelling", "cancelled")
+                    and trainer_restarts_left(run) > 0
+                ):
+                    replaced |= {r.pid for r in trainers}
+                    roles += _restart_trainer(run, trainers, failed, restart, console)
+                    continue
                 if failed or all(codes[r.pid] is not None for r in trainers):
                     break
                 live.update(live_view(run))
@@ -321,6 +357,32 @@ def watch_local(run: RunDir, console: Console) -> int:
     if summary:
         console.print(f"plots: `streamrl plot {run.name}`", markup=False, highlight=False)
     return 1 if failed else 0
+
+
+def _restart_trainer(
+    run: RunDir,
+    trainers: list[local.LocalProc],
+    failed: list[local.LocalProc],
+    restart: Callable[[], list[local.LocalProc]],
+    console: Console,
+) -> list[local.LocalProc]:
+    """The trainer died: stop its other ranks (they would wait in a collective), stop what the dead
+    ones left, and start the job again; it resumes from the newest checkpoint and the generators,
+    which wait for it, serve the new process once they load the weights it pushes first."""
+    codes = {f"{r.role}-{r.rank}": _exit_code(r) for r in failed}
+    local.stop([r for r in trainers if r.alive()])
+    for r in failed:
+        local.reap(r)
+    n = int(run.info().get("trainer_restarts") or 0) + 1
+    run.update_info(trainer_restarts=n)
+    run.event("trainer_restarted", restart=n, exit_codes=codes)
+    for r in failed:
+        console.print(
+            f"[yellow]trainer rank {r.rank} exited with {codes[f'{r.role}-{r.rank}']}[/yellow]; "
+            f"starting the trainer again from the newest checkpoint (restart {n}); last lines of {r.log}:"
+        )
+        console.print(local.log_tail(r.log, 5), markup=False, highlight=False)
+    return restart()
 
 
 def _generator_failed(run: RunDir, rec: local.LocalProc, code: int | None, console: Console) -> None:

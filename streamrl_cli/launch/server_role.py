@@ -49,6 +49,9 @@ def _stop_when_jobs_end(run: RunDir) -> None:
         if not jobs:
             continue  # a local run (streamrl run watches it), or jobs not submitted yet
         states = slurm.run_job_states(jobs)
+        if _restart_trainer(run, states):
+            ended_polls = 0
+            continue
         # Two polls in a row: a job array can look ended for a moment between its tasks' records.
         ended_polls = ended_polls + 1 if slurm.all_ended(states) else 0
         if ended_polls >= 2:
@@ -67,6 +70,46 @@ def _stop_when_jobs_end(run: RunDir) -> None:
                 run.event(state, job_states=sorted(final))
             os.kill(os.getpid(), signal.SIGTERM)
             return
+
+
+# A trainer job that ended in one of these did not finish the run: it is submitted again.
+TRAINER_DIED = {"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "TIMEOUT", "PREEMPTED"}
+
+
+def _restart_trainer(run: RunDir, states: list[dict]) -> bool:
+    """A SLURM trainer job that died (a rank killed or crashed, its node lost) is submitted again
+    while roles.trainer.restarts allows; the new job resumes from the newest checkpoint. True when
+    it was. A cancelled run, or a trainer job SLURM requeues itself, is left alone."""
+    from streamrl_cli.elastic.executor import role_job
+    from streamrl_cli.errors import StreamRLError
+    from streamrl_cli.launch.run import trainer_restarts_left
+    from streamrl_cli.roles.entry import run_role
+
+    trainer = [j for j in states if j["role"] == "trainer"]
+    if len(trainer) != 1 or not trainer[0]["tasks"]:
+        return False
+    (old,) = trainer
+    ended = {t["state"] for t in old["tasks"]}
+    if not ended <= slurm.TERMINAL or not ended & TRAINER_DIED:
+        return False
+    if run.info().get("state") in ("cancelling", "cancelled") or trainer_restarts_left(run) <= 0:
+        return False
+    try:
+        job = role_job(run, "trainer")
+        job_id = slurm.submit(
+            job, run.info().get("name", run.name), run.path, run_role, run.role_spec("trainer")
+        )
+    except StreamRLError as e:
+        log.error("the trainer job %s ended %s and could not be submitted again: %s", old["job_id"], ended, e)
+        return False
+    n = int(run.info().get("trainer_restarts") or 0) + 1
+    run.replace_job(old, {**{k: v for k, v in old.items() if k != "tasks"}, "job_id": job_id,
+                          "submitted": time.time(), "restart": n})  # fmt: skip
+    run.update_info(trainer_restarts=n)
+    run.event("trainer_restarted", restart=n, job_id=job_id, replaces=old["job_id"], states=sorted(ended))
+    log.warning("the trainer job %s ended %s: submitted it again as job %s (restart %d)",
+                old["job_id"], sorted(ended), job_id, n)  # fmt: skip
+    return True
 
 
 def _apply_scale_requests(run: RunDir, spec: RendezvousSpec) -> None:

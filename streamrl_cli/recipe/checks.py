@@ -155,6 +155,8 @@ def _trainer(r: Recipe) -> Iterator[Problem]:
             yield "roles.trainer.nodes", f"{t.nodes} nodes but partition {t.partition!r} allows {max_nodes}"
     if t.zero_stage not in (0, 1, 2, 3):
         yield "roles.trainer.zero_stage", f"must be 0, 1, 2 or 3, got {t.zero_stage}"
+    if t.restarts < 0:
+        yield "roles.trainer.restarts", f"must be 0 (no restart) or more, got {t.restarts}"
     for key in ("tensor_parallel", "pipeline_parallel"):
         if getattr(t, key) != 1:
             yield (

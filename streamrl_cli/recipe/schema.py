@@ -111,6 +111,11 @@ class TrainerConfig(RoleJobConfig):
     zero_stage: int = 1  # DeepSpeed ZeRO stage, 0-3
     cpu_offload: bool = False  # ZeRO-Offload: optimizer states in host memory (tune-split may pick it)
     program: str = "streamrl_cli.trainer.main:main"  # `module:function` the trainer's processes run
+    # A trainer that dies (killed, crashed, its node lost) is started again, resuming from the run's
+    # newest checkpoint, at most this many times per run: by `streamrl run` for a local trainer, by
+    # the rendezvous role's job watcher (a new job) on SLURM. Generators wait for it up to
+    # train.stall_after_s. 0: the run fails with its trainer.
+    restarts: int = 2
 
 
 @dataclass(kw_only=True)

