@@ -43,14 +43,23 @@ class WeightSyncExtension:
         if getattr(self, "_streamrl_group_key", None) == key:
             return rank
         self.streamrl_leave_weight_group()
-        self._streamrl_group = stateless_init_torch_distributed_process_group(
-            source["host"],
-            int(source["port"]),
-            rank,
-            int(source["world_size"]),
-            backend=source["backend"],
-            timeout=timedelta(seconds=float(source.get("timeout_s", 300.0))),
-        )
+        timeout_s = float(source.get("timeout_s", 300.0))
+        try:
+            self._streamrl_group = stateless_init_torch_distributed_process_group(
+                source["host"],
+                int(source["port"]),
+                rank,
+                int(source["world_size"]),
+                backend=source["backend"],
+                timeout=timedelta(seconds=timeout_s),
+            )
+        except (RuntimeError, ValueError) as e:  # torch's own text names neither the group nor a cause
+            address, world = f"{source['host']}:{source['port']}", source["world_size"]
+            raise RuntimeError(
+                f"cannot join the weight group at {address} as rank {rank}/{world} ({source['backend']}) "
+                f"within {timeout_s:.0f}s: {e}; check that its source (rank 0: the trainer, or this "
+                "site's relay) is alive and reachable at that address"
+            ) from None
         self._streamrl_group_key = key
         return rank
 
@@ -102,14 +111,32 @@ class WeightSyncExtension:
     def _streamrl_load(self, version: int, weights: Iterator[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         start, counts = time.perf_counter(), {"tensors": 0, "bytes": 0}
         self._streamrl_partial = True  # until every tensor is in
+        last, received = "", []  # the tensor being loaded; a failure of the transfer itself
 
         def counted() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                counts["tensors"] += 1
-                counts["bytes"] += tensor.numel() * tensor.element_size()
-                yield name, tensor
+            nonlocal last
+            try:
+                for name, tensor in weights:
+                    counts["tensors"] += 1
+                    counts["bytes"] += tensor.numel() * tensor.element_size()
+                    last = name
+                    yield name, tensor
+            except Exception as e:
+                received.append(e)
+                raise
 
-        self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        try:
+            self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        except Exception as e:
+            if received and e is received[0]:
+                raise  # the transfer failed, not the load: its own error says how
+            # vLLM's loaders say only what they compared (often a bare assertion): name the version,
+            # the tensor and what to check.
+            raise RuntimeError(
+                f"loading weight version {version} into the model failed at {last!r} ({type(e).__name__}: "
+                f"{e}); check that the trainer sends this model's weights (same architecture, shapes and "
+                "dtypes)"
+            ) from e
         retied = _retie_lm_head(self.model_runner.get_model())
         self._streamrl_version, self._streamrl_partial = version, False
         return {
