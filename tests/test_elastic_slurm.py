@@ -9,11 +9,13 @@ iteration is trained exactly once across the scale events.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import metrics_records, streamrl, wait_on_run
+from conftest import job_logs, metrics_records, streamrl, wait_on_run
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -73,3 +75,104 @@ def test_scale_by_hand_adds_an_array_job_and_cancels_only_its_task(slurm, runs_r
     evs = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     scale = [(e["before"], e["after"]) for e in evs if e["event"] == "scaled"]
     assert scale == [(1, 2), (2, 1)]
+
+
+def relay_of(run: Path, site: str) -> str | None:
+    out = streamrl("status", str(run), "--json")
+    if out.returncode != 0:
+        return None
+    return next((s["relay"] for s in json.loads(out.stdout).get("sites", []) if s["site"] == site), None)
+
+
+def test_far_site_goes_to_zero_and_back_through_the_relay_and_survives_losing_it(slurm_remote, runs_root):
+    """`two-site-testbed`: the far site's generators are all released (0), two new ones come up as a
+    new array job there and get the current weights through their site's relay (one copy per
+    version crosses); the relay is then killed and the other one takes over. The run completes,
+    every iteration trained once with a full batch."""
+    iters = 60
+    out = streamrl(
+        "run", "two-site-testbed", f"train.iterations={iters}", "train.checkpoint_every=0",
+        "train.global_batch=4", "--root", str(runs_root), env=FAST,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    (run,) = list(runs_root.iterdir())
+    try:
+        wait_on_run(lambda: len(iterations(run)) >= 1, 900, "a first iteration", run)
+        out = streamrl("scale", str(run), "--generators", "0", timeout=300)
+        assert out.returncode == 0 and "generators 2 -> 0" in out.stdout, out.stdout + out.stderr
+        halted = len(iterations(run))
+        assert halted < iters, "the run ended before the far site was scaled"
+        out = streamrl("scale", str(run), "--generators", "2", timeout=300)
+        assert out.returncode == 0 and "generators 0 -> 2" in out.stdout, out.stdout + out.stderr
+        wait_on_run(lambda: len(iterations(run)) >= halted + 2, 900, "iterations by the new instances", run)
+        relay = relay_of(run, "remote")
+        assert relay in ("generator-2", "generator-3"), relay
+        pid = json.loads((run / "members" / f"{relay}.json").read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        killed_at = len(iterations(run))
+        wait_on_run(lambda: json.loads((run / "run.json").read_text()).get("state") in ("finished", "failed"),
+                    900, "the run to end", run)  # fmt: skip
+    finally:
+        streamrl("cancel", str(run), timeout=200)
+    info = json.loads((run / "run.json").read_text())
+    assert info["state"] == "finished", (info, job_logs(run))
+    assert iterations(run) == list(range(iters))  # each once, in order, across every event
+    sizes = {r["samples"] for r in metrics_records(run, "trainer") if "iteration" in r}
+    assert len(sizes) == 1, sizes
+    evs = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert [(e["before"], e["after"]) for e in evs if e["event"] == "scaled"] == [(2, 0), (0, 2)]
+    assert any(e["event"] == "finished" and e.get("lost_generators") for e in evs), evs
+    # One copy per version crossed to the far site: fetched by one relay; before the kill by the
+    # first relay among the newcomers, after it by the other.
+    fetched: dict[int, set[str]] = {}
+    for r in metrics_records(run, "generator"):
+        if r.get("weights/relay"):
+            fetched.setdefault(r["weights/version"], set()).add(r["member_id"])
+    assert all(len(ids) == 1 for ids in fetched.values()), fetched
+    newcomers = {"generator-2", "generator-3"}
+    late = {m for v, ids in fetched.items() if v > halted + 1 for m in ids}
+    assert late <= newcomers and late - {relay}, (relay, fetched)
+    assert killed_at < iters
+
+
+def test_the_policy_grows_and_shrinks_slurm_generators(slurm, runs_root):
+    """`slurm-local` with the elastic rule: one instance running one group at a time cannot keep up,
+    so the rule asks for a second (a new array job); once two idle more than `idle_release`, it
+    releases one (that task only is cancelled). Every iteration is trained once."""
+    e = "roles.generator.elastic"
+    out = streamrl(
+        "run", "slurm-local", "train.iterations=100000", "train.checkpoint_every=0",
+        "train.global_batch=8", f"algorithm.group_size={GROUP}", f"roles.generator.max_num_seqs={GROUP}",
+        "roles.generator.instances=1", f"{e}.enabled=true", f"{e}.max=2", f"{e}.patience=1",
+        f"{e}.cooldown=2", f"{e}.idle_release=0.05",
+        "--root", str(runs_root), env=FAST,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    (run,) = list(runs_root.iterdir())
+
+    def scaled() -> list[dict]:
+        return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()
+                if json.loads(x)["event"] == "scaled"]  # fmt: skip
+
+    try:
+        wait_on_run(lambda: len(scaled()) >= 1, 900, "the rule to add an instance", run)
+
+        def newcomer_worked() -> bool:
+            return any(
+                r.get("total_samples", 0) > 0 for r in metrics_records(run, "generator") if r["rank"] == 1
+            )
+
+        wait_on_run(newcomer_worked, 900, "samples from the instance the rule added", run)
+        wait_on_run(lambda: len(scaled()) >= 2, 900, "the rule to release an instance", run)
+        after = len(iterations(run))
+        wait_on_run(lambda: len(iterations(run)) >= after + 2, 600, "iterations after the release", run)
+    finally:
+        streamrl("cancel", str(run), timeout=200)
+    evs = scaled()
+    assert [(e["source"], e["before"], e["after"]) for e in evs[:2]] == [("policy", 1, 2), ("policy", 2, 1)]
+    jobs = json.loads((run / "jobs.json").read_text())
+    added = [j for j in jobs if j.get("scaled")]
+    assert added and added[0]["rank_base"] == 1
+    done = iterations(run)
+    assert done == list(range(len(done)))
+    assert all(r["samples"] == 8 * GROUP for r in metrics_records(run, "trainer") if "iteration" in r)

@@ -41,7 +41,9 @@ def test_the_far_script_names_nothing_of_the_run_directory(tmp_path):
     script = p.scripts["remote-generator"]
     text = script.read_text()
     assert str(p.run.path) not in text  # its roles cannot read what they are not told of
-    assert f"--output={there}/logs/generator/%A_%a_0_log.out" in text
+    # SLURM opens the job's own log before the script runs: in run_root, which exists there.
+    assert f"#SBATCH --output={there.parent}/{there.name}-%A_%a_0_log.out" in text
+    assert f"--output {there}/logs/generator/%A_%a_%t_log.out" in text  # the role's, made by the script
     assert f"-m streamrl_cli.roles {there}/roles/generator.yaml" in text
     assert "submitit.core._submit" not in text  # submitit's runner reads a pickle from the run dir
     assert stat.S_IMODE(script.stat().st_mode) == 0o600  # it carries the run's secret

@@ -57,17 +57,27 @@ def _stop_when_jobs_end(run: RunDir) -> None:
         if ended_polls >= 2:
             # Tasks released by scaling were cancelled on purpose: they say nothing about the run.
             final = {t["state"] for j in states for t in j["tasks"] if t["task"] not in j.get("released", [])}
+            # The trainer's job says how the run ended: a generator task lost on the way (killed,
+            # its node failed) was replaced by the others and does not fail a run that trained.
+            trainer = {t["state"] for j in states if j["role"] == "trainer" for t in j["tasks"]} or final
+            lost = sorted(
+                f"{j['job_id']}_{t['task']}" if t["task"] is not None else str(j["job_id"])
+                for j in states
+                if j["role"] == "generator"
+                for t in j["tasks"]
+                if t["task"] not in j.get("released", []) and t["state"] not in ("COMPLETED", "CANCELLED")
+            )
             info = run.info()
             if info.get("state") not in ("cancelling", "cancelled"):
                 state = (
                     "finished"
-                    if final == {"COMPLETED"}
+                    if trainer == {"COMPLETED"}
                     else "cancelled"
                     if "CANCELLED" in final
                     else "failed"
                 )
                 run.update_info(state=state, ended=time.time())
-                run.event(state, job_states=sorted(final))
+                run.event(state, job_states=sorted(final), **({"lost_generators": lost} if lost else {}))
             os.kill(os.getpid(), signal.SIGTERM)
             return
 

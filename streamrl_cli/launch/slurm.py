@@ -188,12 +188,25 @@ def render(job: JobSpec, run_name: str, run_dir: Path, python: str | None = None
     """The sbatch script submitit will submit for ``job`` (same function, same parameters)."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    return _make_sbatch_string(
+    text = _make_sbatch_string(
         command=job_command(job, run_dir, python),
         folder=log_folder(run_dir, job),
         map_count=job.array,
         **sbatch_parameters(job, run_name, run_dir),
     )
+    return batch_log_in_run_root(text, job, run_dir)
+
+
+def batch_log_in_run_root(text: str, job: JobSpec, run_dir: Path) -> str:
+    """A staged job's own log (`#SBATCH --output`) goes directly in ``run_root``: SLURM opens it
+    before the script runs, so its directory must already exist there, and the run's directory
+    under it is made by the script. The roles' logs (srun's) go in the run's log folder there."""
+    if not job.run_root:
+        return text
+    folder, root = log_folder(run_dir, job), Path(job.run_root)
+    for flag in ("output", "error"):
+        text = text.replace(f"#SBATCH --{flag}={folder}/", f"#SBATCH --{flag}={root}/{Path(run_dir).name}-")
+    return text
 
 
 def script_mode(job: JobSpec) -> int:
@@ -209,9 +222,9 @@ def submit(job: JobSpec, run_name: str, run_dir: Path, entry: Any, spec_path: Pa
     """
     import submitit
 
-    cls = _array_executor() if job.array == 1 else submitit.SlurmExecutor
+    cls = _array_executor() if job.array else submitit.SlurmExecutor
     if job.run_root:
-        cls = _staged_executor(cls, job_command(job, run_dir), log_folder(run_dir, job))
+        cls = _staged_executor(job, run_dir, cls)
     executor = cls(folder=RunDir(run_dir).role_logs(job.role), python=job_python(job))
     executor.update_parameters(**sbatch_parameters(job, run_name, run_dir))
     try:
@@ -232,32 +245,41 @@ def _array_executor() -> type:
     from submitit.core.utils import JobPaths
     from submitit.slurm.slurm import SlurmJob
 
-    class OneTaskArrayExecutor(submitit.SlurmExecutor):
-        """submitit submits a one-element map as a plain job; a generator stays an array even with one
-        instance, so that elastic scaling is always adding or cancelling array tasks. The steps are
-        submitit's own array branch, for an array of one."""
+    class ArrayExecutor(submitit.SlurmExecutor):
+        """submitit's array branch, run by this executor itself: submitit submits a one-element map
+        as a plain job (a generator stays an array even with one instance, so that elastic scaling
+        is always adding or cancelling array tasks), and it submits larger arrays through a plain
+        copy of the executor, which would drop a subclass's script (see `_staged_executor`)."""
 
         def _internal_process_submissions(self, delayed):  # type: ignore[no-untyped-def]
-            (d,) = delayed
             folder = JobPaths.get_first_id_independent_folder(self.folder)
             folder.mkdir(parents=True, exist_ok=True)
-            pickle_path = folder / f"{uuid.uuid4().hex}.pkl"
-            d.set_timeout(self.parameters.get("time", 5), self.max_num_timeout)
-            d.dump(pickle_path)
-            self.parameters["map_count"] = 1
+            pickles = []
+            for d in delayed:
+                pickles.append(folder / f"{uuid.uuid4().hex}.pkl")
+                d.set_timeout(self.parameters.get("time", 5), self.max_num_timeout)
+                d.dump(pickles[-1])
+            self.parameters["map_count"] = len(delayed)
             try:
                 first = self._submit_command(self._submitit_command_str)
             finally:
                 del self.parameters["map_count"]
-            job = SlurmJob(folder=self.folder, job_id=f"{first.job_id}_0", tasks=list(range(first.num_tasks)))
-            job.paths.move_temporary_file(pickle_path, "submitted_pickle")
-            return [job]
+            tasks = list(range(first.num_tasks))
+            jobs = [
+                SlurmJob(folder=self.folder, job_id=f"{first.job_id}_{a}", tasks=tasks)
+                for a in range(len(delayed))
+            ]
+            for job, path in zip(jobs, pickles, strict=True):
+                job.paths.move_temporary_file(path, "submitted_pickle")
+            return jobs
 
-    return OneTaskArrayExecutor
+    return ArrayExecutor
 
 
-def _staged_executor(base: type, command: str, folder: Path) -> type:
+def _staged_executor(job: JobSpec, run_dir: Path, base: type) -> type:
     from submitit.slurm.slurm import _make_sbatch_string
+
+    command, folder = job_command(job, run_dir), log_folder(run_dir, job)
 
     class StagedExecutor(base):  # type: ignore[misc, valid-type]
         """Submits from the run's log folder here; the job runs ``command`` and logs to ``folder``,
@@ -268,7 +290,9 @@ def _staged_executor(base: type, command: str, folder: Path) -> type:
             return command
 
         def _make_submission_file_text(self, command: str, uid: str) -> str:
-            return _make_sbatch_string(command=command, folder=folder, **self.parameters)
+            return batch_log_in_run_root(
+                _make_sbatch_string(command=command, folder=folder, **self.parameters), job, run_dir
+            )
 
     return StagedExecutor
 

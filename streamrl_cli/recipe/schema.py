@@ -74,7 +74,8 @@ class ClusterConfig:
     # This cluster's own directory for runs, when its nodes do not see the submit host's filesystem
     # (another site). Its jobs carry what they read (their role spec, the run's secret, the
     # rendezvous address) inside the job script and unpack it under run_root/<run id>, where their
-    # logs go too. null: the run directory itself (one shared filesystem). Generators only: the
+    # logs go too; it must exist there (SLURM writes each job's own log in it before the script
+    # runs). null: the run directory itself (one shared filesystem). Generators only: the
     # trainer and a rendezvous job write the run's checkpoints and metrics, so they run where it is.
     run_root: str | None = None
 
