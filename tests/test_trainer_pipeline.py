@@ -447,3 +447,64 @@ def test_a_stop_asked_mid_run_checkpoints_that_iteration_and_stops_after_it(mode
     assert stop.value.next_iteration == 3
     assert [r["iteration"] for r in records] == [0, 1, 2]
     assert checkpoints == [(0, 1, False), (1, 2, False), (2, 3, True)]
+
+
+class ReturningGenerators(Generators):
+    """Every generator goes after `left` samples (scaled to zero); a newcomer registers and waits
+    for weights; it serves once a version newer than the one it found was delivered to it."""
+
+    def __init__(self, events: list, left: int):
+        super().__init__(events)
+        self.left, self.found = left, None
+
+    def serving(self) -> bool:
+        return self.left > 0 or (self.found is not None and self.version > self.found)
+
+    def get(self, timeout=None):
+        if self.left <= 0 and self.found is None:
+            self.found = self.version
+        if not self.serving():
+            return None
+        self.left -= 1
+        return super().get(timeout)
+
+    def generators(self):
+        return ["generator"] if self.serving() else []
+
+
+class Rendezvous:
+    def __init__(self, gens: ReturningGenerators):
+        self.gens = gens
+
+    def members(self, role=None):
+        if self.gens.found is None:
+            return []
+        return [{"member_id": "generator-2", "role": "generator", "rank": 2, "state": "alive",
+                 "reported_state": "waiting for weights", "weight_version": None}]  # fmt: skip
+
+
+def test_generators_that_join_while_none_serves_get_the_current_weights_as_a_new_version():
+    """Scaled to zero and back: nothing generates, so no step makes a version the newcomers could
+    load; the trainer sends them the current weights, unchanged, as the next version, and goes on."""
+    events: list = []
+    gens = ReturningGenerators(events, left=10)  # iteration 0 (8 samples) and part of iteration 1
+    publisher = Publisher(events, gens)
+    publisher.rdv = Rendezvous(gens)
+    cfg = PipelineConfig(group_size=2, global_batch=4, micro_batch=2, no_generator_s=1e9)
+    task = CountTask(64)
+    records: list = []
+    pipe = Pipeline(
+        cfg, task=task, sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],
+        detokenize=lambda ids: "x" * len(ids), svc=gens, driver=Driver(events),
+        publisher=publisher, on_record=records.append, clock=Clock(),
+    )  # fmt: skip
+    t = threading.Thread(target=pipe.run, args=(0, 3, 0), daemon=True)
+    t.start()
+    t.join(timeout=120)  # liveness bound: without the catch-up this waits for ever
+    assert not t.is_alive(), "newcomers that joined while none served never got weights"
+    kinds = [e[0] if e[0] != "weights" else e for e in events if e[0] in ("step", "weights")]
+    # Iteration 0's step made version 1; then, with no step between, version 2 (the same weights).
+    assert kinds[:4] == ["step", ("weights", 1), ("weights", 2), "step"], kinds
+    assert [r["iteration"] for r in records] == [0, 1, 2]
+    assert [r["weight_version"] for r in records] == [1, 3, 4]  # batch j's policy is j + 1 from then on
+    assert all(r["staleness/max"] == 0 for r in records)

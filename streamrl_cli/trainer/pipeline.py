@@ -40,6 +40,7 @@ from streamrl_cli.trainer.evaluation import Evaluator
 from streamrl_cli.trainer.losses import grpo_advantages
 from streamrl_cli.trainer.seeds import sample_seed
 from streamrl_cli.transport.wire import Request, Sample
+from streamrl_cli.weights.layout import eligible
 
 if TYPE_CHECKING:
     from streamrl_cli.recipe.schema import AlgorithmConfig
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("streamrl.trainer")
 
 GET_POLL_S = 0.5
+CATCH_UP_POLL_S = 2.0  # while no generator is connected: how often to look for newcomers waiting
 
 
 class Stopped(Exception):
@@ -177,6 +179,7 @@ class Pipeline:
         self.priority_base = 0  # LPT priorities of later batches come after earlier ones'
         self.rng = random.Random(cfg.seed)
         self._no_generator_since: float | None = None
+        self._catch_up_checked = 0.0
         self.evaluator = evaluator
         self.evals_due: list[tuple[int, int]] = []  # (iteration, weight version) to evaluate once confirmed
         # Asked to end early (SLURM's warning before a time limit or preemption): looked at once per
@@ -455,12 +458,42 @@ class Pipeline:
         if self._no_generator_since is None:
             self._no_generator_since = now
             log.warning("no generator is connected: every one failed or left; waiting for one to come back")
-        elif now - self._no_generator_since > self.cfg.no_generator_s:
+        elif now - self._catch_up_checked >= CATCH_UP_POLL_S:
+            self._catch_up_checked = now
+            self._catch_up_newcomers()
+        if now - self._no_generator_since > self.cfg.no_generator_s:
             raise StreamRLError(
                 f"no generator left: none has been connected for {self.cfg.no_generator_s:.0f}s "
                 "(train.stall_after_s); every generator failed or left, see `streamrl status` for their "
                 "last errors"
             )
+
+    def _catch_up_newcomers(self) -> None:
+        """Generators that joined while none served (every one had left: scaled to zero, all lost)
+        wait for weights, and no step will make a new version while nothing generates. The
+        current weights go to them as the next version, unchanged (in flight, none is resent)."""
+        transfer = getattr(self, "_transfer", None)
+        if transfer is not None and not transfer.done():
+            return
+        rdv = getattr(self.publisher, "rdv", None)
+        if rdv is None:
+            return
+        try:
+            members = rdv.members("generator")
+        except StreamRLError as e:  # the server away for a moment: the next check asks again
+            log.warning("cannot list the generators: %s", e)
+            return
+        waiting = [m["member_id"] for m in eligible(members) if (m.get("weight_version") or 0) < self.version]
+        if not waiting:
+            return
+        self.version += 1
+        self.offset += 1  # batch j's policy is j + offset: the same weights under a newer number
+        log.info("generators %s joined while none served: the current weights go to them as version %d",
+                 waiting, self.version)  # fmt: skip
+        state = self.driver.full_state()
+        if self.cfg.mode == "async":
+            state = {k: v.clone() for k, v in state.items()}
+        self._publish(state, self.version)
 
     def _check_transfer(self) -> None:
         """A failed background transfer fails the run (its error, not a hang)."""
