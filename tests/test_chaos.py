@@ -16,7 +16,14 @@ import signal
 from pathlib import Path
 
 import pytest
-from test_member_failures import RUN_S, group_of, run_dir_of, start_run, trainer_iterations, wait_for
+from test_member_failures import (
+    RUN_S,
+    assert_nothing_left,
+    run_dir_of,
+    start_run,
+    trainer_iterations,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -83,8 +90,7 @@ def test_a_killed_trainer_is_started_again_and_the_run_completes(runs_root):
     assert recorded[seen] == 0 and recorded[-4:] == [4, 5, 6, 7], recorded
     log = (run_dir / "logs" / "trainer" / "trainer-0.log").read_text()
     assert "starting over (no checkpoint yet)" in log and "resuming from" in log
-    for rec in json.loads((run_dir / "local.json").read_text()):
-        assert not group_of(rec["pid"], rec["created"]), f"{rec['role']}-{rec['rank']} left processes"
+    assert_nothing_left(run_dir)
 
 
 def test_a_trainer_that_keeps_dying_fails_the_run_with_its_reason(runs_root):
@@ -102,8 +108,7 @@ def test_a_trainer_that_keeps_dying_fails_the_run_with_its_reason(runs_root):
     assert proc.returncode == 1, out
     assert "trainer rank 0 exited with -9" in out and "starting the trainer again" not in out, out
     assert json.loads((run_dir / "run.json").read_text())["state"] == "failed"
-    for rec in json.loads((run_dir / "local.json").read_text()):
-        assert not group_of(rec["pid"], rec["created"]), f"{rec['role']}-{rec['rank']} left processes"
+    assert_nothing_left(run_dir)
 
 
 ITERS = 80  # long enough that the kill lands mid-run (an iteration takes about a second here)

@@ -135,17 +135,18 @@ def test_far_site_goes_to_zero_and_back_through_the_relay_and_survives_losing_it
     assert killed_at < iters
 
 
-def test_the_policy_grows_and_shrinks_slurm_generators(slurm, runs_root):
-    """`slurm-local` with the elastic rule: one instance running one group at a time cannot keep up,
-    so the rule asks for a second (a new array job); once two idle more than `idle_release`, it
-    releases one (that task only is cancelled). Every iteration is trained once."""
+def test_the_policy_grows_slurm_generators_by_a_new_array_job(slurm, runs_root):
+    """`slurm-local` with the elastic rule: one instance running one group at a time cannot keep up
+    (Δ > Δ′), so the trainer asks for a second; the rendezvous role's job watcher submits it as a
+    new array job, whose task gets the current weights and takes work. Every iteration is trained
+    once. (The rule releases only when one instance fewer would still keep up, which a workload
+    that made it grow does not give: release is shown by hand above and by the policy's tests.)"""
     e = "roles.generator.elastic"
     out = streamrl(
         "run", "slurm-local", "train.iterations=100000", "train.checkpoint_every=0",
         "train.global_batch=8", f"algorithm.group_size={GROUP}", f"roles.generator.max_num_seqs={GROUP}",
         "roles.generator.instances=1", f"{e}.enabled=true", f"{e}.max=2", f"{e}.patience=1",
-        f"{e}.cooldown=2", f"{e}.idle_release=0.05",
-        "--root", str(runs_root), env=FAST,
+        f"{e}.cooldown=1", "--root", str(runs_root), env=FAST,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     (run,) = list(runs_root.iterdir())
@@ -154,25 +155,24 @@ def test_the_policy_grows_and_shrinks_slurm_generators(slurm, runs_root):
         return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()
                 if json.loads(x)["event"] == "scaled"]  # fmt: skip
 
+    def newcomer_worked() -> bool:
+        gen = metrics_records(run, "generator")
+        return any(r.get("total_samples", 0) > 0 for r in gen if r["rank"] == 1)
+
     try:
         wait_on_run(lambda: len(scaled()) >= 1, 900, "the rule to add an instance", run)
-
-        def newcomer_worked() -> bool:
-            return any(
-                r.get("total_samples", 0) > 0 for r in metrics_records(run, "generator") if r["rank"] == 1
-            )
-
         wait_on_run(newcomer_worked, 900, "samples from the instance the rule added", run)
-        wait_on_run(lambda: len(scaled()) >= 2, 900, "the rule to release an instance", run)
-        after = len(iterations(run))
-        wait_on_run(lambda: len(iterations(run)) >= after + 2, 600, "iterations after the release", run)
     finally:
         streamrl("cancel", str(run), timeout=200)
-    evs = scaled()
-    assert [(e["source"], e["before"], e["after"]) for e in evs[:2]] == [("policy", 1, 2), ("policy", 2, 1)]
-    jobs = json.loads((run / "jobs.json").read_text())
-    added = [j for j in jobs if j.get("scaled")]
-    assert added and added[0]["rank_base"] == 1
+    first = scaled()[0]
+    assert (first["source"], first["before"], first["after"], first["added"]) == ("policy", 1, 2, [1])
+    (added,) = [j for j in json.loads((run / "jobs.json").read_text()) if j.get("scaled")]
+    assert added["rank_base"] == 1 and first["jobs"] == [added["job_id"]]
+    member = json.loads((run / "members" / "generator-1.json").read_text())
+    assert member["slurm_array_job_id"] == added["job_id"]
+    recs = [r for r in metrics_records(run, "trainer") if "iteration" in r]
+    decided = next(r for r in recs if r["elastic/target"] == 2)
+    assert decided["elastic/delta"] > decided["elastic/delta_prime"]  # the rule, on what was measured
     done = iterations(run)
     assert done == list(range(len(done)))
-    assert all(r["samples"] == 8 * GROUP for r in metrics_records(run, "trainer") if "iteration" in r)
+    assert all(r["samples"] == 8 * GROUP for r in recs)

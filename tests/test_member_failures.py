@@ -76,6 +76,12 @@ def group_of(pid: int, created: float) -> list[int]:
     return out
 
 
+def assert_nothing_left(run_dir: Path) -> None:
+    """No process of any role the run started (nor any it started in turn) still runs."""
+    for rec in json.loads((run_dir / "local.json").read_text()):
+        assert not group_of(rec["pid"], rec["created"]), f"{rec['role']}-{rec['rank']} left processes"
+
+
 def serving(run_dir: Path) -> bool:
     """Both generators generate and the trainer has trained at least one iteration."""
     try:
@@ -105,8 +111,7 @@ def test_kill_9_of_one_generator_does_not_end_the_run_and_leaves_no_process(runs
     failed = [e for e in events if e["event"] == "member_failed"]
     assert failed and failed[0]["rank"] == 1, failed
     assert not group_of(pid, created), "the killed generator's engine processes were stopped"
-    for rec in json.loads((run_dir / "local.json").read_text()):
-        assert not group_of(rec["pid"], rec["created"]), f"{rec['role']}-{rec['rank']} left processes"
+    assert_nothing_left(run_dir)
 
 
 def test_every_generator_killed_ends_the_run_with_the_reason(runs_root):
@@ -124,8 +129,7 @@ def test_every_generator_killed_ends_the_run_with_the_reason(runs_root):
     assert proc.returncode == 1, out
     assert "no generator left" in out, out
     assert json.loads((run_dir / "run.json").read_text())["state"] == "failed"
-    for rec in json.loads((run_dir / "local.json").read_text()):
-        assert not group_of(rec["pid"], rec["created"]), f"{rec['role']}-{rec['rank']} left processes"
+    assert_nothing_left(run_dir)
 
 
 def is_reaper(pid: int) -> bool:
@@ -170,5 +174,4 @@ def test_a_killed_generators_engine_stops_unwatched_and_cancel_stops_what_is_lef
     finally:
         if proc.poll() is None:
             proc.kill()
-    for rec in json.loads((run_dir / "local.json").read_text()):
-        assert not group_of(rec["pid"], rec["created"]), f"{rec['role']}-{rec['rank']} left processes"
+    assert_nothing_left(run_dir)

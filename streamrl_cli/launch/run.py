@@ -196,6 +196,7 @@ def launch(p: Prepared, console: Console) -> int:
         run.update_info(state="failed")
         raise
     run.update_info(state="running", started=time.time())
+    mark_trainer_start(run)
     if any(j.launcher == "local" for j in role_jobs):
         return watch_local(run, console, restart=_trainer_restarter(p))
     console.print(
@@ -252,10 +253,26 @@ def _trainer_restarter(p: Prepared) -> Callable[[], list[local.LocalProc]] | Non
 
 
 def trainer_restarts_left(run: RunDir) -> int:
-    """How many more times this attempt of the run may start its trainer again (roles.trainer.restarts)."""
+    """How many more times this attempt of the run may start its trainer again (roles.trainer.restarts).
+
+    None once the trainer died without training an iteration since it (re)started: a failure at
+    start (a bad program, a reward that cannot run) would fail the same way again.
+    """
+    from streamrl_cli.metrics.read import count_iteration_records
+
     spec = load_spec(run.role_spec("trainer"))
     assert isinstance(spec, TrainerSpec)
-    return spec.settings.restarts - int(run.info().get("trainer_restarts") or 0)
+    info = run.info()
+    if count_iteration_records(run.path) <= int(info.get("trainer_started_after") or 0):
+        return 0
+    return spec.settings.restarts - int(info.get("trainer_restarts") or 0)
+
+
+def mark_trainer_start(run: RunDir) -> None:
+    """Remember how many iterations were recorded when the trainer (re)started (see above)."""
+    from streamrl_cli.metrics.read import count_iteration_records
+
+    run.update_info(trainer_started_after=count_iteration_records(run.path))
 
 
 def watch_local(
@@ -375,6 +392,7 @@ def _restart_trainer(
         local.reap(r)
     n = int(run.info().get("trainer_restarts") or 0) + 1
     run.update_info(trainer_restarts=n)
+    mark_trainer_start(run)
     run.event("trainer_restarted", restart=n, exit_codes=codes)
     for r in failed:
         console.print(

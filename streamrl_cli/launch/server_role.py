@@ -92,7 +92,7 @@ def _restart_trainer(run: RunDir, states: list[dict]) -> bool:
     it was. A cancelled run, or a trainer job SLURM requeues itself, is left alone."""
     from streamrl_cli.elastic.executor import role_job
     from streamrl_cli.errors import StreamRLError
-    from streamrl_cli.launch.run import trainer_restarts_left
+    from streamrl_cli.launch.run import mark_trainer_start, trainer_restarts_left
     from streamrl_cli.roles.entry import run_role
 
     trainer = [j for j in states if j["role"] == "trainer"]
@@ -116,6 +116,7 @@ def _restart_trainer(run: RunDir, states: list[dict]) -> bool:
     run.replace_job(old, {**{k: v for k, v in old.items() if k != "tasks"}, "job_id": job_id,
                           "submitted": time.time(), "restart": n})  # fmt: skip
     run.update_info(trainer_restarts=n)
+    mark_trainer_start(run)
     run.event("trainer_restarted", restart=n, job_id=job_id, replaces=old["job_id"], states=sorted(ended))
     log.warning("the trainer job %s ended %s: submitted it again as job %s (restart %d)",
                 old["job_id"], sorted(ended), job_id, n)  # fmt: skip

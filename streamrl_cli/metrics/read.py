@@ -38,6 +38,25 @@ def is_evaluation(rec: Any) -> bool:
     )
 
 
+def count_iteration_records(run_dir: Path) -> int:
+    """How many iteration records the trainer wrote, repeats included (grows with every trained
+    iteration, also when a restarted trainer trains one again)."""
+    try:
+        f = open(RunDir(Path(run_dir)).metrics, "rb")
+    except FileNotFoundError:
+        return 0
+    n = 0
+    with f:
+        for line in f:
+            if b'"iteration"' not in line:
+                continue
+            try:
+                n += is_iteration(json.loads(line))
+            except ValueError:
+                continue
+    return n
+
+
 def read_iterations(run_dir: Path) -> list[dict[str, Any]]:
     """One record per iteration, in iteration order; the last record of a repeated iteration wins.
 
