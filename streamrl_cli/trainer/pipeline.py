@@ -206,6 +206,8 @@ class Pipeline:
             record = self._iteration(i, prev_end)
             prev_end = record["timeline"]["end"]
             self.on_record(record)
+            if self.on_checkpoint is not None:
+                self.on_checkpoint(*self._checkpoint_due)
             if self.stopping:
                 self._wait_transfers()
                 raise Stopped(i + 1)
@@ -369,8 +371,9 @@ class Pipeline:
             state = {k: v.clone() for k, v in state.items()}  # the next step must not change it mid-transfer
         self._publish(state, self.version)
         self.stopping = self.stop_requested is not None and self.stop_requested() and i + 1 < self.end
-        if self.on_checkpoint is not None:
-            self.on_checkpoint(i, self._client_state(i), self.stopping)
+        # Saved once the iteration's record is out (see run): a process killed in between must not
+        # leave a checkpoint past the last recorded iteration (resumed after it, that record is lost).
+        self._checkpoint_due = (i, self._client_state(i), self.stopping)
         if self.cfg.mode != "async":
             self._wait_transfers()
         end = self.clock()
