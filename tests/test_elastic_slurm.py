@@ -9,8 +9,6 @@ iteration is trained exactly once across the scale events.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 from pathlib import Path
 
@@ -77,18 +75,10 @@ def test_scale_by_hand_adds_an_array_job_and_cancels_only_its_task(slurm, runs_r
     assert scale == [(1, 2), (2, 1)]
 
 
-def relay_of(run: Path, site: str) -> str | None:
-    out = streamrl("status", str(run), "--json")
-    if out.returncode != 0:
-        return None
-    return next((s["relay"] for s in json.loads(out.stdout).get("sites", []) if s["site"] == site), None)
-
-
-def test_far_site_goes_to_zero_and_back_through_the_relay_and_survives_losing_it(slurm_remote, runs_root):
-    """`two-site-testbed`: the far site's generators are all released (0), two new ones come up as a
+def test_far_site_goes_to_zero_and_back_through_the_relay(slurm_remote, runs_root):
+    """`two-site-testbed`: the far site's generators are all released (0); two new ones come up as a
     new array job there and get the current weights through their site's relay (one copy per
-    version crosses); the relay is then killed and the other one takes over. The run completes,
-    every iteration trained once with a full batch."""
+    version crosses). The run completes, every iteration trained once with a full batch."""
     iters = 60
     out = streamrl(
         "run", "two-site-testbed", f"train.iterations={iters}", "train.checkpoint_every=0",
@@ -104,35 +94,26 @@ def test_far_site_goes_to_zero_and_back_through_the_relay_and_survives_losing_it
         assert halted < iters, "the run ended before the far site was scaled"
         out = streamrl("scale", str(run), "--generators", "2", timeout=300)
         assert out.returncode == 0 and "generators 0 -> 2" in out.stdout, out.stdout + out.stderr
-        wait_on_run(lambda: len(iterations(run)) >= halted + 2, 900, "iterations by the new instances", run)
-        relay = relay_of(run, "remote")
-        assert relay in ("generator-2", "generator-3"), relay
-        pid = json.loads((run / "members" / f"{relay}.json").read_text())["pid"]
-        os.kill(pid, signal.SIGKILL)
-        killed_at = len(iterations(run))
         wait_on_run(lambda: json.loads((run / "run.json").read_text()).get("state") in ("finished", "failed"),
                     900, "the run to end", run)  # fmt: skip
     finally:
         streamrl("cancel", str(run), timeout=200)
     info = json.loads((run / "run.json").read_text())
     assert info["state"] == "finished", (info, job_logs(run))
-    assert iterations(run) == list(range(iters))  # each once, in order, across every event
+    assert iterations(run) == list(range(iters))  # each once, in order, across both events
     sizes = {r["samples"] for r in metrics_records(run, "trainer") if "iteration" in r}
     assert len(sizes) == 1, sizes
     evs = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     assert [(e["before"], e["after"]) for e in evs if e["event"] == "scaled"] == [(2, 0), (0, 2)]
-    assert any(e["event"] == "finished" and e.get("lost_generators") for e in evs), evs
-    # One copy per version crossed to the far site: fetched by one relay; before the kill by the
-    # first relay among the newcomers, after it by the other.
+    # One copy per version crossed to the far site, fetched by its relay: after the scale-up, a
+    # newcomer's.
     fetched: dict[int, set[str]] = {}
     for r in metrics_records(run, "generator"):
         if r.get("weights/relay"):
             fetched.setdefault(r["weights/version"], set()).add(r["member_id"])
     assert all(len(ids) == 1 for ids in fetched.values()), fetched
-    newcomers = {"generator-2", "generator-3"}
     late = {m for v, ids in fetched.items() if v > halted + 1 for m in ids}
-    assert late <= newcomers and late - {relay}, (relay, fetched)
-    assert killed_at < iters
+    assert late and late <= {"generator-2", "generator-3"}, fetched
 
 
 def test_the_policy_grows_slurm_generators_by_a_new_array_job(slurm, runs_root):
