@@ -105,15 +105,14 @@ def test_far_site_goes_to_zero_and_back_through_the_relay(slurm_remote, runs_roo
     assert len(sizes) == 1, sizes
     evs = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     assert [(e["before"], e["after"]) for e in evs if e["event"] == "scaled"] == [(2, 0), (0, 2)]
-    # One copy per version crossed to the far site, fetched by its relay: after the scale-up, a
-    # newcomer's.
+    # One copy per version crossed to the far site, fetched by its relay: after the scale-up, one
+    # of the newcomers (generators report relay fetches in their periodic records).
     fetched: dict[int, set[str]] = {}
     for r in metrics_records(run, "generator"):
         if r.get("weights/relay"):
             fetched.setdefault(r["weights/version"], set()).add(r["member_id"])
     assert all(len(ids) == 1 for ids in fetched.values()), fetched
-    late = {m for v, ids in fetched.items() if v > halted + 1 for m in ids}
-    assert late and late <= {"generator-2", "generator-3"}, fetched
+    assert {m for ids in fetched.values() for m in ids} & {"generator-2", "generator-3"}, fetched
 
 
 def test_the_policy_grows_slurm_generators_by_a_new_array_job(slurm, runs_root):
