@@ -15,7 +15,7 @@ import time
 import pytest
 
 from streamrl_cli.generator.admission import Admission
-from streamrl_cli.generator.engine import Completion, GenerationResult
+from streamrl_cli.generator.engine import Completion, EngineHealth, GenerationResult
 from streamrl_cli.generator.main import GeneratorRole
 from streamrl_cli.recipe.schema import GeneratorConfig, ModelConfig, TaskConfig, TrainConfig
 from streamrl_cli.roles.spec import GeneratorSpec
@@ -179,6 +179,9 @@ class FakeEngine:
     def __init__(self) -> None:
         self.started: list[str] = []
         self.running = self.peak = 0
+
+    async def health(self) -> EngineHealth:
+        return EngineHealth(ok=True, weight_version=self.weight_version, running=self.running, paused=False)
 
     async def generate(self, requests):
         results: asyncio.Queue = asyncio.Queue()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 from conftest import REPO
@@ -24,6 +27,7 @@ from test_generator_admission import FakeEngine
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.generator import main as generator_main
+from streamrl_cli.generator.engine import EngineError, EngineHealth
 from streamrl_cli.generator.main import GeneratorRole
 from streamrl_cli.generator.vllm_engine import VLLMEngine
 from streamrl_cli.generator.worker_ext import WeightSyncExtension
@@ -138,8 +142,19 @@ class FakeWorker(WeightSyncExtension):
 class FakeLLM:
     """vLLM's AsyncLLM as VLLMEngine drives it: collective RPCs on the one worker, in a thread."""
 
+    errored = False  # the engine core died (never, here)
+
     def __init__(self, worker: FakeWorker) -> None:
         self.worker, self.paused = worker, False
+
+    async def check_health(self) -> None:
+        pass
+
+    async def is_paused(self) -> bool:
+        return self.paused
+
+    def get_num_unfinished_requests(self) -> int:
+        return 0
 
     async def collective_rpc(self, method: str, args: tuple = ()) -> list:
         return [await asyncio.to_thread(getattr(self.worker, method), *args)]
@@ -305,3 +320,99 @@ def test_a_generator_that_cannot_load_a_version_reports_why_and_takes_the_next(r
         asyncio.run(asyncio.wait_for(scenario(), 150))  # liveness bound: never a hang
     finally:
         trainer.close()
+
+
+# ---- the engine dies ----
+
+
+class DyingEngine(StartingEngine):
+    """Serves until `die()`; then its health says so, as VLLMEngine's does once its engine core died."""
+
+    dead = False
+
+    async def health(self) -> EngineHealth:
+        detail = "EngineDeadError: EngineCore encountered an issue" if self.dead else ""
+        return EngineHealth(ok=not self.dead, weight_version=0, running=0, paused=False, detail=detail)
+
+
+def test_a_generator_whose_engine_died_fails_with_its_reason(rendezvous, monkeypatch):
+    # Waiting for weights, nothing else would notice: every version would fail to load, quietly.
+    monkeypatch.setattr(generator_main, "HEALTH_S", 0.2)
+    trainer = Trainer(rendezvous, sync_timeout_s=30.0)
+    engine = DyingEngine()
+    role = GeneratorRole(generator_spec(rendezvous), 0, engine=engine)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(role.run())
+        await until(
+            task, lambda: trainer.generator().get("reported_state") == "generating", "the generator serving"
+        )
+        engine.dead = True
+        with pytest.raises(EngineError, match="the generation engine died: EngineDeadError"):
+            await asyncio.wait_for(task, 30)
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))  # liveness bound: never a hang
+        member = trainer.generator()
+        assert member["state"] == "left"
+        assert member["last_error"].startswith("failed: EngineError: the generation engine died"), member
+    finally:
+        trainer.close()
+
+
+class StuckLLM(FakeLLM):
+    """vLLM's AsyncLLM after its engine core died: the calls in flight never return."""
+
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        await asyncio.Event().wait()
+        return []
+
+
+def test_an_engine_call_in_flight_fails_once_the_engine_core_died():
+    engine = ExtensionEngine()
+    llm = engine._llm = StuckLLM(engine.worker)
+
+    async def scenario() -> None:
+        call = asyncio.create_task(engine.collective_rpc("streamrl_weights_intact"))
+        await asyncio.sleep(1.5)
+        assert not call.done()  # a slow call is waited for while the engine lives
+        llm.errored = True
+        with pytest.raises(EngineError, match="engine core died while streamrl_weights_intact"):
+            await asyncio.wait_for(call, 10)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_vllms_processes_outlive_the_usr2_meant_for_the_generator(tmp_path):
+    # SLURM's time-limit warning goes to every process of the job step: vLLM's engine core and worker
+    # must not die of it (its default action), the generator hands its work back and requeues itself.
+    from streamrl_cli.generator.engine import GenerationRequest, SamplingSpec
+    from streamrl_cli.models.tiny import TinySpec, build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny", TinySpec())
+    engine = VLLMEngine(str(model), max_model_len=256, max_num_seqs=4)
+    got: list[int] = []
+
+    async def scenario() -> list:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, got.append, 1)
+        await engine.start()
+        try:
+            children = psutil.Process().children(recursive=True)
+            assert children, "vLLM started no process"
+            for p in [psutil.Process(), *children]:
+                os.kill(p.pid, signal.SIGUSR2)
+            await asyncio.sleep(3)
+            assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
+            assert (await engine.health()).ok
+            req = GenerationRequest(
+                request_id="after-usr2", prompt_token_ids=[1, 2, 3], sampling=SamplingSpec(max_tokens=4)
+            )
+            return [r async for r in engine.generate([req])]
+        finally:
+            await engine.close()
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR2)
+
+    (result,) = asyncio.run(asyncio.wait_for(scenario(), 300))
+    assert got == [1]  # the generator's own handler got it
+    assert len(result.completions[0].token_ids) == 4 and not result.error

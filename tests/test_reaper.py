@@ -1,4 +1,5 @@
-"""A role's reaper: whatever the role started is stopped once the role is gone, even by SIGKILL."""
+"""A role's reaper: whatever the role started is stopped once the role is gone, even by SIGKILL.
+It outlives the signals SLURM sends every process of the job step (USR2, its time-limit warning)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ def test_what_a_killed_role_started_is_stopped():
     child = int(role.stdout.readline())
     time.sleep(2)  # the reaper has seen the child
     assert psutil.pid_exists(child)
+    (reaper,) = [p for p in psutil.Process(role.pid).children() if "streamrl_cli.roles.reaper" in p.cmdline()]
+    for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+        reaper.send_signal(sig)
+    time.sleep(1)
+    assert reaper.is_running() and reaper.status() != psutil.STATUS_ZOMBIE
     role.send_signal(signal.SIGKILL)
     role.wait(timeout=30)
     deadline = time.monotonic() + 60  # liveness bound

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.generator.admission import Admission
-from streamrl_cli.generator.engine import GenerationEngine, GenerationRequest, make_engine
+from streamrl_cli.generator.engine import EngineError, GenerationEngine, GenerationRequest, make_engine
 from streamrl_cli.generator.stream import Meter, to_engine_request, to_samples
 from streamrl_cli.generator.weights import WeightPath, make_weight_path
 from streamrl_cli.rendezvous.client import RendezvousClient, RendezvousRequestError
@@ -54,6 +54,7 @@ log = logging.getLogger("streamrl.generator")
 
 WAIT_S = 600.0  # for the rendezvous file, the trainer's registration, its hello answer
 METRICS_S = 5.0  # metrics report interval
+HEALTH_S = 2.0  # how often the engine's health is checked while we serve
 POLL_S = 0.5  # how long one blocking call in a thread may wait before checking for a stop
 TRAINER_EVENTS = ("member_left", "member_lost", "member_registered")  # about trainer rank 0
 
@@ -233,6 +234,7 @@ class GeneratorRole:
             asyncio.create_task(self._deliver(), name="deliver"),
             asyncio.create_task(self._follow_events(since), name="events"),
             asyncio.create_task(self._report(), name="metrics"),
+            asyncio.create_task(self._watch_engine(), name="health"),
         ]
         stop = asyncio.create_task(self._stop.wait(), name="stop")
         done, _ = await asyncio.wait([*tasks, stop], return_when=asyncio.FIRST_COMPLETED)
@@ -243,6 +245,15 @@ class GeneratorRole:
             if t is not stop and not t.cancelled() and t.exception() is not None:
                 raise t.exception()
         return 0
+
+    async def _watch_engine(self) -> None:
+        """Fail (loudly: the reason is our leave reason) once the engine died, whatever we were doing:
+        waiting for weights, a dead engine would otherwise fail every version quietly."""
+        while True:
+            await asyncio.sleep(HEALTH_S)
+            health = await self.engine.health()
+            if not health.ok:
+                raise EngineError(f"the generation engine died: {health.detail}")
 
     async def _receive(self) -> None:
         """Requests dispatched to us join the admission queue, in their priority order."""

@@ -17,12 +17,14 @@ and `VLLM_CPU_KVCACHE_SPACE` is counted in whole GiB). The settings that make RL
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
-from typing import Any
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Iterable, Iterator
+from typing import Any, TypeVar
 
 from streamrl_cli.generator.engine import (
     Completion,
@@ -36,9 +38,11 @@ from streamrl_cli.generator.engine import (
 )
 
 log = logging.getLogger("streamrl.generator.vllm")
+T = TypeVar("T")
 
 EXTENSION = "streamrl_cli.generator.worker_ext.WeightSyncExtension"
 UPDATE_MODES = ("wait", "keep", "abort")
+DEAD_POLL_S = 1.0  # how often a call in flight looks whether the engine core died under it
 
 
 class VLLMEngine(GenerationEngine):
@@ -104,7 +108,8 @@ class VLLMEngine(GenerationEngine):
             **args,
         )
         try:
-            self._llm = AsyncLLM.from_engine_args(engine_args)
+            with _children_block_usr2():
+                self._llm = AsyncLLM.from_engine_args(engine_args)
         except Exception as e:
             raise EngineError(f"vLLM could not start on {self.model}: {type(e).__name__}: {e}") from e
         # The first request pays a one-time cost of seconds; pay it before the first real prompt.
@@ -220,8 +225,14 @@ class VLLMEngine(GenerationEngine):
         group = dataclasses.asdict(source)
 
         async def receive(llm: Any) -> list[dict]:
-            await llm.collective_rpc("streamrl_join_weight_group", args=(group,))
-            return await llm.collective_rpc("streamrl_receive_weights", args=(version,))
+            await _alive(
+                llm,
+                llm.collective_rpc("streamrl_join_weight_group", args=(group,)),
+                "joining the weight group",
+            )
+            return await _alive(
+                llm, llm.collective_rpc("streamrl_receive_weights", args=(version,)), "receiving weights"
+            )
 
         return await self._swap(version, receive, mode)
 
@@ -236,7 +247,8 @@ class VLLMEngine(GenerationEngine):
         torch.save({k: v.detach().cpu() for k, v in state.items()}, buf)
 
         async def receive(llm: Any) -> list[dict]:
-            return await llm.collective_rpc("streamrl_load_weights", args=(version, buf.getvalue()))
+            call = llm.collective_rpc("streamrl_load_weights", args=(version, buf.getvalue()))
+            return await _alive(llm, call, "loading weights")
 
         return await self._swap(version, receive, mode)
 
@@ -246,7 +258,7 @@ class VLLMEngine(GenerationEngine):
         llm = self._require()
         async with self._update_lock:
             t0 = time.perf_counter()
-            await llm.pause_generation(mode=mode, clear_cache=mode != "keep")
+            await _alive(llm, llm.pause_generation(mode=mode, clear_cache=mode != "keep"), "pausing")
             t1 = time.perf_counter()
             resume = True
             try:
@@ -265,20 +277,23 @@ class VLLMEngine(GenerationEngine):
                 # Cached KV blocks were computed with the old weights: without this, a prompt
                 # longer than one block reuses them. With mode=keep the frozen requests are
                 # preempted and recomputed on the new weights.
-                if not await llm.reset_prefix_cache(reset_running_requests=mode == "keep"):
+                reset = llm.reset_prefix_cache(reset_running_requests=mode == "keep")
+                if not await _alive(llm, reset, "resetting its prefix cache"):
                     raise EngineError("vLLM refused to reset its prefix cache after a weight update")
                 self.weight_version = loaded.pop()
             finally:
                 if resume:
-                    await llm.resume_generation()
+                    await _alive(llm, llm.resume_generation(), "resuming")
             timings = {"pause_s": t1 - t0, "receive_s": t2 - t1, "resume_s": time.perf_counter() - t2}
         return {**stats[0], **timings} if len(stats) == 1 else {"workers": stats, **timings}
 
     async def pause(self, mode: str = "keep") -> None:
-        await self._require().pause_generation(mode=mode, clear_cache=False)
+        llm = self._require()
+        await _alive(llm, llm.pause_generation(mode=mode, clear_cache=False), "pausing")
 
     async def resume(self) -> None:
-        await self._require().resume_generation()
+        llm = self._require()
+        await _alive(llm, llm.resume_generation(), "resuming")
 
     async def abort(self, request_ids: Iterable[str]) -> None:
         ids = [r for r in request_ids if r in self._running]
@@ -293,7 +308,7 @@ class VLLMEngine(GenerationEngine):
             )
         try:
             await llm.check_health()
-            paused = await llm.is_paused()
+            paused = await _alive(llm, llm.is_paused(), "answering")
         except Exception as e:  # the engine core died: report it rather than raise
             return EngineHealth(
                 ok=False,
@@ -311,7 +326,8 @@ class VLLMEngine(GenerationEngine):
 
     async def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Call a worker-extension method on every worker (tests and diagnostics)."""
-        return await self._require().collective_rpc(method, args=args)
+        llm = self._require()
+        return await _alive(llm, llm.collective_rpc(method, args=args), method)
 
     async def close(self) -> None:
         if self._llm is not None:
@@ -324,10 +340,44 @@ class VLLMEngine(GenerationEngine):
         return self._llm
 
 
+@contextlib.contextmanager
+def _children_block_usr2() -> Iterator[None]:
+    """Start vLLM's processes with SIGUSR2 blocked.
+
+    SLURM's time-limit warning (USR2, also `scancel --signal=USR2`) goes to every process of the job
+    step, and its default action ends a process: the engine core and its workers would die of the
+    warning meant for the generator. A signal mask is inherited through fork and exec, and vLLM
+    leaves it alone, so they never see it; this thread unblocks it after, and the generator's own
+    handler gets it (then, or from another thread at once)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+async def _alive(llm: Any, call: Awaitable[T], what: str) -> T:
+    """Await an engine call, failing when the engine core dies under it.
+
+    vLLM answers calls made after its engine core died with EngineDeadError, but leaves the ones in
+    flight (collective RPCs: a weight transfer) pending forever."""
+    task = asyncio.ensure_future(call)
+    try:
+        while True:
+            done, _ = await asyncio.wait([task], timeout=DEAD_POLL_S)
+            if done:
+                return task.result()
+            if llm.errored:
+                raise EngineError(f"the vLLM engine core died while {what}: see the lines above for why")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
 async def _intact(llm: Any) -> bool:
     """After a failed receive: did every worker keep a whole set of weights (nothing half-loaded)?"""
     try:
-        return all(await llm.collective_rpc("streamrl_weights_intact"))
+        return all(await _alive(llm, llm.collective_rpc("streamrl_weights_intact"), "checking its weights"))
     except Exception:  # noqa: BLE001 - cannot tell: assume the worst
         return False
 

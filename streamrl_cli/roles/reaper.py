@@ -6,7 +6,8 @@ of engine running, on SLURM as well as locally, where nobody may be watching the
 group. So each role process starts this small watcher (`python -m streamrl_cli.roles.reaper PID`):
 it keeps a list of the role's descendants, and once the role is gone it stops every one still
 running (SIGTERM, then SIGKILL), then exits. It ignores SIGTERM/SIGINT, so that stopping the role's
-process group does not stop it before the role has gone.
+process group does not stop it before the role has gone, and SIGUSR2: SLURM sends its time-limit
+warning to every process of the job step, and its default action would end the reaper.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def watch(pid: int, poll_s: float = POLL_S) -> list[int]:
 
 
 def main() -> None:
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
     watch(int(sys.argv[1]))
 
