@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,112 @@ def test_a_killed_slurm_trainer_job_is_submitted_again_and_resumes(slurm, runs_r
     done = iterations()
     assert sorted(set(done)) == list(range(ITERS)) and done[-1] == ITERS - 1, done
     assert len(done) < 2 * ITERS  # the new job resumed from a checkpoint: it did not start over
+
+
+def journal(run_dir: Path) -> list[dict]:
+    """The rendezvous server's events, from its journal (a short run never compacts it)."""
+    path = run_dir / "rendezvous" / "journal.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def test_a_killed_rendezvous_server_is_started_again_and_the_run_completes(runs_root):
+    proc = start_run(runs_root, "train.iterations=8", "train.global_batch=4", "train.checkpoint_every=0")
+    try:
+        run_dir = wait_for(lambda: run_dir_of(runs_root), 60, "the run directory", proc)
+        wait_for(trained(run_dir, 2), RUN_S, "two trained iterations", proc)
+        (server,) = [r for r in json.loads((run_dir / "local.json").read_text()) if r["role"] == "rendezvous"]
+        os.kill(server["pid"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=RUN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "the rendezvous server exited with -9; starting it again from its journal" in out, out
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["state"] == "finished" and info["rendezvous_restarts"] == 1, info
+    (restart,) = [e for e in events(run_dir) if e["event"] == "rendezvous_restarted"]
+    assert restart["exit_code"] == -9
+    # The trainer never stopped: every iteration trained once, in order, its record kept.
+    assert trainer_iterations(run_dir) == list(range(8)), out
+    assert_nothing_left(run_dir)
+
+
+def test_a_generator_stopped_past_its_lease_is_lost_comes_back_and_the_run_completes(runs_root):
+    # SIGSTOP (a node that hangs, a process swapped out) for four leases: the rendezvous marks the
+    # generator lost and the trainer re-dispatches its work to the other one; SIGCONT: it finds
+    # itself forgotten, registers again and serves, and nothing it had is trained twice.
+    lease_s = 3.0
+    proc = start_run(
+        runs_root, "train.iterations=12", "train.global_batch=4", "train.checkpoint_every=0",
+        f"roles.rendezvous.lease_s={lease_s}",
+    )  # fmt: skip
+    try:
+        run_dir = wait_for(lambda: run_dir_of(runs_root), 60, "the run directory", proc)
+        wait_for(trained(run_dir, 1), RUN_S, "a trained iteration", proc)
+        (gen,) = [r for r in json.loads((run_dir / "local.json").read_text())
+                  if r["role"] == "generator" and r["rank"] == 1]  # fmt: skip
+        os.killpg(gen["pid"], signal.SIGSTOP)  # the role and its engine: its whole process group
+        try:
+            lost = lambda: any(  # noqa: E731
+                e["type"] == "member_lost" and e["data"]["member_id"] == "generator-1"
+                for e in journal(run_dir)
+            )
+            wait_for(lost, 10 * lease_s, "generator-1 to be lost", proc)
+            seen = len(trainer_iterations(run_dir))
+            wait_for(trained(run_dir, 1, after=seen), RUN_S, "an iteration without generator-1", proc)
+        finally:
+            os.killpg(gen["pid"], signal.SIGCONT)
+        out, _ = proc.communicate(timeout=RUN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert json.loads((run_dir / "run.json").read_text())["state"] == "finished"
+    assert trainer_iterations(run_dir) == list(range(12)), out
+    kinds = [e["type"] for e in journal(run_dir) if e.get("data", {}).get("member_id") == "generator-1"]
+    assert "member_lost" in kinds and kinds.index("member_lost") < len(kinds) - 1, kinds  # it came back
+    assert_nothing_left(run_dir)
+
+
+def writing_checkpoint(run_dir: Path) -> Path | None:
+    """A checkpoint being written: its directory is there, its state.json (written last) not yet."""
+    for d in (run_dir / "checkpoints").glob("iter-*"):
+        if d.is_dir() and not (d / "state.json").exists():
+            return d
+    return None
+
+
+def test_a_trainer_killed_while_writing_a_checkpoint_resumes_from_the_last_whole_one(runs_root):
+    proc = start_run(
+        runs_root, "train.iterations=24", "train.global_batch=4", "train.checkpoint_every=2",
+        "train.keep_checkpoints=2", "roles.trainer.restarts=1",
+    )  # fmt: skip
+    try:
+        run_dir = wait_for(lambda: run_dir_of(runs_root), 60, "the run directory", proc)
+        wait_for(lambda: (run_dir / "checkpoints").is_dir(), RUN_S, "the checkpoints directory", proc)
+        torn = None
+        deadline = time.monotonic() + RUN_S
+        while torn is None and proc.poll() is None and time.monotonic() < deadline:
+            torn = writing_checkpoint(run_dir)
+            time.sleep(0.002)  # a tiny model's checkpoint takes a fraction of a second to write
+        assert torn is not None, "no checkpoint was seen while being written"
+        pid, _ = live_trainer(run_dir) or (0, 0.0)
+        os.kill(pid, signal.SIGKILL)
+        seen = len(trainer_iterations(run_dir))
+        out, _ = proc.communicate(timeout=RUN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert json.loads((run_dir / "run.json").read_text())["state"] == "finished"
+    recorded = trainer_iterations(run_dir)
+    assert sorted(set(recorded)) == list(range(24)), recorded
+    # The torn one is not resumed from: the new process starts after the last whole checkpoint
+    # (two iterations before the torn one), or over if there was none.
+    torn_at = int(torn.name.split("-")[1])
+    resumed_at = recorded[seen]
+    assert resumed_at == (torn_at - 1 if torn_at >= 3 else 0), (torn_at, recorded)
+    log = (run_dir / "logs" / "trainer" / "trainer-0.log").read_text()
+    resumed = [x for x in log.splitlines() if "resuming from" in x]
+    assert all(f"iter-{torn_at:06d}" not in x for x in resumed), resumed
+    assert_nothing_left(run_dir)

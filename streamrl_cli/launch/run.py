@@ -33,6 +33,7 @@ from streamrl_cli.rundir import RunDir, write_atomic
 ENDED_STATES = ("finished", "failed", "cancelled", "dry-run")
 RENDEZVOUS_START_S = 60.0  # a local server starts in about a second
 RENDEZVOUS_JOB_START_S = 900.0  # a server job may wait in the queue first
+RENDEZVOUS_RESTARTS = 3  # a local rendezvous server that dies is started again from its journal
 GENERATOR_EXIT_S = 30.0  # after the trainer left, for generators to hand over and exit on their own
 
 
@@ -280,7 +281,8 @@ def watch_local(
 ) -> int:
     """Wait for the local role processes, with a live table; Ctrl-C (or SIGTERM) stops them all.
 
-    A trainer that dies is started again by ``restart`` while roles.trainer.restarts allows.
+    A trainer that dies is started again by ``restart`` while roles.trainer.restarts allows; a
+    local rendezvous server that dies, up to RENDEZVOUS_RESTARTS times (see `_revive_rendezvous`).
     """
     from rich.live import Live
 
@@ -319,6 +321,9 @@ def watch_local(
                     if codes[r.pid] not in (None, 0) and r.role != "generator" and r.pid not in replaced
                 ]
                 trainers = [r for r in roles if r.role == "trainer" and r.pid not in replaced]
+                dead_rendezvous = _revive_rendezvous(run, console)
+                if dead_rendezvous is not None:
+                    failed.append(dead_rendezvous)
                 if gone and all(codes[r.pid] is not None for r in gens):
                     # None left, and not released (those exit 0): nothing will produce samples.
                     failed += [r for r in gens if r.pid in gone]
@@ -414,6 +419,34 @@ def _generator_failed(run: RunDir, rec: local.LocalProc, code: int | None, conso
         + f"; last lines of {rec.log}:"
     )
     console.print(local.log_tail(rec.log, 5), markup=False, highlight=False)
+
+
+def _revive_rendezvous(run: RunDir, console: Console) -> local.LocalProc | None:
+    """Start the run's local rendezvous server again if it died (returns it once it died too often).
+    Only this launcher knows its exit code: it is the one that watches it.
+
+    Its journal keeps the run's state (members, versions, progress) and members follow it to its
+    new port through rendezvous.json, retrying meanwhile; heartbeats that missed a beat get a grace
+    lease. A server that keeps dying is a failure of the run, with its log's last lines.
+    """
+    recs = [r for r in local.procs(run) if r.role == "rendezvous"]
+    if not recs or any(r.alive() for r in recs):
+        return None
+    last = max(recs, key=lambda r: r.created)
+    code = local.exit_code(last)
+    if code in (None, 0) or run.info().get("state") in ("cancelling", "cancelled"):
+        return None  # running, or stopped on purpose (the run directory deleted, a cancel)
+    restarts = int(run.info().get("rendezvous_restarts") or 0)
+    if restarts >= RENDEZVOUS_RESTARTS:
+        return last
+    run.update_info(rendezvous_restarts=restarts + 1)
+    run.event("rendezvous_restarted", exit_code=code, restart=restarts + 1)
+    console.print(
+        f"[yellow]the rendezvous server exited with {code}[/yellow]; starting it again from its journal "
+        f"({restarts + 1} of {RENDEZVOUS_RESTARTS})"
+    )
+    local.spawn(run, "rendezvous", 0, local.role_command(run.role_spec("rendezvous"), 0))
+    return None
 
 
 def _exit_code(rec: local.LocalProc) -> int | None:
