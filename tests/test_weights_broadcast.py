@@ -139,6 +139,53 @@ def test_a_vllm_stateless_group_member_receives_from_our_group():
     assert results[1] == [(v, digests(model_state(v))) for v in (1, 2)], results[1]
 
 
+def _dying_source_main(rank: int, world: int, port: int, out: mp.Queue) -> None:
+    import os
+    import time
+
+    from streamrl_cli.weights.broadcast import (
+        MAGIC,
+        _broadcast,
+        init_weight_group,
+        receive_weights,
+        store_probe,
+    )
+
+    group = init_weight_group(f"127.0.0.1:{port}", rank, world, timeout_s=300)
+    if rank == 0:  # the header of a transfer, then death in the middle of sending the next 16 MiB
+        meta = 16 << 20
+        _broadcast(group.pg, torch.tensor([MAGIC, 1, meta, 1], dtype=torch.int64), 0).wait()
+        _broadcast(group.pg, torch.zeros(meta, dtype=torch.uint8), 0)
+        time.sleep(0.01)
+        os._exit(1)
+    started = time.monotonic()
+    try:
+        receive_weights(group, source_gone=store_probe("127.0.0.1", group.port))
+        out.put((rank, "received", time.monotonic() - started))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - started))
+
+
+def test_receivers_fail_soon_when_the_source_dies_mid_transfer():
+    # gloo leaves the receivers waiting until the group's timeout (here 300 s); the store probe
+    # sees the source gone within a few polls.
+    port, world = free_port(), 3
+    q = SPAWN.Queue()
+    procs = [SPAWN.Process(target=_dying_source_main, args=(r, world, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(q.get(timeout=120) for _ in range(world - 1))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    for rank, outcome, seconds in results:
+        assert outcome.startswith("SourceGone: the source of the weight group at 127.0.0.1:"), outcome
+        assert seconds < 60, (rank, seconds)
+
+
 def test_group_address_errors_are_clear():
     from streamrl_cli.weights.broadcast import init_weight_group
 

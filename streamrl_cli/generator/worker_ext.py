@@ -81,12 +81,28 @@ class WeightSyncExtension:
         group = getattr(self, "_streamrl_group", None)
         if group is None:
             raise RuntimeError("streamrl_receive_weights before streamrl_join_weight_group")
-        from streamrl_cli.weights import WeightTransferError, broadcast  # the data plane's wire format
+        from streamrl_cli.weights import broadcast  # the data plane's wire format
 
         # Bucket by bucket: the layerwise reload finishes each layer as soon as its tensors are in,
         # so at most a bucket and a layer are held beyond the model itself.
         info: dict[str, Any] = {}
-        weights = broadcast.iter_received(group, src=0, device=_model_device(self), info=info)
+        host, port = self._streamrl_group_key[:2]
+        weights = broadcast.iter_received(
+            group, src=0, device=_model_device(self), info=info, source_gone=broadcast.store_probe(host, port)
+        )
+        try:
+            return self._streamrl_receive(version, weights, info)
+        except broadcast.SourceGone:
+            # Its source died mid-broadcast: the group is broken, and gloo still waits in it until its
+            # timeout. Kept, not destroyed (that could wait on the pending receive); the next version
+            # comes on a new group.
+            self._streamrl_abandoned = [*getattr(self, "_streamrl_abandoned", []), group]
+            self._streamrl_group = self._streamrl_group_key = None
+            raise
+
+    def _streamrl_receive(self, version: int, weights: Iterator, info: dict[str, Any]) -> dict[str, Any]:
+        from streamrl_cli.weights import WeightTransferError
+
         first = next(weights, None)  # reads the header: check the version before loading anything
         sent = int(info.get("version", -1))
         if sent < version:

@@ -21,6 +21,7 @@ buckets], then the msgpack :class:`~streamrl_cli.weights.plan.Plan`, then each b
 
 from __future__ import annotations
 
+import socket
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -37,6 +38,8 @@ from streamrl_cli.weights.plan import Bucket, Plan, plan_buckets
 
 MAGIC = 0x5354524C57  # "STRLW"
 DEFAULT_BUCKET_BYTES = 256 << 20
+SOURCE_POLL_S = 1.0  # a receiver checks this often that its source still is
+SOURCE_GONE_PROBES = 3  # failed probes in a row before a source counts as gone
 # Tensors this large are broadcast in place (no packing copy); a gloo call costs ~0.1 ms, i.e.
 # ~0.3 MB of loopback time, so above a few MB the extra calls are cheaper than the copy.
 DEFAULT_SOLO_BYTES = 8 << 20
@@ -216,8 +219,57 @@ class BroadcastSender:
         return out
 
 
+class SourceGone(WeightTransferError):
+    """The source of a transfer died while we received: the group is broken for good."""
+
+
+def store_probe(host: str, port: int) -> Callable[[], str | None]:
+    """A check that the source hosting a group's store at host:port still runs: None while it does,
+    else why not (once SOURCE_GONE_PROBES connections in a row failed, so a slow accept is not a
+    death). The store lives in the source's process for as long as the group does."""
+    failures = 0
+
+    def check() -> str | None:
+        nonlocal failures
+        try:
+            socket.create_connection((host, port), timeout=SOURCE_POLL_S).close()
+            failures = 0
+            return None
+        except OSError as e:
+            failures += 1
+            if failures < SOURCE_GONE_PROBES:
+                return None
+            return f"the source of the weight group at {host}:{port} is gone mid-transfer ({e})"
+
+    return check
+
+
+def _wait(work: Any, source_gone: Callable[[], str | None] | None) -> None:
+    """Wait for a receive. A source that dies mid-broadcast leaves its receivers waiting until the
+    group's timeout (gloo does not tell them, measured: minutes on a real group); with
+    `source_gone`, the wait checks it every SOURCE_POLL_S and fails with SourceGone instead."""
+    if source_gone is None:
+        work.wait()
+        return
+    while True:
+        try:
+            work.wait(timedelta(seconds=SOURCE_POLL_S))
+            return
+        except RuntimeError as e:
+            if "Operation timed out" not in str(e):  # the group's own error (a peer closed, its timeout)
+                raise
+        why = source_gone()
+        if why is not None:
+            raise SourceGone(why)
+
+
 def iter_buckets(
-    group: WeightGroup | Any, src: int = 0, device: str | torch.device = "cpu", *, info: dict | None = None
+    group: WeightGroup | Any,
+    src: int = 0,
+    device: str | torch.device = "cpu",
+    *,
+    info: dict | None = None,
+    source_gone: Callable[[], str | None] | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Receive one transfer; yield each bucket's [(name, tensor), ...] as soon as it arrived.
 
@@ -226,18 +278,20 @@ def iter_buckets(
     group: the tensors stay valid until then (copy what must outlive it; an engine loading
     them into its parameters does). `info`, if given, receives the version and the plan.
     Abandoning the iterator receives and drops the rest, so the group stays in step.
+    `source_gone` (see :func:`store_probe`): fail with SourceGone once the source died, instead of
+    waiting for the group's timeout; the group is then broken: join a new one.
     """
     pg = group.pg if isinstance(group, WeightGroup) else group
     device = torch.device(device)
     header = torch.zeros(4, dtype=torch.int64, device=device)
-    _broadcast(pg, header, src).wait()
+    _wait(_broadcast(pg, header, src), source_gone)
     magic, version, meta_len, n_buckets = (int(x) for x in header.cpu())
     if magic != MAGIC:
         raise WeightTransferError(
             f"weight broadcast out of step: header {header.tolist()} lacks the magic number"
         )
     meta = torch.empty(meta_len, dtype=torch.uint8, device=device)
-    _broadcast(pg, meta, src).wait()
+    _wait(_broadcast(pg, meta, src), source_gone)
     plan = msgspec.msgpack.decode(meta.cpu().numpy().tobytes(), type=Plan)
     if len(plan.buckets) != n_buckets:
         raise WeightTransferError(
@@ -262,7 +316,11 @@ def iter_buckets(
     try:
         while nxt is not None:
             buf, work = nxt
-            work.wait()
+            try:
+                _wait(work, source_gone)
+            except SourceGone:
+                nxt = None  # nothing more comes: no staying in step on a broken group
+                raise
             nxt = post(k + 1) if k + 1 < len(plan.buckets) else None
             yield _views(buf, plan.buckets[k])
             k += 1
@@ -274,10 +332,15 @@ def iter_buckets(
 
 
 def iter_received(
-    group: WeightGroup | Any, src: int = 0, device: str | torch.device = "cpu", *, info: dict | None = None
+    group: WeightGroup | Any,
+    src: int = 0,
+    device: str | torch.device = "cpu",
+    *,
+    info: dict | None = None,
+    source_gone: Callable[[], str | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of one transfer, bucket after bucket (what an engine's loader eats)."""
-    for bucket in iter_buckets(group, src, device, info=info):
+    for bucket in iter_buckets(group, src, device, info=info, source_gone=source_gone):
         yield from bucket
 
 
@@ -286,11 +349,12 @@ def receive_weights(
     src: int = 0,
     device: str | torch.device = "cpu",
     on_bucket: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
+    source_gone: Callable[[], str | None] | None = None,
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """Receive one transfer: (version, name -> tensor); or hand each bucket to `on_bucket`, keep nothing."""
     info: dict = {}
     out: dict[str, torch.Tensor] = {}
-    for bucket in iter_buckets(group, src, device, info=info):
+    for bucket in iter_buckets(group, src, device, info=info, source_gone=source_gone):
         if on_bucket is not None:
             on_bucket(bucket)
         else:
