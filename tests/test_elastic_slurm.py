@@ -9,6 +9,8 @@ iteration is trained exactly once across the scale events.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -113,6 +115,50 @@ def test_far_site_goes_to_zero_and_back_through_the_relay(slurm_remote, runs_roo
             fetched.setdefault(r["weights/version"], set()).add(r["member_id"])
     assert all(len(ids) == 1 for ids in fetched.values()), fetched
     assert {m for ids in fetched.values() for m in ids} & {"generator-2", "generator-3"}, fetched
+
+
+def relay_of(run: Path, site: str) -> str | None:
+    out = streamrl("status", str(run), "--json")
+    if out.returncode != 0:
+        return None
+    return next((s["relay"] for s in json.loads(out.stdout).get("sites", []) if s["site"] == site), None)
+
+
+def test_the_far_site_survives_losing_its_relay(slurm_remote, runs_root):
+    """`two-site-testbed`: the far site's relay is killed mid-run (at any point of a version's way:
+    fetching, broadcasting to its site, serving). The other generator there takes over as relay
+    within its lease: a member waiting in a broadcast whose source died notices it within seconds,
+    not at the group's timeout. The run completes, every iteration trained once."""
+    iters = 40
+    out = streamrl(
+        "run", "two-site-testbed", f"train.iterations={iters}", "train.checkpoint_every=0",
+        "train.global_batch=4", "--root", str(runs_root), env=FAST,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    (run,) = list(runs_root.iterdir())
+    try:
+        wait_on_run(lambda: len(iterations(run)) >= 3, 900, "three iterations", run)
+        relay = relay_of(run, "remote")
+        assert relay in ("generator-0", "generator-1"), relay
+        pid = json.loads((run / "members" / f"{relay}.json").read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        killed_at = len(iterations(run))
+        wait_on_run(lambda: json.loads((run / "run.json").read_text()).get("state") in ("finished", "failed"),
+                    900, "the run to end", run)  # fmt: skip
+    finally:
+        streamrl("cancel", str(run), timeout=200)
+    info = json.loads((run / "run.json").read_text())
+    assert info["state"] == "finished", (info, job_logs(run))
+    assert killed_at < iters, "the run ended before the relay was killed"
+    assert iterations(run) == list(range(iters))  # each once, in order
+    # After the kill, the versions crossed to the far site through the other generator, one copy each.
+    fetched: dict[int, set[str]] = {}
+    for r in metrics_records(run, "generator"):
+        if r.get("weights/relay"):
+            fetched.setdefault(r["weights/version"], set()).add(r["member_id"])
+    assert all(len(ids) == 1 for ids in fetched.values()), fetched
+    late = {m for v, ids in fetched.items() if v > killed_at + 2 for m in ids}
+    assert late and relay not in late, (relay, fetched)
 
 
 def test_the_policy_grows_slurm_generators_by_a_new_array_job(slurm, runs_root):
