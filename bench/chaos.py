@@ -15,7 +15,7 @@ as `streamrl plot` does), each with the baseline's prompts (`data/digest`) and s
 process of the run is left. Samples lost = the baseline's samples less those the chaos run trained
 (target 0). Ratio = faults survived / faults injected (target 1.0).
 
-    .venv/bin/python bench/chaos.py [--seed N] [--iterations N]
+    .venv/bin/python bench/chaos.py [--seed N] [--iterations N] [--keep]
 """
 
 from __future__ import annotations
@@ -138,22 +138,24 @@ def inject(run: Path, fault: str, proc: subprocess.Popen, rng: random.Random) ->
 
 
 def left_behind(run: Path) -> list[int]:
-    """Processes of any role's group still running (the run is over)."""
+    """Processes of the run still running after it ended: every role process and what it started
+    run in the run directory (pids and process groups may be reused by then; a working directory
+    is not)."""
     out = []
-    for rec in procs(run, "trainer") + procs(run, "generator") + procs(run, "rendezvous"):
-        for p in psutil.process_iter():
-            try:
-                if os.getpgid(p.pid) == rec["pid"] and p.create_time() >= rec["created"] - 0.05:
-                    out.append(p.pid)
-            except (psutil.Error, OSError):
-                continue
+    for p in psutil.process_iter():
+        try:
+            if p.cwd() == str(run):
+                out.append(p.pid)
+        except psutil.Error:
+            continue
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=0, help="where in an iteration each fault lands")
-    parser.add_argument("--iterations", type=int, default=50)
+    parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--keep", action="store_true", help="keep the runs (kept on failure anyway)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     home = Path(tempfile.mkdtemp(prefix="chaos-"))
@@ -229,8 +231,10 @@ def main() -> None:
         "recover_s_max": round(max((r[2] for r in rows if r[3] == "survived"), default=float("nan")), 1),
         "wall_s": round(chaos_s, 1), "baseline_wall_s": round(base_s, 1),
     }))  # fmt: skip
-    if ok:
+    if ok and not args.keep:
         shutil.rmtree(home, ignore_errors=True)
+    else:
+        console.print(f"runs kept in {home}")
 
 
 if __name__ == "__main__":
