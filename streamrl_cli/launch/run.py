@@ -307,7 +307,8 @@ def watch_local(
                     _follow_scale(follower, console)
                 released = follower.released if follower is not None else set()
                 known = {r.pid for r in roles}  # generators started later (scaled up) are watched too
-                roles += [r for r in local.procs(run) if r.role != "rendezvous" and r.pid not in known]
+                procs = local.procs(run)
+                roles += [r for r in procs if r.role != "rendezvous" and r.pid not in known]
                 codes = {r.pid: _exit_code(r) for r in roles}
                 # Released instances (scaled in) leave on purpose, whatever their exit code.
                 gens = [r for r in roles if r.role == "generator" and r.rank not in released]
@@ -321,7 +322,9 @@ def watch_local(
                     if codes[r.pid] not in (None, 0) and r.role != "generator" and r.pid not in replaced
                 ]
                 trainers = [r for r in roles if r.role == "trainer" and r.pid not in replaced]
-                dead_rendezvous = _revive_rendezvous(run, console)
+                dead_rendezvous = _revive_rendezvous(
+                    run, [r for r in procs if r.role == "rendezvous"], console
+                )
                 if dead_rendezvous is not None:
                     failed.append(dead_rendezvous)
                 if gone and all(codes[r.pid] is not None for r in gens):
@@ -421,22 +424,23 @@ def _generator_failed(run: RunDir, rec: local.LocalProc, code: int | None, conso
     console.print(local.log_tail(rec.log, 5), markup=False, highlight=False)
 
 
-def _revive_rendezvous(run: RunDir, console: Console) -> local.LocalProc | None:
+def _revive_rendezvous(run: RunDir, recs: list[local.LocalProc], console: Console) -> local.LocalProc | None:
     """Start the run's local rendezvous server again if it died (returns it once it died too often).
-    Only this launcher knows its exit code: it is the one that watches it.
+    `recs`: its process records, as the watch loop read them. Only this launcher knows its exit
+    code: it is the one that watches it.
 
     Its journal keeps the run's state (members, versions, progress) and members follow it to its
     new port through rendezvous.json, retrying meanwhile; heartbeats that missed a beat get a grace
     lease. A server that keeps dying is a failure of the run, with its log's last lines.
     """
-    recs = [r for r in local.procs(run) if r.role == "rendezvous"]
     if not recs or any(r.alive() for r in recs):
         return None
     last = max(recs, key=lambda r: r.created)
     code = local.exit_code(last)
-    if code in (None, 0) or run.info().get("state") in ("cancelling", "cancelled"):
+    info = run.info() if code not in (None, 0) else {}
+    if code in (None, 0) or info.get("state") in ("cancelling", "cancelled"):
         return None  # running, or stopped on purpose (the run directory deleted, a cancel)
-    restarts = int(run.info().get("rendezvous_restarts") or 0)
+    restarts = int(info.get("rendezvous_restarts") or 0)
     if restarts >= RENDEZVOUS_RESTARTS:
         return last
     run.update_info(rendezvous_restarts=restarts + 1)
