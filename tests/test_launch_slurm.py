@@ -47,7 +47,9 @@ def wait_for(run: Path, pred, timeout: float = 120, what: str = "state") -> dict
         if pred(doc):
             return doc
         time.sleep(1)
-    raise AssertionError(f"timed out waiting for {what}; last status: {json.dumps(doc, indent=1)[:3000]}")
+    brief = {r["role"]: [(m["rank"], m["state"]) for m in r["members"]] for r in doc.get("roles", [])}
+    last = json.dumps(doc, indent=1)[:3000]
+    raise AssertionError(f"timed out waiting for {what}; members {brief}; last status: {last}")
 
 
 def all_tasks(doc: dict, state: str) -> bool:
@@ -82,13 +84,13 @@ def test_status_of_a_live_run_then_cancel(slurm, runs_root):
         lambda d: (
             all_tasks(d, "RUNNING")
             and d["rendezvous"]["reachable"]
-            and sum(len(r["members"]) for r in d["roles"]) == 3
+            and [m["state"] for r in d["roles"] for m in r["members"]] == ["alive"] * 4  # with the server
         ),
         what="all members registered",
     )
     assert doc["state"] == "running"
     gens = next(r for r in doc["roles"] if r["role"] == "generator")["members"]
-    assert [m["state"] for m in gens] == ["alive", "alive"] and all(m["last_heartbeat_s"] < 10 for m in gens)
+    assert [m["rank"] for m in gens] == [0, 1] and all(m["last_heartbeat_s"] < 10 for m in gens)
     out = streamrl("cancel", run.name)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("scancel") == 2

@@ -105,3 +105,24 @@ def test_a_members_error_reaches_the_terminal_without_control_characters():
     s.heartbeat("generator-0", incarnation=1, weight_version=None, reported_state=None,
                 error="bad\x1b[31m red\u2028next\nline", now=2.0, mono=1.0)  # fmt: skip
     assert s.members["generator-0"].last_error == "bad [31m red next line"
+
+
+def test_members_not_yet_heard_from_are_registering_while_the_server_answers(tmp_path):
+    from streamrl_cli import rundir
+    from streamrl_cli.rundir import RunDir
+    from streamrl_cli.status import _members
+
+    run = RunDir(tmp_path)
+    run.members.mkdir(parents=True)
+    rundir.write_json(run.member_record("generator", 0), {"role": "generator", "rank": 0, "host": "h"})
+    rundir.write_json(run.member_record("generator", 1), {"role": "generator", "rank": 1, "exit_code": 1})
+    live = [{**member("trainer", 0, "local"), "host": "h"}]  # only the trainer registered so far
+
+    def states(live, reachable):
+        return [(m["rank"], m["state"]) for m in _members(run, "generator", live, reachable=reachable)]
+
+    assert states(live, True) == [(0, "registering"), (1, "exited")]
+    assert states([], False) == [(0, "unknown"), (1, "exited")]  # the server cannot be asked
+    assert [m["state"] for m in _members(run, "trainer", live, reachable=True)] == ["alive"]
+    rundir.write_json(run.member_record("rendezvous", 0), {"role": "rendezvous", "rank": 0})
+    assert [m["state"] for m in _members(run, "rendezvous", live, reachable=True)] == ["alive"]  # it answered

@@ -43,7 +43,7 @@ def collect(run: RunDir) -> dict[str, Any]:
                 "cluster": spec.get("cluster"),
                 "jobs": [j for j in jobs if j["role"] == role],
                 "processes": [_proc(p) for p in procs if p.role == role],
-                "members": _members(run, role, members),
+                "members": _members(run, role, members, reachable=bool(rdv.get("reachable"))),
             }
         )
     state, problems = _derive_state(info.get("state", "unknown"), jobs, procs)
@@ -204,10 +204,13 @@ def _spec(run: RunDir, role: str) -> dict[str, Any]:
         return {}
 
 
-def _members(run: RunDir, role: str, live: list[dict]) -> list[dict]:
-    """Members of ``role``: the server's view when it answers, else the start records on disk."""
-    if live:
-        rows = [m for m in live if m["role"] == role]
+def _members(run: RunDir, role: str, live: list[dict], reachable: bool) -> list[dict]:
+    """Members of ``role``: the server's view once any of them registered, else the start records on
+    disk: "registering" while the server answers but has not heard from them yet (the server's own
+    record: "alive" then), "unknown" when the server cannot be asked, "exited" once a process wrote
+    its exit."""
+    rows = [m for m in live if m["role"] == role]
+    if rows:
         return [
             {
                 "rank": m["rank"],
@@ -228,7 +231,9 @@ def _members(run: RunDir, role: str, live: list[dict]) -> list[dict]:
     out = []
     for f in sorted(run.members.glob(f"{role}-*.json")):
         rec = rundir.read_json(f) or {}
-        state = "exited" if "exit_code" in rec else "unknown"
+        # the server is no member of itself: its own record is alive when it answered
+        waiting = "alive" if role == "rendezvous" else "registering"
+        state = "exited" if "exit_code" in rec else waiting if reachable else "unknown"
         out.append(
             {
                 "rank": rec.get("rank"),

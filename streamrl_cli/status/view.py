@@ -29,6 +29,7 @@ STATE_STYLE = {
     "TIMEOUT": "red",
     "UNKNOWN": "dim",
     "unknown": "dim",
+    "registering": "yellow",
     "ended": "yellow",
     "stalled": "red",
 }
