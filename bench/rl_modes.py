@@ -89,19 +89,29 @@ WARMUP_STEPS = 120  # ~1 min here; enough for the answer format (loss ~0.9), not
 
 def wide_model() -> list[str]:
     """The wider model (built and warmed up on the repeat task once), as recipe overrides."""
+    return warm_model("bench-384x4", WIDE, WARMUP_STEPS)
+
+
+def warm_model(name: str, dims: dict[str, int], steps: int) -> list[str]:
+    """A Qwen2 model of `dims`, built and warmed up on the repeat task once (cached under
+    ~/.cache/streamrl/models/bench-repeat-*), as recipe overrides."""
     from streamrl_cli.models.tiny import TinySpec, build_tiny_model
     from streamrl_cli.models.warmup import warm_up
     from streamrl_cli.recipe.schema import TaskConfig
     from streamrl_cli.tasks import make_task
 
-    path = Path("~/.cache/streamrl/models/bench-repeat-384x4").expanduser()
-    with console.status("building and warming up the 384×4 model (once, cached) ..."):
-        spec = TinySpec(**WIDE, intermediate_size=4 * WIDE["hidden_size"])
+    path = model_path(name)
+    with console.status(f"building and warming up the {name} model (once, cached) ..."):
+        spec = TinySpec(**dims, intermediate_size=4 * dims["hidden_size"])
         base = build_tiny_model(Path(f"{path}-base"), spec)
         task = make_task(TaskConfig(name="builtin", dataset=None, max_output_len=64, num_prompts=4096))
-        warm_up(base, path, task, steps=WARMUP_STEPS)
-    return [f"model.path={path}", "model.builder=null", "model.name=bench-384x4",
-            *(f"model.{k}={v}" for k, v in WIDE.items())]  # fmt: skip
+        warm_up(base, path, task, steps=steps)
+    return [f"model.path={path}", "model.builder=null", f"model.name={name}",
+            *(f"model.{k}={v}" for k, v in dims.items())]  # fmt: skip
+
+
+def model_path(name: str) -> Path:
+    return Path(f"~/.cache/streamrl/models/bench-repeat-{name.removeprefix('bench-')}").expanduser()
 
 
 def main() -> None:

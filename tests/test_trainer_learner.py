@@ -165,3 +165,15 @@ def test_ppo_trains_actor_and_critic(model_dir):
     assert not torch.equal(learner.critic.module.head.weight, head)  # the critic learnt from the returns
     moved = [n for n, p in learner.actor.module.named_parameters() if not torch.equal(p, actor[n])]
     assert len(moved) == len(actor)
+
+
+def test_a_zero_kl_coefficient_loads_no_reference_and_keeps_the_gradient(model_dir):
+    cfg = loss_config(kl_coef=0.0, is_correction="on")
+    assert cfg.kl_mode == "none"  # whatever algorithm.kl_mode says: the term is zero
+    rows = rollouts(8, seed=11)
+    expected = reference_grads(model_dir, cfg, rows)  # with a reference, its term times 0
+    learner = Learner(model_dir, cfg, OptimConfig(zero_stage=1, lr=0.0), torch.device("cpu"), torch.float32)
+    assert learner.ref is None  # no frozen copy held, no extra forward per micro-batch
+    learner.micro_step(collate(rows), last=True)
+    learner.finish_gradients()
+    assert_same(learner.full_gradients(), expected)

@@ -62,7 +62,7 @@ class LossConfig:
             raise ValueError(f"algorithm.is_correction={a.is_correction!r} not resolved (checks.resolve)")
         return cls(
             name=a.name,
-            kl_mode=a.kl_mode,
+            kl_mode="none" if a.kl_coef == 0 else a.kl_mode,  # a zero coefficient needs no reference
             kl_estimator=a.kl_estimator,
             kl_coef=a.kl_coef,
             loss_agg=a.loss_agg,
