@@ -12,8 +12,8 @@ The task is the built-in repeat task written out as a JSONL dataset, with held-o
 pairs that no training prompt uses; both tools score with the same function
 (`streamrl_cli.tasks.rewards:repeat_verifier`). Settings shared by both: prompts per step, group size,
 completion limit, learning rate (constant), clip ratio, no KL term, group-std advantage scaling, one
-optimizer step per batch, seed. Both final models are evaluated the same way (greedy, by TRL's
-environment's transformers) on 200 held-out prompts.
+optimizer step per batch, seed. Both final models are evaluated the same way (4 sampled completions
+of each of 200 held-out prompts, by TRL's environment's transformers, same seed).
 
 Throughput is samples (completions trained on) per second of each tool's training loop: TRL's
 `trainer.train()`, StreamRL's first iteration's start to its last's end. End-to-end wall time (process
@@ -50,6 +50,7 @@ X20_WARMUP = 200
 GROUP, PROMPTS_PER_STEP, MAX_COMPLETION, CLIP, SEED = 4, 16, 64, 0.2, 0
 LR = {"tiny": 1e-3, "x20": 3e-4}
 HELD_OUT = 200
+EVAL_SAMPLES = 4  # sampled completions per held-out prompt (bench/trl_grpo.py says why not greedy)
 TARGET = 1.5
 REWARD = "streamrl_cli.tasks.rewards:repeat_verifier"
 
@@ -114,7 +115,8 @@ def trl_call(py: Path, what: str, settings: dict, label: str) -> tuple[dict, flo
 
 
 def evaluate(py: Path, model: Path, test: Path, out: Path, label: str) -> float:
-    settings = {"model": str(model), "data": str(test), "max_completion": MAX_COMPLETION, "out": str(out)}
+    settings = {"model": str(model), "data": str(test), "max_completion": MAX_COMPLETION, "out": str(out),
+                "samples": EVAL_SAMPLES, "seed": SEED}  # fmt: skip
     return trl_call(py, "eval", settings, f"{label}: held-out evaluation")[0]["reward"]
 
 
@@ -133,7 +135,7 @@ def run_streamrl(size: str, model_args: list[str], train: Path, iterations: int,
     overrides = [
         f"task.dataset={train}", "task.name=peer-repeat", f"task.reward={REWARD}",
         f"task.max_output_len={MAX_COMPLETION}", f"algorithm.group_size={GROUP}", f"algorithm.lr={LR[size]}",
-        f"algorithm.clip_ratio={CLIP}", "algorithm.kl_mode=off", "algorithm.grpo_std_norm=true",
+        f"algorithm.clip_ratio={CLIP}", "algorithm.kl_mode=none", "algorithm.grpo_std_norm=true",
         f"train.global_batch={PROMPTS_PER_STEP}", f"train.iterations={iterations}", f"train.seed={SEED}",
         *model_args,
     ]  # fmt: skip

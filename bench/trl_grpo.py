@@ -55,7 +55,7 @@ def train(s: dict) -> dict:
         max_steps=s["steps"],
         learning_rate=s["lr"],
         lr_scheduler_type="constant",  # StreamRL's learning rate is constant
-        beta=0.0,  # no KL term (StreamRL: algorithm.kl_mode=off)
+        beta=0.0,  # no KL term (StreamRL: algorithm.kl_mode=none)
         epsilon=s["clip"],
         temperature=1.0,
         top_p=1.0,
@@ -89,7 +89,10 @@ def train(s: dict) -> dict:
 
 
 def evaluate(s: dict) -> dict:
-    """Greedy completions of the held-out prompts under `s["model"]`, scored by the shared verifier."""
+    """`s["samples"]` sampled completions (temperature 1, no truncation: the distribution trained on)
+    of each held-out prompt under `s["model"]`, scored by the shared verifier. Sampled, not greedy: a
+    policy warmed up on noisy counts rarely makes EOS its single most likely token, so greedy decoding
+    runs to the length limit and scores nearly 0 for every policy alike."""
     import torch
 
     torch.set_num_threads(s.get("threads", 2))
@@ -102,22 +105,26 @@ def evaluate(s: dict) -> dict:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(s["model"], dtype=torch.float32).eval()
-    rows = [json.loads(line) for line in Path(s["data"]).read_text().splitlines() if line.strip()]
+    prompts = [json.loads(line) for line in Path(s["data"]).read_text().splitlines() if line.strip()]
+    rows = [r for r in prompts for _ in range(s["samples"])]
+    torch.manual_seed(s["seed"])
     scores, lengths = [], []
     for i in range(0, len(rows), 64):
         batch = rows[i : i + 64]
         enc = tok([r["prompt"] for r in batch], return_tensors="pt", padding=True)
         with torch.no_grad():
             out = model.generate(
-                **enc, max_new_tokens=s["max_completion"], do_sample=False, pad_token_id=tok.pad_token_id
-            )
+                **enc, max_new_tokens=s["max_completion"], do_sample=True, temperature=1.0, top_k=0,
+                top_p=1.0, pad_token_id=tok.pad_token_id,
+            )  # fmt: skip
         new = out[:, enc["input_ids"].shape[1] :]
         texts = tok.batch_decode(new, skip_special_tokens=True)
         lengths += [int((ids != tok.pad_token_id).sum()) for ids in new]
         scores += repeat_verifier(
             [r["prompt"] for r in batch], texts, [r["word"] for r in batch], [r["count"] for r in batch]
         )
-    return {"reward": sum(scores) / len(scores), "length": sum(lengths) / len(lengths), "prompts": len(rows)}
+    n = len(scores)
+    return {"reward": sum(scores) / n, "length": sum(lengths) / n, "prompts": len(prompts)}
 
 
 if __name__ == "__main__":

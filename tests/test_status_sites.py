@@ -125,4 +125,5 @@ def test_members_not_yet_heard_from_are_registering_while_the_server_answers(tmp
     assert states([], False) == [(0, "unknown"), (1, "exited")]  # the server cannot be asked
     assert [m["state"] for m in _members(run, "trainer", live, reachable=True)] == ["alive"]
     rundir.write_json(run.member_record("rendezvous", 0), {"role": "rendezvous", "rank": 0})
-    assert [m["state"] for m in _members(run, "rendezvous", live, reachable=True)] == ["alive"]  # it answered
+    assert _members(run, "rendezvous", live, reachable=True) == []  # no member of itself
+    assert [m["state"] for m in _members(run, "rendezvous", [], reachable=False)] == ["unknown"]

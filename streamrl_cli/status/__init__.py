@@ -206,10 +206,13 @@ def _spec(run: RunDir, role: str) -> dict[str, Any]:
 
 def _members(run: RunDir, role: str, live: list[dict], reachable: bool) -> list[dict]:
     """Members of ``role``: the server's view once any of them registered, else the start records on
-    disk: "registering" while the server answers but has not heard from them yet (the server's own
-    record: "alive" then), "unknown" when the server cannot be asked, "exited" once a process wrote
-    its exit."""
+    disk: "registering" while the server answers but has not heard from them yet, "unknown" when the
+    server cannot be asked, "exited" once a process wrote its exit. The server is no member of
+    itself: its own record shows only while it cannot answer (its state is the document's
+    ``rendezvous`` section)."""
     rows = [m for m in live if m["role"] == role]
+    if role == "rendezvous" and reachable:
+        return []
     if rows:
         return [
             {
@@ -231,9 +234,7 @@ def _members(run: RunDir, role: str, live: list[dict], reachable: bool) -> list[
     out = []
     for f in sorted(run.members.glob(f"{role}-*.json")):
         rec = rundir.read_json(f) or {}
-        # the server is no member of itself: its own record is alive when it answered
-        waiting = "alive" if role == "rendezvous" else "registering"
-        state = "exited" if "exit_code" in rec else waiting if reachable else "unknown"
+        state = "exited" if "exit_code" in rec else "registering" if reachable else "unknown"
         out.append(
             {
                 "rank": rec.get("rank"),
