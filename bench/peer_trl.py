@@ -50,6 +50,7 @@ X20_WARMUP = 200
 GROUP, PROMPTS_PER_STEP, MAX_COMPLETION, CLIP, SEED = 4, 16, 64, 0.2, 0
 LR = {"tiny": 1e-3, "x20": 3e-4}
 HELD_OUT = 200
+MICRO_BATCH = 16  # StreamRL's samples per forward/backward (TRL: the whole batch of 64 at once)
 EVAL_SAMPLES = 4  # sampled completions per held-out prompt (bench/trl_grpo.py says why not greedy)
 TARGET = 1.5
 REWARD = "streamrl_cli.tasks.rewards:repeat_verifier"
@@ -87,6 +88,7 @@ def write_data(where: Path, n_train: int) -> tuple[Path, Path]:
     train = [r for r in rows if not held_out(r["word"], r["count"])][:n_train]
     test = [r for r in rows if held_out(r["word"], r["count"])][:HELD_OUT]
     random.Random(SEED).shuffle(train)
+    where.mkdir(parents=True, exist_ok=True)
     paths = where / "train.jsonl", where / "test.jsonl"
     for path, part in zip(paths, (train, test), strict=True):
         path.write_text("".join(json.dumps(r) + "\n" for r in part))
@@ -137,6 +139,7 @@ def run_streamrl(size: str, model_args: list[str], train: Path, iterations: int,
         f"task.max_output_len={MAX_COMPLETION}", f"algorithm.group_size={GROUP}", f"algorithm.lr={LR[size]}",
         f"algorithm.clip_ratio={CLIP}", "algorithm.kl_mode=none", "algorithm.grpo_std_norm=true",
         f"train.global_batch={PROMPTS_PER_STEP}", f"train.iterations={iterations}", f"train.seed={SEED}",
+        f"train.micro_batch={MICRO_BATCH}",
         *model_args,
     ]  # fmt: skip
     started = time.monotonic()

@@ -107,6 +107,7 @@ def warm_model(name: str, dims: dict[str, int], steps: int) -> list[str]:
         task = make_task(TaskConfig(name="builtin", dataset=None, max_output_len=64, num_prompts=4096))
         warm_up(base, path, task, steps=steps)
     return [f"model.path={path}", "model.builder=null", f"model.name={name}",
+            "model.params_b=0",  # 0: taken from config.json
             *(f"model.{k}={v}" for k, v in dims.items())]  # fmt: skip
 
 
