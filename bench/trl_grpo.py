@@ -1,7 +1,7 @@
 """The TRL side of `bench/peer_trl.py`, run by the Python of TRL's own environment (never by StreamRL's).
 
     python bench/trl_grpo.py train SETTINGS.json   # GRPOTrainer on a JSONL dataset; writes a result JSON
-    python bench/trl_grpo.py eval SETTINGS.json    # greedy held-out reward of a model directory
+    python bench/trl_grpo.py eval SETTINGS.json    # sampled held-out reward of a model directory
 
 Both sides score with the same function, `streamrl_cli.tasks.rewards:repeat_verifier`, imported from this
 checkout (it needs nothing beyond the standard library), so the reward is the same code, not a copy.
