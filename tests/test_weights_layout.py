@@ -120,6 +120,9 @@ def test_recipients_are_the_eligible_generators_less_those_that_have_the_version
     done = {"current": 1, "pending": [pending(2, ["generator-0", "generator-1", "generator-3"])]}
     assert WeightPublisher._recipients(members, done, 2) == "confirmed"
     assert WeightPublisher._recipients([gen(0, reported=STARTING)], {"current": 1, "pending": []}, 2) is None
+    # Made current while a retry waited (the member that hung mid-transfer was lost and dropped from
+    # its group): delivered, not proposed again, which the rendezvous would refuse as stale.
+    assert WeightPublisher._recipients(members, {"current": 2, "pending": []}, 2) == "confirmed"
 
 
 def test_confirmation_wait_ends_at_current_and_breaks_when_the_whole_group_is_gone():

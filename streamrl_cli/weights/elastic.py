@@ -179,7 +179,12 @@ class ElasticSource:
 
     @staticmethod
     def _recipients(members: list[dict], versions: dict, version: int) -> list[dict] | str | None:
-        """Who gets `version`: every eligible generator, less those that confirmed it already."""
+        """Who gets `version`: every eligible generator, less those that confirmed it already.
+        "confirmed" once it is current: the rendezvous made it so when every member of its group
+        still alive had it (a member lost mid-transfer is dropped from the group), and proposing it
+        again would be refused as stale."""
+        if versions["current"] is not None and versions["current"] >= version:
+            return "confirmed"
         pending = {p["version"]: p for p in versions["pending"]}.get(version)
         done = set(pending["confirmed"]) if pending else set()
         todo = [m for m in eligible(members) if m["member_id"] not in done]
