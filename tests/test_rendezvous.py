@@ -392,3 +392,36 @@ def test_tls_round_trip(tmp_path):
             httpx.get(srv.url.replace("https", "http") + "/healthz", timeout=2)
     finally:
         srv.kill()
+
+
+def test_a_stalled_server_does_not_count_its_own_silence_against_members(tmp_path):
+    # A server that did not run for a while (stopped, swapped out, starved of CPU) heard nobody
+    # then: heartbeats waited in its sockets. That silence is the server's, not the members'.
+    lease = 1.0
+    create_secret(tmp_path)
+    server = Server(tmp_path, lease_s=lease)
+    with server.client() as watcher, server.client() as busy, server.client() as quiet:
+        try:
+            since = busy.register("generator", 0)["event_seq"]
+            busy.start_heartbeat()
+            quiet.register("generator", 1)  # then never heartbeats: it must still be found lost
+            server.proc.send_signal(signal.SIGSTOP)
+            time.sleep(4 * lease)
+            server.proc.send_signal(signal.SIGCONT)
+            stalled_until = time.monotonic()
+            lost_at = None
+            while lost_at is None and time.monotonic() - stalled_until < 4 * lease:
+                doc = watcher.events(since, timeout=1)
+                since = doc["next_since"]
+                lost = [e["data"]["member_id"] for e in doc["events"] if e["type"] == "member_lost"]
+                assert "generator-0" not in lost, server.logs()
+                if "generator-1" in lost:
+                    lost_at = time.monotonic()
+            assert lost_at is not None and lost_at - stalled_until <= 2 * lease
+            assert "stalled" in server.logs()
+            time.sleep(2 * lease)  # and the heartbeating one stays alive past another lease
+            states = {m["member_id"]: m["state"] for m in watcher.members()}
+            assert states == {"generator-0": "alive", "generator-1": "lost"}
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+            server.kill()

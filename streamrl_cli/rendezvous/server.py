@@ -176,11 +176,22 @@ class RendezvousServer:
             self._syncing = None
 
     async def reaper(self) -> None:
-        """Mark silent members lost; checking at lease/4 finds one within 1.25 leases."""
+        """Mark silent members lost; checking at lease/4 finds one within 1.25 leases.
+
+        A tick that comes late by more than a tick means this process did not run meanwhile
+        (stopped, swapped out, starved of CPU, its loop blocked): heartbeats then waited unread in
+        its sockets, so that time is not counted as the members' silence."""
+        tick = self.lease_s / 4
+        due = time.monotonic() + tick
         while True:
-            await asyncio.sleep(self.lease_s / 4)
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            mono = time.monotonic()
+            late, due = mono - due, mono + tick
+            if late > tick:
+                log.warning("rendezvous server stalled for %.1fs: not counted as its members' silence", late)
+                self.state.excuse(late, mono=mono)
             try:
-                await self._commit(self.state.reap(now=time.time(), mono=time.monotonic()))
+                await self._commit(self.state.reap(now=time.time(), mono=mono))
             except Exception:
                 log.exception("reaper failed; retrying at the next tick")
 

@@ -184,6 +184,11 @@ class RendezvousState:
                 )
         return events + self._check_versions(now) if events else events
 
+    def excuse(self, seconds: float, *, mono: float) -> None:
+        """The server heard nobody for ``seconds`` (it did not run): that time is not silence."""
+        for m in self.members.values():
+            m.last_seen = min(mono, m.last_seen + seconds)
+
     def start_grace(self, mono: float) -> None:
         """After a replay: every alive member gets one full lease from `mono` to heartbeat."""
         for m in self.members.values():
