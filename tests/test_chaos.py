@@ -264,3 +264,51 @@ def test_a_trainer_killed_while_writing_a_checkpoint_resumes_from_the_last_whole
     resumed = [x for x in log.splitlines() if "resuming from" in x]
     assert all(f"iter-{torn_at:06d}" not in x for x in resumed), resumed
     assert_nothing_left(run_dir)
+
+
+FLAKY_REWARD = """
+from pathlib import Path
+
+from streamrl_cli.tasks.rewards import repeat_verifier
+
+HERE = Path(__file__).parent
+
+
+def score(prompts, completions, **columns):
+    calls = HERE / "calls"
+    calls.write_text(calls.read_text() + "x" if calls.exists() else "x")
+    if len(calls.read_text()) == {fail_at} and not (HERE / "failed-once").exists():
+        (HERE / "failed-once").touch()
+        raise ConnectionError("the judge did not answer")  # a remote judge's outage, say
+    return repeat_verifier(prompts, completions, **columns)
+"""
+
+
+def test_a_trainer_that_raised_is_started_again_and_the_generators_wait_for_it(runs_root, tmp_path):
+    # A trainer that fails by an exception (here its reward) leaves the rendezvous saying it failed.
+    # With restarts left it says it is restarting: the generators wait for the new process instead
+    # of finishing, and the run completes with the same generators.
+    (tmp_path / "flaky.py").write_text(FLAKY_REWARD.replace("{fail_at}", "14"))
+    proc = start_run(
+        runs_root, "train.iterations=6", "train.global_batch=4", "train.checkpoint_every=2",
+        "roles.trainer.restarts=1", f"task.reward={tmp_path / 'flaky.py'}:score",
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=RUN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert (tmp_path / "failed-once").exists() and out.count("starting the trainer again") == 1, out
+    run_dir = run_dir_of(runs_root)
+    assert run_dir is not None
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["state"] == "finished" and info["trainer_restarts"] == 1, info
+    assert sorted(set(trainer_iterations(run_dir))) == list(range(6))
+    procs = json.loads((run_dir / "local.json").read_text())
+    assert sum(r["role"] == "generator" for r in procs) == 2  # the same two generators served both
+    for rank in (0, 1):
+        log = (run_dir / "logs" / "generator" / f"generator-{rank}.log").read_text()
+        assert "the trainer left (restarting: failed: ConnectionError: the judge did not answer)" in log
+        assert "a new trainer process" in log and "failed:" not in log.split("a new trainer process")[1]
+    assert_nothing_left(run_dir)

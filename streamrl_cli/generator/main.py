@@ -348,16 +348,18 @@ class GeneratorRole:
         """The trainer left, was lost or registered (again); returns since when we wait for it, if we do.
 
         It leaves for good (the run is over, or failed): we finish. It leaves to come back (its job
-        requeued itself after SLURM's time-limit warning, or was preempted) or is lost: we wait up
+        requeued itself after SLURM's time-limit warning, or was preempted, or it failed and will
+        be started again within roles.trainer.restarts) or is lost: we wait up
         to `train.stall_after_s` for it. A trainer process that registers anew (a requeued job, a
         restart) dispatches from its checkpoint and pushes its weights first: what the old one
         dispatched is dropped, and we serve the new one once we loaded its weights.
         """
         from streamrl_cli.roles.requeue import PREEMPTED, REQUEUED
+        from streamrl_cli.roles.restart import RESTARTING
 
         if kind == "member_left":
             reason = str(data.get("reason") or "")
-            if not reason.startswith((REQUEUED, PREEMPTED)):
+            if not reason.startswith((REQUEUED, PREEMPTED, RESTARTING)):
                 log.info("%s: the trainer left (%s); finishing", self.member_id, reason or "stopped")
                 self._stop.set()
                 return None

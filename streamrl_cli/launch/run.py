@@ -27,6 +27,7 @@ from streamrl_cli.launch import local, plan, slurm
 from streamrl_cli.launch.plan import JobSpec
 from streamrl_cli.recipe.load import Composed
 from streamrl_cli.rendezvous import create_secret
+from streamrl_cli.roles.restart import mark_trainer_start, trainer_restarts_left
 from streamrl_cli.roles.spec import RoleSpec, TrainerSpec, load_spec, spec_yaml
 from streamrl_cli.rundir import RunDir, write_atomic
 
@@ -251,29 +252,6 @@ def _trainer_restarter(p: Prepared) -> Callable[[], list[local.LocalProc]] | Non
     if job is None:
         return None
     return lambda: local.start_job(p.run, job, p.spec_paths["trainer"])
-
-
-def trainer_restarts_left(run: RunDir) -> int:
-    """How many more times this attempt of the run may start its trainer again (roles.trainer.restarts).
-
-    None once the trainer died without training an iteration since it (re)started: a failure at
-    start (a bad program, a reward that cannot run) would fail the same way again.
-    """
-    from streamrl_cli.metrics.read import count_iteration_records
-
-    spec = load_spec(run.role_spec("trainer"))
-    assert isinstance(spec, TrainerSpec)
-    info = run.info()
-    if count_iteration_records(run.path) <= int(info.get("trainer_started_after") or 0):
-        return 0
-    return spec.settings.restarts - int(info.get("trainer_restarts") or 0)
-
-
-def mark_trainer_start(run: RunDir) -> None:
-    """Remember how many iterations were recorded when the trainer (re)started (see above)."""
-    from streamrl_cli.metrics.read import count_iteration_records
-
-    run.update_info(trainer_started_after=count_iteration_records(run.path))
 
 
 def watch_local(

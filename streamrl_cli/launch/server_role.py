@@ -92,8 +92,8 @@ def _restart_trainer(run: RunDir, states: list[dict]) -> bool:
     it was. A cancelled run, or a trainer job SLURM requeues itself, is left alone."""
     from streamrl_cli.elastic.executor import role_job
     from streamrl_cli.errors import StreamRLError
-    from streamrl_cli.launch.run import mark_trainer_start, trainer_restarts_left
     from streamrl_cli.roles.entry import run_role
+    from streamrl_cli.roles.restart import mark_trainer_start, trainer_restarts_left
 
     trainer = [j for j in states if j["role"] == "trainer"]
     if len(trainer) != 1 or not trainer[0]["tasks"]:

@@ -74,7 +74,7 @@ class TrainerRole:
             # Said to the rendezvous as we go: `streamrl status` shows it as this member's last error.
             log.error("trainer rank %d failed: %s", self.rank, e)
             with contextlib.suppress(Exception):
-                self.rdv.leave(f"failed: {type(e).__name__}: {e}")
+                self.rdv.leave(self._failed(e))
             raise
         finally:
             for c in reversed(self.closers):
@@ -140,6 +140,23 @@ class TrainerRole:
         leave_group()
         self.rdv.leave("stopped" if stopped is None else self._end_early(stopped))
         return 0
+
+    def _failed(self, error: Exception) -> str:
+        """Why we leave after ``error``. When a process of ours will be started again (the restart
+        budget allows: see `roles.restart`), the reason says so and the generators wait for it."""
+        from streamrl_cli.roles.restart import RESTARTING, trainer_restarts_left
+
+        reason = f"failed: {type(error).__name__}: {error}"
+        try:
+            again = self.rank == 0 and trainer_restarts_left(RunDir(self.run_dir)) > 0
+        except Exception as e:  # the budget cannot be read: say so, and let the generators finish
+            log.warning("trainer restart budget not read (%s): the generators finish", e)
+            again = False
+        if not again:
+            return reason
+        self.rdv.set_status(state="failed", error=reason)  # `streamrl status` shows it meanwhile
+        log.info("trainer: a new process will be started (roles.trainer.restarts); generators wait")
+        return f"{RESTARTING}: {reason}"
 
     def _end_early(self, stopped: Any) -> str:
         """After the checkpoint SLURM's warning asked for: requeue our job after USR2; say why we leave
