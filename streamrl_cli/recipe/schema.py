@@ -268,8 +268,10 @@ class TrainConfig:
     micro_batch: int = 4  # samples per forward/backward
     iterations: int = 10  # RL iterations
     seed: int = 0  # seed of data order and sampling
-    # Seed every request from `seed`, the prompt id and the sample index: the same prompt gives the
-    # same outputs under the same weights whatever the batching and order (benchmarks, debugging).
+    # Seed every request from `seed`, the prompt id and the sample index (the same prompt gives the
+    # same outputs under the same weights whatever the batching), and train each batch's groups in
+    # the batch's order, not as they finish: in sync modes the same recipe and seed then give the
+    # same tokens, rewards and weights run after run (benchmarks, debugging, an exact oracle).
     reproducible_sampling: bool = False
     checkpoint_every: int = 5  # iterations between checkpoints (0: only the last one)
     keep_checkpoints: int = 2  # checkpoints kept (older ones are deleted)

@@ -84,7 +84,7 @@ class PipelineConfig:
     schedule: str = "fifo"  # fifo or lpt (longest predicted first, inside each instance)
     long_tail: float = 0.2  # α of Algorithm 2
     engine_max_seqs: int = 64  # sequences a generator's engine runs at once at most (its max_num_seqs)
-    reproducible: bool = False  # seed each request from (seed, prompt id, sample index)
+    reproducible: bool = False  # seed each request from (seed, prompt id, sample index); train in batch order
 
     @classmethod
     def from_spec(cls, spec: TrainerSpec) -> PipelineConfig:
@@ -127,6 +127,11 @@ class Batch:
     last_sample_at: float = 0.0
     collector: GroupCollector | None = None
     ready: list[Rollout] = field(default_factory=list)  # whole groups not yet trained on
+    # Reproducible runs train the groups in the batch's own order, not as they finish: a group that
+    # finished early waits here (group key -> rollouts) until those before it are in `ready`.
+    held: dict[str, list[Rollout]] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)  # group keys in the batch's order
+    released: int = 0  # groups of `order` moved to `ready`
     trained: list[Rollout] = field(default_factory=list)
     n_groups: int = 0
     done_groups: int = 0
@@ -266,6 +271,7 @@ class Pipeline:
                 req.priority, req.target, req.batch_limit = placement[k]
             requests.append(req)
         batch.n_groups = len(prompts)
+        batch.order = rids
         batch.dispatched_at = self.clock()
         self.batches[j] = batch
         self.svc.submit(requests)
@@ -404,9 +410,18 @@ class Pipeline:
         batch.last_sample_at = self.clock()
         if sample.first_token_at and sample.finished_at:
             batch.longest_s = max(batch.longest_s, sample.finished_at - sample.first_token_at)
-        for r in batch.collector.add(sample):
+        group = batch.collector.add(sample)
+        for r in group:
             r.staleness, r.iteration = staleness, j
-            batch.ready.append(r)
+        if not self.cfg.reproducible:
+            batch.ready += group
+        elif group:
+            # The same micro-batches, summed in the same order, run after run: the gradients, hence
+            # the weights, are the same bit for bit (the order the groups finished in varies).
+            batch.held[sample.group_id or sample.prompt_id] = group
+            while batch.released < len(batch.order) and batch.order[batch.released] in batch.held:
+                batch.ready += batch.held.pop(batch.order[batch.released])
+                batch.released += 1
         if batch.done_groups == batch.n_groups:
             self.gen_spans.append([batch.dispatched_at, batch.last_sample_at])
 
