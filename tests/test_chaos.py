@@ -16,6 +16,7 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from test_member_failures import (
     RUN_S,
@@ -183,6 +184,46 @@ def test_a_killed_rendezvous_server_is_started_again_and_the_run_completes(runs_
     # The trainer never stopped: every iteration trained once, in order, its record kept.
     assert trainer_iterations(run_dir) == list(range(8)), out
     assert_nothing_left(run_dir)
+
+
+@pytest.mark.slurm
+def test_the_rendezvous_server_of_a_slurm_run_is_kept_after_streamrl_run_returned(slurm, runs_root):
+    """A SLURM run's `streamrl run` returns once the jobs are submitted; its rendezvous server on
+    this host runs under a keeper, which starts it again from its journal when it dies."""
+    from conftest import metrics_records, streamrl, wait_on_run
+
+    iterations = 8
+    out = streamrl(
+        "run", "slurm-local", f"train.iterations={iterations}", "train.checkpoint_every=0",
+        "train.global_batch=4", "roles.generator.instances=1", "--root", str(runs_root),
+        env={"STREAMRL_JOB_POLL_S": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    (run,) = list(runs_root.iterdir())
+
+    def trained() -> list[int]:
+        return [r["iteration"] for r in metrics_records(run, "trainer") if "iteration" in r]
+
+    try:
+        wait_on_run(lambda: len(trained()) >= 2, 900, "two trained iterations", run)
+        server = json.loads((run / "rendezvous.json").read_text())["pid"]
+        os.kill(server, signal.SIGKILL)
+        wait_on_run(lambda: json.loads((run / "run.json").read_text()).get("state") in ("finished", "failed"),
+                    900, "the run to end", run)  # fmt: skip
+    finally:
+        streamrl("cancel", str(run), timeout=200)
+    info = json.loads((run / "run.json").read_text())
+    assert info["state"] == "finished" and info["rendezvous_restarts"] == 1, info
+    (restart,) = [e for e in events(run) if e["event"] == "rendezvous_restarted"]
+    assert restart["exit_code"] == -9
+    assert json.loads((run / "rendezvous.json").read_text())["pid"] != server
+    assert trained() == list(range(iterations))
+    log = (run / "logs" / "rendezvous" / "rendezvous-0.log").read_text()
+    assert "starting it again from its journal (1 of 3)" in log
+    # The keeper ended with its server once the run was over.
+    (keeper,) = [r for r in json.loads((run / "local.json").read_text()) if r["role"] == "rendezvous"]
+    wait_on_run(lambda: not psutil.pid_exists(keeper["pid"]) or psutil.Process(keeper["pid"]).status()
+                == psutil.STATUS_ZOMBIE, 60, "the keeper to end", run)  # fmt: skip
 
 
 def test_a_generator_stopped_past_its_lease_is_lost_comes_back_and_the_run_completes(runs_root):

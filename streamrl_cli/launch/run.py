@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from rich.console import Console
 
 from streamrl_cli import rundir
 from streamrl_cli.errors import ClusterError, RendezvousError, ResumeError, StreamRLError
-from streamrl_cli.launch import local, plan, slurm
+from streamrl_cli.launch import keeper, local, plan, slurm
 from streamrl_cli.launch.plan import JobSpec
 from streamrl_cli.recipe.load import Composed
 from streamrl_cli.rendezvous import create_secret
@@ -34,7 +35,6 @@ from streamrl_cli.rundir import RunDir, write_atomic
 ENDED_STATES = ("finished", "failed", "cancelled", "dry-run")
 RENDEZVOUS_START_S = 60.0  # a local server starts in about a second
 RENDEZVOUS_JOB_START_S = 900.0  # a server job may wait in the queue first
-RENDEZVOUS_RESTARTS = 3  # a local rendezvous server that dies is started again from its journal
 GENERATOR_EXIT_S = 30.0  # after the trainer left, for generators to hand over and exit on their own
 
 
@@ -178,7 +178,11 @@ def launch(p: Prepared, console: Console) -> int:
     role_jobs = [j for j in p.jobs if j.role != "rendezvous"]
     try:
         if rdv_job is None:
-            local.spawn(run, "rendezvous", 0, local.role_command(p.spec_paths["rendezvous"], 0))
+            command = local.role_command(p.spec_paths["rendezvous"], 0)
+            if not any(j.launcher == "local" for j in role_jobs):
+                # This command returns once the jobs are submitted: a keeper restarts the server.
+                command = [sys.executable, "-u", "-m", keeper.__name__, str(run.path), "--", *command]
+            local.spawn(run, "rendezvous", 0, command)
         else:
             _submit(p, rdv_job, console)
         if rdv_job is not None:
@@ -260,7 +264,7 @@ def watch_local(
     """Wait for the local role processes, with a live table; Ctrl-C (or SIGTERM) stops them all.
 
     A trainer that dies is started again by ``restart`` while roles.trainer.restarts allows; a
-    local rendezvous server that dies, up to RENDEZVOUS_RESTARTS times (see `_revive_rendezvous`).
+    local rendezvous server that dies, up to keeper.RENDEZVOUS_RESTARTS times (see `_revive_rendezvous`).
     """
     from rich.live import Live
 
@@ -415,17 +419,14 @@ def _revive_rendezvous(run: RunDir, recs: list[local.LocalProc], console: Consol
         return None
     last = max(recs, key=lambda r: r.created)
     code = local.exit_code(last)
-    info = run.info() if code not in (None, 0) else {}
-    if code in (None, 0) or info.get("state") in ("cancelling", "cancelled"):
+    if code in (None, 0) or run.info().get("state") in ("cancelling", "cancelled"):
         return None  # running, or stopped on purpose (the run directory deleted, a cancel)
-    restarts = int(info.get("rendezvous_restarts") or 0)
-    if restarts >= RENDEZVOUS_RESTARTS:
-        return last
-    run.update_info(rendezvous_restarts=restarts + 1)
-    run.event("rendezvous_restarted", exit_code=code, restart=restarts + 1)
+    n = keeper.count_restart(run, code)
+    if n is None:
+        return last  # it died too often
     console.print(
         f"[yellow]the rendezvous server exited with {code}[/yellow]; starting it again from its journal "
-        f"({restarts + 1} of {RENDEZVOUS_RESTARTS})"
+        f"({n} of {keeper.RENDEZVOUS_RESTARTS})"
     )
     local.spawn(run, "rendezvous", 0, local.role_command(run.role_spec("rendezvous"), 0))
     return None
