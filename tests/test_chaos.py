@@ -116,35 +116,62 @@ def test_a_trainer_that_keeps_dying_fails_the_run_with_its_reason(runs_root):
 ITERS = 80  # long enough that the kill lands mid-run (an iteration takes about a second here)
 
 
-@pytest.mark.slurm
-def test_a_killed_slurm_trainer_job_is_submitted_again_and_resumes(slurm, runs_root):
-    """On SLURM the rendezvous role's job watcher sees the trainer job end FAILED (its rank was
-    killed: srun --kill-on-bad-exit ends the step) and submits the trainer job again; the new job
-    resumes from the checkpoint and the run finishes, every iteration trained to the end."""
-    from conftest import metrics_records, streamrl, wait_on_run
+def submit_slurm_run(runs_root: Path, *overrides: str) -> Path:
+    """`streamrl run slurm-local` with one generator and small batches; its run directory."""
+    from conftest import streamrl
 
-    out = streamrl(
-        "run", "slurm-local", f"train.iterations={ITERS}", "train.checkpoint_every=2", "train.global_batch=4",
-        "roles.generator.instances=1", "roles.trainer.restarts=1",
-        "--root", str(runs_root), env={"STREAMRL_JOB_POLL_S": "1"},
-    )  # fmt: skip
+    out = streamrl("run", "slurm-local", "train.global_batch=4", "roles.generator.instances=1", *overrides,
+                   "--root", str(runs_root), env={"STREAMRL_JOB_POLL_S": "1"})  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     (run,) = list(runs_root.iterdir())
+    return run
 
-    def iterations() -> list[int]:
-        return [r["iteration"] for r in metrics_records(run, "trainer") if "iteration" in r]
+
+def kill_then_wait_for_the_end(run: Path, ready, what: str, pid_of) -> tuple[dict, int]:  # type: ignore[no-untyped-def]
+    """Once `ready()`, SIGKILL the process `pid_of()` names; wait for the run to end (cancelled in any
+    case, so that no job outlives the test). Returns its run.json and the pid killed."""
+    from conftest import streamrl, wait_on_run
 
     try:
-        wait_on_run(lambda: list((run / "checkpoints").glob("iter-*/state.json")) and len(iterations()) >= 3,
-                    900, "a checkpoint and iteration 2", run)  # fmt: skip
-        (first,) = [j for j in json.loads((run / "jobs.json").read_text()) if j["role"] == "trainer"]
-        pid = json.loads((run / "members" / "trainer-0.json").read_text())["pid"]
+        wait_on_run(ready, 900, what, run)
+        pid = pid_of()
         os.kill(pid, signal.SIGKILL)
         wait_on_run(lambda: json.loads((run / "run.json").read_text()).get("state") in ("finished", "failed"),
                     1200, "the run to end", run)  # fmt: skip
     finally:
         streamrl("cancel", str(run), timeout=200)
-    info = json.loads((run / "run.json").read_text())
+    return json.loads((run / "run.json").read_text()), pid
+
+
+def slurm_iterations(run: Path) -> list[int]:
+    from conftest import metrics_records
+
+    return [r["iteration"] for r in metrics_records(run, "trainer") if "iteration" in r]
+
+
+@pytest.mark.slurm
+def test_a_killed_slurm_trainer_job_is_submitted_again_and_resumes(slurm, runs_root):
+    """On SLURM the rendezvous role's job watcher sees the trainer job end FAILED (its rank was
+    killed: srun --kill-on-bad-exit ends the step) and submits the trainer job again; the new job
+    resumes from the checkpoint and the run finishes, every iteration trained to the end."""
+
+    run = submit_slurm_run(runs_root, f"train.iterations={ITERS}", "train.checkpoint_every=2",
+                           "roles.trainer.restarts=1")  # fmt: skip
+
+    def iterations() -> list[int]:
+        return slurm_iterations(run)
+
+    seen: dict = {}
+
+    def trainer_pid() -> int:
+        (seen["first"],) = [j for j in json.loads((run / "jobs.json").read_text()) if j["role"] == "trainer"]
+        return json.loads((run / "members" / "trainer-0.json").read_text())["pid"]
+
+    info, _ = kill_then_wait_for_the_end(
+        run, lambda: list((run / "checkpoints").glob("iter-*/state.json")) and len(iterations()) >= 3,
+        "a checkpoint and iteration 2", trainer_pid,
+    )  # fmt: skip
+    first = seen["first"]
     assert info["state"] == "finished" and info["trainer_restarts"] == 1, info
     jobs = json.loads((run / "jobs.json").read_text())
     trainers = [j for j in jobs if j["role"] == "trainer"]
@@ -190,29 +217,18 @@ def test_a_killed_rendezvous_server_is_started_again_and_the_run_completes(runs_
 def test_the_rendezvous_server_of_a_slurm_run_is_kept_after_streamrl_run_returned(slurm, runs_root):
     """A SLURM run's `streamrl run` returns once the jobs are submitted; its rendezvous server on
     this host runs under a keeper, which starts it again from its journal when it dies."""
-    from conftest import metrics_records, streamrl, wait_on_run
+    from conftest import wait_on_run
 
     iterations = 8
-    out = streamrl(
-        "run", "slurm-local", f"train.iterations={iterations}", "train.checkpoint_every=0",
-        "train.global_batch=4", "roles.generator.instances=1", "--root", str(runs_root),
-        env={"STREAMRL_JOB_POLL_S": "1"},
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    (run,) = list(runs_root.iterdir())
+    run = submit_slurm_run(runs_root, f"train.iterations={iterations}", "train.checkpoint_every=0")
 
     def trained() -> list[int]:
-        return [r["iteration"] for r in metrics_records(run, "trainer") if "iteration" in r]
+        return slurm_iterations(run)
 
-    try:
-        wait_on_run(lambda: len(trained()) >= 2, 900, "two trained iterations", run)
-        server = json.loads((run / "rendezvous.json").read_text())["pid"]
-        os.kill(server, signal.SIGKILL)
-        wait_on_run(lambda: json.loads((run / "run.json").read_text()).get("state") in ("finished", "failed"),
-                    900, "the run to end", run)  # fmt: skip
-    finally:
-        streamrl("cancel", str(run), timeout=200)
-    info = json.loads((run / "run.json").read_text())
+    info, server = kill_then_wait_for_the_end(
+        run, lambda: len(trained()) >= 2, "two trained iterations",
+        lambda: json.loads((run / "rendezvous.json").read_text())["pid"],
+    )  # fmt: skip
     assert info["state"] == "finished" and info["rendezvous_restarts"] == 1, info
     (restart,) = [e for e in events(run) if e["event"] == "rendezvous_restarted"]
     assert restart["exit_code"] == -9
