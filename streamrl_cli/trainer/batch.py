@@ -101,8 +101,13 @@ class GroupCollector:
         self.finish = finish
         self._open: dict[str, dict[int, Sample]] = {}
 
+    @staticmethod
+    def key(sample: Sample) -> str:
+        """The group a sample belongs to: its request's, or the group a re-generated sample rejoins."""
+        return sample.group_id or sample.prompt_id
+
     def add(self, sample: Sample) -> list[Rollout]:
-        key = sample.group_id or sample.prompt_id
+        key = self.key(sample)
         group = self._open.setdefault(key, {})
         group[sample.sample_index] = sample
         if len(group) < self.group_size:

@@ -399,7 +399,7 @@ class Pipeline:
         staleness = j + self.offset - sample.weight_version
         if staleness > self.cfg.ahead:
             # Too old for this batch (a late joiner's or a re-dispatch's): generate it again.
-            group = sample.group_id or sample.prompt_id
+            group = GroupCollector.key(sample)
             batch.retries += 1
             rid = f"{group}#r{batch.retries}"
             batch.prompts[rid] = batch.prompts[group]
@@ -418,7 +418,7 @@ class Pipeline:
         elif group:
             # The same micro-batches, summed in the same order, run after run: the gradients, hence
             # the weights, are the same bit for bit (the order the groups finished in varies).
-            batch.held[sample.group_id or sample.prompt_id] = group
+            batch.held[GroupCollector.key(sample)] = group
             while batch.released < len(batch.order) and batch.order[batch.released] in batch.held:
                 batch.ready += batch.held.pop(batch.order[batch.released])
                 batch.released += 1
