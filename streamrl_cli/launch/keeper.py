@@ -27,15 +27,16 @@ log = logging.getLogger("streamrl.keeper")
 RENDEZVOUS_RESTARTS = 3  # a rendezvous server that dies is started again from its journal, per run
 
 
+def stopped_on_purpose(run: RunDir, code: int) -> bool:
+    """The server exited 0 (its run ended, a cancel stopped it), its run was cancelled, or its run
+    directory was deleted: it is not to be started again."""
+    return code == 0 or not run.run_json.exists() or run.info().get("state") in ("cancelling", "cancelled")
+
+
 def count_restart(run: RunDir, code: int) -> int | None:
-    """Record one more restart of the run's rendezvous server after it exited with `code`; its number,
-    or None when the server is not to be restarted (stopped on purpose, cancelled, too many)."""
-    if code == 0 or not run.run_json.exists():
-        return None
-    info = run.info()
-    if info.get("state") in ("cancelling", "cancelled"):
-        return None
-    restarts = int(info.get("rendezvous_restarts") or 0)
+    """Record one more restart of the run's rendezvous server, which died with `code`; its number, or
+    None once the run's budget of restarts is spent."""
+    restarts = int(run.info().get("rendezvous_restarts") or 0)
     if restarts >= RENDEZVOUS_RESTARTS:
         return None
     run.update_info(rendezvous_restarts=restarts + 1)
@@ -58,12 +59,12 @@ def keep(run: RunDir, command: list[str]) -> int:
     while True:
         child = subprocess.Popen(command)
         code = child.wait()
-        if stopping:
+        if stopping or stopped_on_purpose(run, code):
             return code
         n = count_restart(run, code)
         if n is None:
-            if code != 0:
-                log.error("the rendezvous server exited with %s; not started again", code)
+            log.error("the rendezvous server exited with %s; not started again (it died %d times)",
+                      code, RENDEZVOUS_RESTARTS + 1)  # fmt: skip
             return code
         log.warning("the rendezvous server exited with %s; starting it again from its journal (%d of %d)",
                     code, n, RENDEZVOUS_RESTARTS)  # fmt: skip

@@ -419,7 +419,7 @@ def _revive_rendezvous(run: RunDir, recs: list[local.LocalProc], console: Consol
         return None
     last = max(recs, key=lambda r: r.created)
     code = local.exit_code(last)
-    if code in (None, 0) or run.info().get("state") in ("cancelling", "cancelled"):
+    if code is None or keeper.stopped_on_purpose(run, code):
         return None  # running, or stopped on purpose (the run directory deleted, a cancel)
     n = keeper.count_restart(run, code)
     if n is None:
