@@ -193,3 +193,28 @@ def test_connections_beyond_the_bound_are_turned_away_not_threaded(monkeypatch):
                 time.sleep(0.2)
     finally:
         srv.close()
+
+
+def test_a_fetch_that_finds_every_slot_taken_tries_again_then_names_the_server(monkeypatch):
+    """A server with its connection slots full closes new connections at once. The fetch's first
+    connection retries from the reconnect budget, like its streams do, and says which server
+    failed it when the budget is spent (it once leaked a bare ConnectionError)."""
+    from streamrl_cli.weights import relay
+
+    monkeypatch.setattr(relay, "MAX_CONNECTIONS", 1)
+    srv = WeightServer(TOKEN, host="127.0.0.1", chunk_bytes=CHUNK, checksum="crc32")
+    port = int(srv.address.rsplit(":", 1)[1])
+    try:
+        srv.publish(1, weights())
+        squatter = socket.create_connection(("127.0.0.1", port), timeout=10)
+        assert squatter.recv(4096)  # its Challenge: it holds the only slot
+        named = rf"127\.0\.0\.1:{port}: no connection took after 3 tries"
+        with pytest.raises(WeightTransferError, match=named):
+            fetch_weights(srv.address, TOKEN, streams=1, max_reconnects=2)
+        assert srv.stats["turned_away"] == 3
+
+        threading.Timer(1.0, squatter.close).start()  # the slot frees while the fetch retries
+        got = fetch_weights(srv.address, TOKEN, streams=1, max_reconnects=50)
+        assert got.version == 1 and got.stats["reconnects"] >= 1
+    finally:
+        srv.close()

@@ -258,11 +258,35 @@ class _Fetch:
             raise
         return conn
 
+    def open(self, version: int) -> tuple[rw.Conn, Any]:
+        """The first connection and the server's answer to GetManifest.
+
+        A connection that breaks here (refused, reset, or closed at once by a server whose
+        connection slots are full) is tried again from the same reconnect budget as the streams;
+        a refusal or a frame that fails authentication raises at once.
+        """
+        while True:
+            conn = None
+            try:
+                conn = self.connect()
+                conn.send(rw.GetManifest(version))
+                return conn, conn.recv()
+            except OSError as e:  # a frame that fails its checks is refused, not asked for again
+                if conn is not None:
+                    conn.close()
+                self.stats["reconnects"] += 1
+                self.reconnects_left -= 1
+                if self.reconnects_left < 0:
+                    raise WeightTransferError(
+                        f"relay server at {self.target[0]}:{self.target[1]}: no connection took "
+                        f"after {self.stats['reconnects']} tries (last: {e})"
+                    ) from e
+                log.warning("relay: connecting to %s:%d broke (%s); trying again", *self.target, e)
+                time.sleep(0.2)
+
     def run(self, version: int, out: torch.Tensor | None) -> Fetched:
         start = time.perf_counter()
-        conn = self.connect()
-        conn.send(rw.GetManifest(version))
-        m = conn.recv()
+        conn, m = self.open(version)
         if isinstance(m, rw.Error):
             conn.close()
             if m.code == "superseded":
