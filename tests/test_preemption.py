@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,34 @@ def test_a_requeued_trainer_job_resumes_from_its_checkpoint_by_itself(slurm, run
     assert done[:k] == list(range(k)) and done[k:] == list(range(n - (len(done) - k), n)), done
     text = job_logs(run, tail=None)
     assert "resuming from" in text and "a new trainer process" in text, text[-5000:]
+
+
+def test_a_rendezvous_job_warned_by_usr2_requeues_itself_and_the_run_goes_on(slurm, runs_root):
+    # The server as its own job (placement=job), warned as SLURM warns it before its time limit: it
+    # stops, its job requeues itself, and the requeued job serves the run again from its journal.
+    # Trainer and generators wait for it meanwhile (SLURM's requeue delay is far longer than their
+    # calls' 30 s of retries) and every iteration is trained once.
+    n = 12
+    run = launch(
+        runs_root, f"train.iterations={n}", "train.checkpoint_every=0", "roles.rendezvous.placement=job",
+        "roles.rendezvous.cluster=local", "roles.rendezvous.partition=h800",
+        "roles.rendezvous.bind_host=0.0.0.0",
+    )  # fmt: skip
+    rdv = job_id(run, "rendezvous")
+    wait_on_run(lambda: len(iterations(run)) >= 2, 900, "two iterations", run)
+    subprocess.run(["scancel", "--signal=USR2", rdv], check=True, timeout=30)
+    wait_on_run(lambda: "requeued" in json.loads((run / "rendezvous.json").read_text()), 60, "requeued", run)
+    moving = status(run)["rendezvous"]
+    assert not moving["reachable"] and "requeued itself" in moving["error"], moving
+    time.sleep(40)  # longer than a member's calls retry (30 s): they must know to wait for the server
+    assert status(run)["state"] not in ("finished", "failed", "stalled", "cancelled")
+    start_requeued(rdv, run, 120)
+    ended = ("finished", "failed", "stalled", "cancelled")
+    wait_on_run(lambda: status(run)["state"] in ended, 900, "the end", run)
+    doc = status(run)
+    assert doc["state"] == "finished", f"{doc['state']}: {doc.get('problems')}\n{job_logs(run)}"
+    assert iterations(run) == list(range(n))
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert [e["job_id"] for e in events if e["event"] == "rendezvous_requeued"] == [rdv], events
+    text = job_logs(run, tail=None)
+    assert "stopped on SIGUSR2" in text and "waits for it" in text, text[-5000:]

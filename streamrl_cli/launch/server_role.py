@@ -4,6 +4,7 @@ that no server outlives its run (on the submitting host or as its own job)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -22,9 +23,14 @@ POLL_S = float(os.environ.get("STREAMRL_JOB_POLL_S", "15"))
 
 def main(spec: RendezvousSpec, rank: int) -> int:
     from streamrl_cli.rendezvous.server import serve
+    from streamrl_cli.roles.requeue import EndSignals
 
     s = spec.settings
     run = RunDir(Path(spec.run_dir))
+    # As its own SLURM job (placement=job) the server gets USR2 signal_lead_s before its time limit:
+    # it stops (the journal holds the run's state) and the job requeues itself; the requeued job
+    # serves again from the journal, and members wait for it meanwhile (rendezvous.json says so).
+    ends = EndSignals(on_signal=_stop_on_usr2)
     threading.Thread(target=_stop_when_jobs_end, args=(run,), daemon=True).start()
     threading.Thread(target=_apply_scale_requests, args=(run, spec), daemon=True).start()
     serve(
@@ -35,7 +41,26 @@ def main(spec: RendezvousSpec, rank: int) -> int:
         tls_cert=Path(s.tls_cert).expanduser() if s.tls_cert else None,
         tls_key=Path(s.tls_key).expanduser() if s.tls_key else None,
     )
+    if ends.requeue and run.info().get("state") not in ("finished", "failed", "cancelling", "cancelled"):
+        _requeue(run)
     return 0
+
+
+def _stop_on_usr2(name: str) -> None:
+    if name == "SIGUSR2":
+        os.kill(os.getpid(), signal.SIGTERM)  # the server's own handler stops it cleanly
+
+
+def _requeue(run: RunDir) -> None:
+    """Put this job back in the queue after the server stopped on USR2, telling members to wait."""
+    from streamrl_cli.roles.requeue import own_job_id, requeue_self
+    from streamrl_cli.rundir import read_json, write_atomic
+
+    endpoint = {k: v for k, v in (read_json(run.endpoint) or {}).items() if k != "stopped"}
+    write_atomic(run.endpoint, json.dumps({**endpoint, "requeued": time.time()}).encode(), durable=True)
+    run.event("rendezvous_requeued", job_id=own_job_id())
+    job = requeue_self()
+    log.warning("rendezvous server stopped on SIGUSR2 (time limit near): requeued job %s", job)
 
 
 def _stop_when_jobs_end(run: RunDir) -> None:

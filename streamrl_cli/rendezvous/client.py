@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import socket
 import ssl
@@ -331,7 +332,7 @@ class RendezvousClient:
         http = http or self._http
         retry_s = self.retry_s if retry_s is None else retry_s
         deadline = time.monotonic() + retry_s
-        attempt = 0
+        attempt, waited = 0, False
         while True:
             url = self._url + path
             try:
@@ -351,32 +352,52 @@ class RendezvousClient:
                     )
                 failure = f"HTTP {r.status_code}: {r.text[:200]}"
             attempt += 1
-            self._refresh_url()
+            moving = self._refresh_url() and retry_s > 0  # retry_s=0: the caller does not wait
             delay = min(2.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.0)
-            if time.monotonic() + delay > deadline:
+            late = time.monotonic() + delay > deadline
+            if late and not moving:
                 raise RendezvousError(
                     f"rendezvous server at {self._url} unreachable for {method} {path} "
                     f"after {attempt} attempt(s) over {retry_s:.3g}s: {failure}"
                 )
+            if late and not waited:
+                waited = True
+                log.warning("the rendezvous server's job requeued itself: %s %s waits for it", method, path)
             time.sleep(delay)
 
-    def _refresh_url(self) -> None:
-        # A restarted server may listen on another port; it rewrites rendezvous.json when ready.
+    def _refresh_url(self) -> bool:
+        """Follow the server to the address rendezvous.json gives (a restarted server may listen on
+        another port; it rewrites the file when ready). True while the file says the server is on
+        its way to its requeued SLURM job: calls wait for it past `retry_s` (up to REQUEUE_WAIT_S)."""
         if self._run_dir is None:
-            return
+            return False
         try:
-            url = _read_url(self._run_dir)
+            doc = _read_endpoint(self._run_dir)
         except RendezvousError:
-            return
+            return False
         with self._lock:
-            if url != self._url:
-                log.info("rendezvous server moved: %s -> %s", self._url, url)
-                self._url = url
+            if doc["url"] != self._url:
+                log.info("rendezvous server moved: %s -> %s", self._url, doc["url"])
+                self._url = doc["url"]
+        requeued = doc.get("requeued")
+        return isinstance(requeued, (int, float)) and time.time() - requeued < REQUEUE_WAIT_S
+
+
+# How long members wait for a rendezvous server whose job requeued itself (SLURM holds a requeued
+# job for a while before it may start, then it queues like any job).
+REQUEUE_WAIT_S = float(os.environ.get("STREAMRL_RENDEZVOUS_REQUEUE_WAIT_S", "1800"))
+
+
+def _read_endpoint(run_dir: Path) -> dict[str, Any]:
+    path = RunDir(Path(run_dir)).endpoint
+    try:
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict) or not isinstance(doc.get("url"), str):
+            raise KeyError("url")
+        return doc
+    except (OSError, ValueError, KeyError) as e:
+        raise RendezvousError(f"cannot read the rendezvous server's address from {path}: {e}") from None
 
 
 def _read_url(run_dir: Path) -> str:
-    path = RunDir(Path(run_dir)).endpoint
-    try:
-        return json.loads(path.read_text())["url"]
-    except (OSError, ValueError, KeyError) as e:
-        raise RendezvousError(f"cannot read the rendezvous server's address from {path}: {e}") from None
+    return _read_endpoint(run_dir)["url"]

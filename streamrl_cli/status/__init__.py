@@ -152,6 +152,10 @@ def _rendezvous(run: RunDir) -> dict[str, Any]:
     if not endpoint.get("url"):
         out["error"] = "not started (no rendezvous.json)"
         return out
+    if endpoint.get("requeued"):
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(endpoint["requeued"]))
+        out["error"] = f"its job requeued itself at {when} (time limit near); members wait for it"
+        return out
     if endpoint.get("stopped"):
         out["error"] = "stopped at " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(endpoint["stopped"]))
         return out
