@@ -127,14 +127,14 @@ def test_the_same_recipe_runs_through_real_slurm(slurm, runs_root):
 
 
 def test_a_reproducible_run_gives_the_same_tokens_rewards_and_weights_again(tmp_path):
-    # train.reproducible_sampling: every request is seeded, and each batch is trained in its own
-    # order whatever order its groups finished in, so that the gradients are summed the same way.
-    # Two runs of the same recipe and seed (sync-stream: micro-batches trained as groups arrive).
+    # train.reproducible_sampling, on by default: every request is seeded, and each batch is trained
+    # in its own order whatever order its groups finished in, so that the gradients are summed the
+    # same way. Two runs of the same recipe and seed, nothing asked for (sync-stream: micro-batches
+    # trained as groups arrive).
     runs = []
     for name in ("first", "second"):
         root = tmp_path / name
-        out = streamrl("run", "local", *FEW, "train.reproducible_sampling=true", "train.checkpoint_every=0",
-                       "--root", str(root), timeout=900)  # fmt: skip
+        out = streamrl("run", "local", *FEW, "train.checkpoint_every=0", "--root", str(root), timeout=900)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         runs.append(only_run(root))
     first, second = ([(r["data/digest"], r["tokens"], r["reward_mean"]) for r in trainer_records(d)]

@@ -272,7 +272,7 @@ class TrainConfig:
     # same outputs under the same weights whatever the batching), and train each batch's groups in
     # the batch's order, not as they finish: in sync modes the same recipe and seed then give the
     # same tokens, rewards and weights run after run (benchmarks, debugging, an exact oracle).
-    reproducible_sampling: bool = False
+    reproducible_sampling: bool = True
     checkpoint_every: int = 5  # iterations between checkpoints (0: only the last one)
     keep_checkpoints: int = 2  # checkpoints kept (older ones are deleted)
     # At the end of the run, write the last iteration's policy as a Hugging Face model directory
