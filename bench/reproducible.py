@@ -50,7 +50,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="reproducible-") as tmp:
         for k in range(args.repeats):
             for on in (False, True):  # alternating: drift of the machine hits both alike
-                label = f"{'reproducible' if on else 'default'} #{k + 1}"
+                label = f"{'reproducible' if on else 'as-finished'} #{k + 1}"
                 run_dir = run_local(label, Path(tmp) / f"{on}-{k}", [
                     f"train.iterations={args.iterations}", f"train.reproducible_sampling={str(on).lower()}",
                     *args.overrides,
@@ -63,7 +63,7 @@ def main() -> None:
         table.add_column(col, justify="right")
     for on, runs in res.items():
         table.add_row(
-            "reproducible" if on else "default",
+            "reproducible" if on else "as-finished",
             " / ".join(f"{r['iteration_s']:.2f}" for r in runs),
             " / ".join(f"{r['wait_s']:.2f}" for r in runs),
             " / ".join(f"{100 * r['idle_trainer']:.0f}%" for r in runs),
