@@ -118,7 +118,10 @@ async def drive(
             async with http.post("/v1/register", json={"role": "generator", "rank": rank}) as r:
                 doc = await r.json()
             mid = doc.get("member_id", f"generator-{rank}")
-            hb = json.dumps({"member_id": mid, "incarnation": doc.get("incarnation", 1)}).encode()
+            cred = doc.get("credential", "")  # calls in the member's own name carry it
+            hb = json.dumps(
+                {"member_id": mid, "credential": cred, "incarnation": doc.get("incarnation", 1)}
+            ).encode()
             # Drop the peer list now: 512 of them kept alive would make the client's own
             # garbage collections pause it for a quarter second, and count that against the server.
             del doc
@@ -135,7 +138,10 @@ async def drive(
                     path, body = "/v1/heartbeat", hb
                 else:
                     record = {"step": i, "tokens_per_s": 5000.0 + rank, "idle_ratio": 0.05, "queue_depth": 3}
-                    path, body = "/v1/metrics", json.dumps({"member_id": mid, "record": record}).encode()
+                    path, body = (
+                        "/v1/metrics",
+                        json.dumps({"member_id": mid, "credential": cred, "record": record}).encode(),
+                    )
                 async with http.post(path, data=body) as r:
                     await r.read()
                     ok = r.status == 200

@@ -115,10 +115,12 @@ def rendezvous_in_thread(run_dir: Path):
 
     import httpx
 
-    from streamrl_cli.rendezvous import create_secret
+    from streamrl_cli.rendezvous import create_secret, read_secret
     from streamrl_cli.rendezvous.server import run
 
-    token = create_secret(run_dir)
+    again = (run_dir / "secret").exists()  # a server restarted on the same run directory
+    token = read_secret(run_dir) if again else create_secret(run_dir)
+    (run_dir / "rendezvous.json").unlink(missing_ok=True)  # the last server's, now stopped
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
     coro = run(run_dir, host="127.0.0.1", port=0, lease_s=30.0, ssl_context=None, token=token, stop=stop)

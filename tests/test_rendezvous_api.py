@@ -28,6 +28,8 @@ ENDPOINTS = [
     ("GET", "/v1/status"),
 ]
 
+CREDENTIALS: dict[str, str] = {}  # member_id -> what /v1/register returned (the `api` fixture's members)
+
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
@@ -36,6 +38,7 @@ def api(tmp_path_factory):
     with rendezvous_in_thread(run_dir) as http:
         r = http.post("/v1/register", json={"role": "generator", "rank": 0})
         assert r.status_code == 200, r.text
+        CREDENTIALS[r.json()["member_id"]] = r.json()["credential"]
         yield http
 
 
@@ -211,6 +214,8 @@ MALFORMED = {
 @pytest.mark.parametrize("case", list(MALFORMED), ids=list(MALFORMED))
 def test_malformed_request_gets_a_4xx_naming_the_problem_and_the_server_keeps_serving(api, case):
     method, path, body, headers, status, code, needle = MALFORMED[case]
+    if isinstance(body, dict) and body.get("member_id") in CREDENTIALS:  # in its own name
+        body = {**body, "credential": CREDENTIALS[body["member_id"]]}
     if isinstance(body, dict):
         r = api.request(method, path, json=body, headers=headers)
     else:
@@ -256,3 +261,47 @@ def test_scale_request_is_an_event_and_in_status(api):
 def test_bad_scale_request_names_the_problem(api, body, status, needle):
     r = api.post("/v1/scale", json=body)
     assert r.status_code == status and needle in r.json()["message"], r.text
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/heartbeat", {"state": "hijacked"}),
+        ("/v1/leave", {"reason": "hijacked"}),
+        ("/v1/metrics", {"record": {"hijacked": 1}}),
+    ],
+    ids=["heartbeat", "leave", "metrics"],
+)
+@pytest.mark.parametrize(
+    "credential", [None, "", "0" * 64, "é"], ids=["missing", "empty", "wrong", "non-ascii"]
+)
+def test_a_holder_of_the_token_cannot_speak_in_another_members_name(api, path, body, credential):
+    # Only the process that registered generator-0 got its credential; the run's token is not enough.
+    extra = {} if credential is None else {"credential": credential}
+    r = api.post(path, json={"member_id": "generator-0", **body, **extra})
+    assert r.status_code == 403, r.text
+    doc = r.json()
+    assert doc["error"] == "bad_credential" and "generator-0" in doc["message"], doc
+    assert "POST /v1/register" in doc["message"]
+    (g,) = [m for m in api.get("/v1/status").json()["members"] if m["member_id"] == "generator-0"]
+    assert g["state"] == "alive" and g.get("reported_state") != "hijacked", g
+    # ... while the member itself, with its credential, is heard
+    own = {"member_id": "generator-0", "credential": CREDENTIALS["generator-0"]}
+    assert api.post("/v1/heartbeat", json=own).status_code == 200
+
+
+def test_credentials_outlive_a_server_restart_and_a_superseded_process_cannot_end_its_successor(tmp_path):
+    with rendezvous_in_thread(tmp_path) as http:
+        first = http.post("/v1/register", json={"role": "trainer", "rank": 0}).json()
+    with rendezvous_in_thread(tmp_path) as http:  # the same run directory: restarted from its journal
+        body = {"member_id": first["member_id"], "credential": first["credential"]}
+        assert http.post("/v1/heartbeat", json=body).status_code == 200, "the old credential holds"
+        second = http.post("/v1/register", json={"role": "trainer", "rank": 0}).json()
+        assert second["incarnation"] == first["incarnation"] + 1
+        assert second["credential"] != first["credential"]
+        r = http.post("/v1/leave", json={**body, "reason": "old process exits"})
+        assert r.status_code == 409 and r.json()["error"] == "stale_incarnation", r.text
+        r = http.post("/v1/heartbeat", json={**body, "incarnation": first["incarnation"]})
+        assert r.status_code == 409 and r.json()["error"] == "stale_incarnation", r.text
+        (t,) = http.get("/v1/status").json()["members"]
+        assert t["state"] == "alive" and t["incarnation"] == second["incarnation"], t

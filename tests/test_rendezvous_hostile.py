@@ -59,9 +59,11 @@ def test_member_strings_are_made_safe_before_metrics_jsonl_and_status(server):
         http, "/v1/register", {"role": "generator", "rank": 7, "host": HOSTILE, "info": {HOSTILE: HOSTILE}}
     )
     assert r.status_code == 200, r.text
-    mid = r.json()["member_id"]
-    assert post(http, "/v1/heartbeat", {"member_id": mid, "state": "gen\x1b[0m\u2028"}).status_code == 200
-    r = post(http, "/v1/metrics", {"member_id": mid, "record": {HOSTILE: HOSTILE, "ok": 1.5}})
+    mid, cred = r.json()["member_id"], r.json()["credential"]
+    r = post(http, "/v1/heartbeat", {"member_id": mid, "credential": cred, "state": "gen\x1b[0m\u2028"})
+    assert r.status_code == 200
+    record = {HOSTILE: HOSTILE, "ok": 1.5}
+    r = post(http, "/v1/metrics", {"member_id": mid, "credential": cred, "record": record})
     assert r.status_code == 200, r.text
     text = (run_dir / "metrics.jsonl").read_bytes().decode()
     status = http.get("/v1/status").text
@@ -73,7 +75,7 @@ def test_member_strings_are_made_safe_before_metrics_jsonl_and_status(server):
     assert line[clean_text(HOSTILE)] == clean_text(HOSTILE) and line["ok"] == 1.5
     assert "\\u001b[31mpwned" in clean_text(HOSTILE)
     # A lone surrogate is not text at all: refused, nothing written.
-    r = post(http, "/v1/metrics", {"member_id": mid, "record": {"x": "\ud800"}})
+    r = post(http, "/v1/metrics", {"member_id": mid, "credential": cred, "record": {"x": "\ud800"}})
     assert r.status_code == 400 and r.json()["error"] == "invalid_json"
     members = {m["member_id"]: m for m in http.get("/v1/status").json()["members"]}
     assert "\x1b" not in json.dumps(members[mid], ensure_ascii=False)

@@ -64,6 +64,7 @@ class RendezvousClient:
         self._lock = threading.Lock()
         self._registration: dict[str, Any] | None = None
         self.member_id: str | None = None
+        self._credential = ""  # from /v1/register
         self.incarnation: int | None = None
         self.lease_s: float | None = None
         self._status: dict[str, Any] = {}  # weight_version / state sent with each heartbeat
@@ -116,6 +117,7 @@ class RendezvousClient:
         resp = self._call("POST", "/v1/register", body, http=http, retry_s=retry_s)
         with self._lock:
             self.member_id, self.incarnation = resp["member_id"], resp["incarnation"]
+            self._credential = resp["credential"]  # our later calls in our own name carry it
             self.lease_s = resp["lease_s"]
         return resp
 
@@ -138,7 +140,8 @@ class RendezvousClient:
 
     def _heartbeat_once(self, http: httpx.Client, retry_s: float | None = None) -> dict[str, Any]:
         with self._lock:
-            body = {"member_id": self._require_member(), "incarnation": self.incarnation, **self._status}
+            body = {"member_id": self._require_member(), "credential": self._credential,
+                    "incarnation": self.incarnation, **self._status}  # fmt: skip
         return self._call("POST", "/v1/heartbeat", body, http=http, retry_s=retry_s)
 
     def start_heartbeat(self, interval: float | None = None) -> None:
@@ -172,8 +175,10 @@ class RendezvousClient:
                     stats["last_ok"] = time.time()
                     failures, delay = 0, interval
                 except RendezvousRequestError as e:
-                    if e.code == "unknown_member":  # the server lost our registration: register again
-                        log.warning("rendezvous server does not know %s; registering again", self.member_id)
+                    if e.code in ("unknown_member", "bad_credential"):
+                        # The server lost our registration (or the key of its credentials): register again.
+                        log.warning("rendezvous server does not know %s (%s); registering again",
+                                    self.member_id, e.code)  # fmt: skip
                         reregister, delay = True, 0
                     elif e.code in ("stale_incarnation", "member_left", "unauthorized"):
                         stats["error"] = str(e)
@@ -205,8 +210,15 @@ class RendezvousClient:
         """Stop heartbeating and tell the server this member exits cleanly (not a failure)."""
         self.stop_heartbeat()
         with self._lock:
-            member_id = self._require_member()
-        self._call("POST", "/v1/leave", {"member_id": member_id, "reason": reason[:255]})
+            body = {"member_id": self._require_member(), "credential": self._credential,
+                    "reason": reason[:255]}  # fmt: skip
+        try:
+            self._call("POST", "/v1/leave", body)
+        except RendezvousRequestError as e:
+            if e.code != "stale_incarnation":
+                raise
+            # A newer process took our role and rank: the member is theirs now, not ours to end.
+            log.info("not leaving as %s: %s", body["member_id"], e)
 
     # ---- discovery and events ----
 
@@ -259,9 +271,9 @@ class RendezvousClient:
     def confirm_version(self, version: int) -> dict[str, Any]:
         """Member: `version` is loaded and served (also reported by later heartbeats)."""
         with self._lock:
-            member_id = self._require_member()
+            body = {"member_id": self._require_member(), "credential": self._credential, "version": version}
             self._status["weight_version"] = version
-        return self._call("POST", "/v1/versions/confirm", {"member_id": member_id, "version": version})
+        return self._call("POST", "/v1/versions/confirm", body)
 
     def wait_for_version(self, version: int, timeout: float) -> dict[str, Any]:
         """Block until the current version is >= `version`; return GET /v1/versions."""
@@ -283,8 +295,8 @@ class RendezvousClient:
 
     def post_metrics(self, record: dict[str, Any]) -> None:
         with self._lock:
-            member_id = self._require_member()
-        self._call("POST", "/v1/metrics", {"member_id": member_id, "record": record})
+            body = {"member_id": self._require_member(), "credential": self._credential, "record": record}
+        self._call("POST", "/v1/metrics", body)
 
     def post_progress(self, step: int, **fields: Any) -> dict[str, Any]:
         return self._call("POST", "/v1/progress", {"step": step, **fields})["progress"]

@@ -31,6 +31,8 @@ Label = Annotated[str, msgspec.Meta(max_length=255)]
 MemberId = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
 Version = Annotated[int, msgspec.Meta(ge=0)]
 Incarnation = Annotated[int, msgspec.Meta(ge=1)]
+# What /v1/register returned to this member's process: its later calls in its own name carry it.
+Credential = Annotated[str, msgspec.Meta(max_length=128)]
 
 
 class RegisterBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -43,8 +45,9 @@ class RegisterBody(msgspec.Struct, forbid_unknown_fields=True):
     info: dict[str, Any] = msgspec.field(default_factory=dict)  # engine, device, ...
 
 
-class HeartbeatBody(msgspec.Struct, forbid_unknown_fields=True):
+class HeartbeatBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     member_id: MemberId
+    credential: Credential = ""
     incarnation: Annotated[int, msgspec.Meta(ge=1)] | None = None
     weight_version: Version | None = None
     state: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
@@ -52,8 +55,9 @@ class HeartbeatBody(msgspec.Struct, forbid_unknown_fields=True):
     error: Annotated[str, msgspec.Meta(max_length=1000)] | None = None
 
 
-class LeaveBody(msgspec.Struct, forbid_unknown_fields=True):
+class LeaveBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     member_id: MemberId
+    credential: Credential = ""
     reason: Label = ""
 
 
@@ -65,8 +69,9 @@ class ProposeBody(msgspec.Struct, forbid_unknown_fields=True):
     transfer: dict[str, Any] | None = None  # how they get it (e.g. the weight group layout), passed on
 
 
-class ConfirmBody(msgspec.Struct, forbid_unknown_fields=True):
+class ConfirmBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     member_id: MemberId
+    credential: Credential = ""
     version: Version
 
 
@@ -77,8 +82,9 @@ class ScaleBody(msgspec.Struct, forbid_unknown_fields=True):
     reason: Label = ""
 
 
-class MetricsBody(msgspec.Struct, forbid_unknown_fields=True):
+class MetricsBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     member_id: MemberId
+    credential: Credential = ""
     record: Annotated[dict[str, Any], msgspec.Meta(max_length=MAX_KEYS)]
 
 
@@ -95,15 +101,20 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     },
     "/v1/heartbeat": {
         "member_id": "generator-0",
+        "credential": "<from /v1/register>",
         "incarnation": 1,
         "weight_version": 3,
         "state": "generating",
         "error": "",
     },
-    "/v1/leave": {"member_id": "generator-0", "reason": "done"},
+    "/v1/leave": {"member_id": "generator-0", "credential": "<from /v1/register>", "reason": "done"},
     "/v1/versions/propose": {"version": 4, "required_roles": ["generator"]},
-    "/v1/versions/confirm": {"member_id": "generator-0", "version": 4},
-    "/v1/metrics": {"member_id": "generator-0", "record": {"step": 12, "tokens_per_s": 5300.0}},
+    "/v1/versions/confirm": {"member_id": "generator-0", "credential": "<from /v1/register>", "version": 4},
+    "/v1/metrics": {
+        "member_id": "generator-0",
+        "credential": "<from /v1/register>",
+        "record": {"step": 12, "tokens_per_s": 5300.0},
+    },
     "/v1/progress": {"step": 12, "samples": 12288},
     "/v1/scale": {"role": "generator", "instances": 3, "source": "user", "reason": "more throughput"},
 }

@@ -51,6 +51,7 @@ class RendezvousServer:
         self.stopping = False
         self.state = RendezvousState(lease_s)
         self.journal = Journal(RunDir(self.run_dir).rendezvous_state)
+        self._member_key = _member_key(RunDir(self.run_dir).rendezvous_state)
         snap, events = self.journal.load()
         if snap is not None:
             self.state.load_snapshot(snap)
@@ -203,6 +204,40 @@ class RendezvousServer:
         self.journal.close()
         self._metrics_fh.close()
 
+    # ---- members' credentials ----
+
+    def credential(self, member_id: str, incarnation: int) -> str:
+        """What /v1/register gives one incarnation of a member: its later calls carry it, so that
+        holding the run's token is not enough to speak in another member's name."""
+        msg = f"{member_id}\x00{incarnation}".encode()
+        return hmac.new(self._member_key, msg, "sha256").hexdigest()
+
+    def _bound(self, path: str, member_id: str, credential: str, incarnation: int | None = None) -> None:
+        """Refuse a call in `member_id`'s name that does not carry its credential (403), or that
+        carries an earlier incarnation's (409 stale_incarnation, as a heartbeat of it gets)."""
+        m = self.state.members.get(member_id)
+        if m is None:
+            return  # the state answers unknown_member
+        inc = m.incarnation if incarnation is None else incarnation
+        given = credential.encode("utf-8", "surrogateescape")
+        if hmac.compare_digest(given, self.credential(member_id, inc).encode()):
+            return
+        earlier = (self.credential(member_id, i).encode() for i in range(1, m.incarnation))
+        if incarnation is None and any(hmac.compare_digest(given, c) for c in earlier):
+            raise Rejected(
+                "stale_incarnation",
+                f"{member_id}: this process's incarnation was superseded by incarnation {m.incarnation} "
+                "(another process registered the same role and rank)",
+                current_incarnation=m.incarnation,
+            )
+        log.warning("%s in the name of %s without its credential", path, member_id)
+        raise ApiError(
+            403,
+            "bad_credential",
+            f"{'missing' if not credential else 'wrong'} credential for {member_id}: calls in a "
+            "member's name carry the credential its registration returned (POST /v1/register)",
+        )
+
     # ---- endpoints ----
 
     async def healthz(self, request: web.Request) -> web.Response:
@@ -223,6 +258,7 @@ class RendezvousServer:
             {
                 "member_id": m.member_id,
                 "incarnation": m.incarnation,
+                "credential": self.credential(m.member_id, m.incarnation),
                 "lease_s": self.lease_s,
                 "heartbeat_s": self.lease_s / 3,
                 "weight_version": self.state.current_version,
@@ -233,6 +269,7 @@ class RendezvousServer:
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         b = await p.decode_body(request, p.HeartbeatBody)
+        self._bound(request.path, b.member_id, b.credential, b.incarnation)
         events = self.state.heartbeat(
             b.member_id,
             incarnation=b.incarnation,
@@ -254,6 +291,7 @@ class RendezvousServer:
 
     async def leave(self, request: web.Request) -> web.Response:
         b = await p.decode_body(request, p.LeaveBody)
+        self._bound(request.path, b.member_id, b.credential)
         await self._commit(self.state.leave(b.member_id, reason=b.reason, now=time.time()))
         return json_response({"ok": True})
 
@@ -303,6 +341,7 @@ class RendezvousServer:
 
     async def confirm(self, request: web.Request) -> web.Response:
         b = await p.decode_body(request, p.ConfirmBody)
+        self._bound(request.path, b.member_id, b.credential)
         await self._commit(self.state.confirm(b.member_id, b.version, now=time.time(), mono=time.monotonic()))
         return json_response(
             {"ok": True, "current": self.state.current_version, "event_seq": self.durable_seq}
@@ -310,6 +349,7 @@ class RendezvousServer:
 
     async def metrics(self, request: web.Request) -> web.Response:
         b = await p.decode_body(request, p.MetricsBody)
+        self._bound(request.path, b.member_id, b.credential)
         p.check_document(b.record, "record", request.path, reserved=p.RESERVED_METRIC_KEYS)
         line, events = self.state.record_metrics(
             b.member_id, b.record, now=time.time(), mono=time.monotonic()
@@ -461,3 +501,20 @@ def serve(
         loop_factory = None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(run(Path(run_dir), host=host, port=port, lease_s=lease_s, ssl_context=ctx, token=token))
+
+
+def _member_key(state_dir: Path) -> bytes:
+    """The server's own key for members' credentials (`rendezvous/member-key`, 0600), made once per
+    run (written whole or not at all): a server restarted from its journal gives the same
+    credentials again."""
+    path = Path(state_dir) / "member-key"
+    try:
+        key = path.read_bytes()
+    except FileNotFoundError:
+        key = b""
+    if len(key) != 32:
+        if key:
+            log.warning("%s is damaged (%d bytes): a new key; members must register again", path, len(key))
+        key = os.urandom(32)
+        write_atomic(path, key, mode=0o600, durable=True)
+    return key
