@@ -54,6 +54,7 @@ PROTOCOL = 2  # 2: sealed frames (AES-GCM) after the handshake
 MAX_FRAME = 64 << 20  # a manifest of a huge model is a few MB; anything larger is garbage
 PREAUTH_MAX_FRAME = 1024  # Challenge, Hello, Welcome, Error are < 200 bytes
 TAG = 16  # AES-GCM tag bytes
+SEAL_SLICE = 1 << 20  # chunk payloads are sealed and opened this many bytes at a time
 
 
 class ProtocolError(WeightTransferError):
@@ -159,15 +160,20 @@ class Conn:
         if self._tx is None:
             self.sock.sendall(data)
             return
-        # Into a scratch buffer kept per connection: half the cost of update() + concatenation
-        # (a fresh 8 MiB bytes object per chunk, copied again to append the tag).
-        n = len(memoryview(data).cast("B"))
-        if len(self._scratch) < n + 16:
-            self._scratch = bytearray(n + 16)
+        # In slices through one scratch buffer kept per connection: each slice is sealed while
+        # it is in cache and on the wire before the next one is sealed, so the peer decrypts
+        # slice k while we seal slice k+1 (a whole 8 MiB chunk sealed, then sent, ran the two
+        # ends one after the other: bench/weight_relay.py).
+        src = memoryview(data).cast("B")
+        n = len(src)
+        if len(self._scratch) < SEAL_SLICE + TAG:
+            self._scratch = bytearray(SEAL_SLICE + TAG)
+        out = memoryview(self._scratch)
         enc = Cipher(algorithms.AES(self._tx_key), modes.GCM(self._next_tx_nonce())).encryptor()
-        done = enc.update_into(data, self._scratch)
+        for start in range(0, n, SEAL_SLICE):
+            done = enc.update_into(src[start : start + SEAL_SLICE], out)
+            self.sock.sendall(out[:done])
         enc.finalize()
-        self.sock.sendall(memoryview(self._scratch)[:done])
         self.sock.sendall(enc.tag)
 
     def recv(self) -> Message:
@@ -202,22 +208,30 @@ class Conn:
         return bytes(buf) if self.recv_payload_into(memoryview(buf)) else None
 
     def recv_payload_into(self, view: memoryview) -> bool:
-        """Receive a chunk payload straight into `view`, decrypting it there; False if its tag fails."""
-        self._recv_into(view)
+        """Receive a chunk payload straight into `view`, decrypting it there; False if its tag fails.
+
+        Sealed payloads are received and decrypted a slice at a time (while the slice is in
+        cache, and while the sender seals the next one), in place: OpenSSL's GCM allows
+        output == input. update_into wants room for a block more than it is given, so the last
+        15 bytes go through a small scratch buffer.
+        """
         if self._tx is None:
+            self._recv_into(view)
             return True
-        tag = self.recv_exact(TAG)
-        dec = Cipher(algorithms.AES(self._rx_key), modes.GCM(self._next_rx_nonce(), tag)).decryptor()
-        # In place: OpenSSL's GCM allows output == input. update_into wants room for a block
-        # more than it is given, so the last 15 bytes go through a small scratch buffer.
         n = len(view)
         cut = max(0, n - 15)
-        done = dec.update_into(view[:cut], view) if cut else 0
+        dec = Cipher(algorithms.AES(self._rx_key), modes.GCM(self._next_rx_nonce())).decryptor()
+        pos = 0  # bytes decrypted so far (GCM returns what it is given: pos ends at cut)
+        for start in range(0, n, SEAL_SLICE):
+            end = min(n, start + SEAL_SLICE)
+            self._recv_into(view[start:end])
+            if start < cut:
+                pos += dec.update_into(view[start : min(end, cut)], view[pos:])
         tail = bytearray(32)
         m = dec.update_into(view[cut:], tail) if n > cut else 0
-        view[done : done + m] = tail[:m]
-        try:
-            dec.finalize()
+        view[pos : pos + m] = tail[:m]
+        try:  # the tag follows the payload; GCM checks it last
+            dec.finalize_with_tag(self.recv_exact(TAG))
         except InvalidTag:
             return False
         return True
