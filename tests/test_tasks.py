@@ -308,6 +308,16 @@ def test_sampler_epochs_are_shuffled_permutations():
     assert PromptSampler(prompts, 5, seed=2).next_batch() != epoch0[:5]
 
 
+def test_sampler_without_shuffle_keeps_the_dataset_order_epoch_after_epoch_and_on_resume():
+    prompts = _prompts(7)
+    s = PromptSampler(prompts, batch_size=3, seed=4, shuffle=False)
+    seen = [p for _ in range(5) for p in s.next_batch()]  # 15 prompts: two epochs and one more
+    assert seen == prompts + prompts + prompts[:1]
+    resumed = PromptSampler(prompts, batch_size=3, seed=0, shuffle=False)
+    resumed.load_state(json.loads(json.dumps(s.state())))
+    assert resumed.next_batch() == prompts[1:4]
+
+
 def test_sampler_errors():
     with pytest.raises(TaskError, match="global_batch"):
         PromptSampler(_prompts(3), batch_size=0)

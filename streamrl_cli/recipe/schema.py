@@ -236,6 +236,9 @@ class TaskConfig:
     # built-in task). A relative path is taken from the directory streamrl is started in.
     dataset: str | None = None
     prompt_key: str = "prompt"  # dataset: field holding the prompt (text, or a list of chat messages)
+    # Each epoch in a fresh order drawn from train.seed; false: the dataset's own order, epoch after
+    # epoch (a curriculum: the dataset is sorted the way it should be trained, easy to hard, ...).
+    shuffle: bool = True
     # Reward, called TRL-style as fn(prompts, completions, **columns) (streamrl_cli.tasks.rewards):
     # `module:function` or `path/to/file.py:function`; null: the built-in task's own verifier.
     reward: str | None = None

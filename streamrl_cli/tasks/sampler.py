@@ -1,6 +1,7 @@
-"""The order in which prompts are trained on: shuffled epochs, resumable.
+"""The order in which prompts are trained on: shuffled epochs (or the dataset's order), resumable.
 
-Each epoch is a permutation drawn from ``(seed, epoch)`` alone, so the position in the stream is
+Each epoch is a permutation drawn from ``(seed, epoch)`` alone (the identity with ``shuffle``
+off: a curriculum the dataset is sorted for), so the position in the stream is
 fully described by three numbers (:meth:`PromptSampler.state`). A run that is resumed from a
 checkpoint loads them and continues with exactly the batches it would have seen, which keeps
 resumed and uninterrupted runs comparable.
@@ -18,7 +19,7 @@ from streamrl_cli.tasks import Prompt, TaskError
 class PromptSampler:
     """Batches of ``batch_size`` prompts; a batch may span the end of one epoch and the next."""
 
-    def __init__(self, prompts: Sequence[Prompt], batch_size: int, seed: int = 0):
+    def __init__(self, prompts: Sequence[Prompt], batch_size: int, seed: int = 0, shuffle: bool = True):
         if not prompts:
             raise TaskError("the task has no prompts to sample from")
         if batch_size < 1:
@@ -26,13 +27,15 @@ class PromptSampler:
         self.prompts = list(prompts)
         self.batch_size = batch_size
         self.seed = seed
+        self.shuffle = shuffle
         self.epoch = 0
         self.index = 0  # position inside the current epoch's permutation
         self._order = self._permutation(self.epoch)
 
     def _permutation(self, epoch: int) -> list[int]:
         order = list(range(len(self.prompts)))
-        random.Random(f"prompts-{self.seed}-{epoch}").shuffle(order)
+        if self.shuffle:
+            random.Random(f"prompts-{self.seed}-{epoch}").shuffle(order)
         return order
 
     def next_batch(self) -> list[Prompt]:

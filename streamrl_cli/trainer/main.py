@@ -238,7 +238,7 @@ class TrainerRole:
         seed = t.seed
         random.seed(seed)
         task = make_task(task_cfg, seed, model_path=os.path.expanduser(self.spec.model.path))
-        sampler = PromptSampler(list(task.prompts()), t.global_batch, seed)
+        sampler = PromptSampler(list(task.prompts()), t.global_batch, seed, shuffle=task_cfg.shuffle)
         tok = AutoTokenizer.from_pretrained(os.path.expanduser(self.spec.model.path))
         max_prompt = task_cfg.max_prompt_len
 
