@@ -321,6 +321,30 @@ def test_sigterm_shuts_down_cleanly(server):
     assert "shutting down" in server.logs()
 
 
+def test_a_call_follows_a_requeued_server_that_comes_back_after_its_retries(server):
+    """A server whose SLURM job requeued itself is away longer than a call retries (rendezvous.json
+    says `requeued`, so calls wait); when it is back on a new port, the waiting call goes there, and
+    does not fail for the budget the old address used up (a CI run's trainer did, and its restart
+    was needed)."""
+    endpoint = RunDir(server.run_dir).endpoint
+    with server.client(retry_s=0.5) as c:
+        c.register("trainer", 0)
+        server.stop()
+        doc = {**json.loads(endpoint.read_text()), "requeued": time.time()}
+        doc.pop("stopped", None)
+        endpoint.write_text(json.dumps(doc))
+        answer: dict = {}
+        waiter = threading.Thread(target=lambda: answer.update(c.status()))
+        waiter.start()
+        time.sleep(1.5)  # three times the call's budget
+        assert waiter.is_alive() and not answer
+        back = Server(server.run_dir)  # the requeued job: journal replayed, a new port
+        server.proc, server.log = back.proc, back.log
+        waiter.join(timeout=15)
+        assert not waiter.is_alive() and "trainer-0" in {m["member_id"] for m in answer["members"]}
+        assert c._url == back.url
+
+
 def test_unreachable_server_raises_a_clear_error(tmp_path):
     with RendezvousClient("http://127.0.0.1:9", "x" * 32, retry_s=0.3) as c:
         t0 = time.monotonic()

@@ -346,7 +346,8 @@ class RendezvousClient:
         deadline = time.monotonic() + retry_s
         attempt, waited = 0, False
         while True:
-            url = self._url + path
+            base = self._url
+            url = base + path
             try:
                 r = http.request(method, url, json=body, params=params, timeout=timeout or self.timeout)
             except httpx.TransportError as e:
@@ -364,12 +365,19 @@ class RendezvousClient:
                     )
                 failure = f"HTTP {r.status_code}: {r.text[:200]}"
             attempt += 1
-            moving = self._refresh_url() and retry_s > 0  # retry_s=0: the caller does not wait
+            requeued = self._refresh_url()
+            if self._url != base:
+                # A restarted or requeued server listens at a new address, which it writes once it
+                # serves: try it now, with a budget of its own (the old address may have used up
+                # this call's, while the server was away).
+                deadline, attempt = time.monotonic() + retry_s, 0
+                continue
+            moving = requeued and retry_s > 0  # retry_s=0: the caller does not wait
             delay = min(2.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.0)
             late = time.monotonic() + delay > deadline
             if late and not moving:
                 raise RendezvousError(
-                    f"rendezvous server at {self._url} unreachable for {method} {path} "
+                    f"rendezvous server at {base} unreachable for {method} {path} "
                     f"after {attempt} attempt(s) over {retry_s:.3g}s: {failure}"
                 )
             if late and not waited:
