@@ -89,7 +89,10 @@ def test_a_trainer_past_its_time_limit_goes_on_in_its_requeued_job(slurm, runs_r
 
 
 def test_a_generator_task_warned_by_usr2_hands_back_its_work_and_rejoins(slurm, runs_root):
-    n = 6
+    # Enough iterations that the run is still going when the signal lands: the test signals within
+    # seconds of the first one, and this small recipe trains ~3 iterations a second (6 were over
+    # before the signal in a CI run, and the task then requeued into a finished run).
+    n = 100
     run = launch(
         runs_root, f"train.iterations={n}", "train.checkpoint_every=0", "roles.generator.instances=1"
     )
@@ -97,6 +100,7 @@ def test_a_generator_task_warned_by_usr2_hands_back_its_work_and_rejoins(slurm, 
     task = f"{gen}_0"
     wait_on_run(lambda: len(iterations(run)) >= 1, 900, "a first iteration", run)
     subprocess.run(["scancel", "--signal=USR2", task], check=True, timeout=30)
+    assert len(iterations(run)) < n, "the run ended before the signal: give it more iterations"
     start_requeued(task, run, 300)
     wait_on_run(
         lambda: status(run)["state"] in ("finished", "failed", "stalled", "cancelled"), 900, "the end", run
