@@ -109,3 +109,32 @@ def test_a_failed_rank_ends_the_job_and_status_says_why(slurm, runs_root, tmp_pa
     text = streamrl("status", str(run)).stdout
     assert "trainer rank 1" in text and "illegal memory access" in text
     assert streamrl("cancel", run.name).returncode == 0
+
+
+NESTED = """
+import subprocess
+from streamrl_cli.launch.slurm import outside_job_env
+for prefix in ([], outside_job_env()):
+    out = subprocess.run([*prefix, "sbatch", "--parsable", "--wait", "-p", "h800", "--mem=200M", "-t", "2",
+                          "-o", "/dev/null", "--wrap", "srun true"], capture_output=True, text=True)
+    print(out.returncode, flush=True)
+"""
+
+
+def test_a_job_submitted_from_inside_a_job_does_not_inherit_its_slurm_variables(slurm, tmp_path):
+    """The rendezvous role's job watcher submits a trainer again, and scaling submits generator
+    arrays, from inside a SLURM job: plain sbatch passes that job's variables on, and srun in the new
+    job refuses them (the old job's SLURM_MEM_PER_CPU beside its own SLURM_MEM_PER_NODE: a CI run's
+    restarted trainer job failed at once so); submitted outside the enclosing job's environment it
+    runs."""
+    (tmp_path / "nested.py").write_text(NESTED)
+    log = tmp_path / "outer.log"
+    out = subprocess.run(
+        ["sbatch", "--parsable", "--wait", "-p", "h800", "--mem-per-cpu=200M", "-t", "5", "-o", str(log),
+         "--wrap", f"srun {sys.executable} {tmp_path / 'nested.py'}"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr + log.read_text()
+    plain, outside = log.read_text().split()[-2:]
+    assert plain != "0"  # what the watcher's restart of a trainer job hit: the new job fails at once
+    assert outside == "0", log.read_text()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -222,7 +223,7 @@ def submit(job: JobSpec, run_name: str, run_dir: Path, entry: Any, spec_path: Pa
     """
     import submitit
 
-    cls = _array_executor() if job.array else submitit.SlurmExecutor
+    cls = _array_executor() if job.array else _executor()
     if job.run_root:
         cls = _staged_executor(job, run_dir, cls)
     executor = cls(folder=RunDir(run_dir).role_logs(job.role), python=job_python(job))
@@ -238,14 +239,42 @@ def submit(job: JobSpec, run_name: str, run_dir: Path, entry: Any, spec_path: Pa
         ) from None
 
 
+# Variables of the job a submission is made from that the new job must not inherit: sbatch passes
+# the environment on, and srun in the new job then refuses e.g. the old job's SLURM_MEM_PER_CPU
+# beside its own SLURM_MEM_PER_NODE ("mutually exclusive"). SLURM_CONF names the cluster: kept.
+KEPT_SLURM_VARS = frozenset({"SLURM_CONF"})
+
+
+def outside_job_env(environ: Any = None) -> list[str]:
+    """`env -u ...` that runs a command without the SLURM job variables of the job we are in (none
+    outside a job): a trainer submitted again by the rendezvous role's job watcher, or a generator
+    array added by scaling, starts from a clean environment as one submitted from a login node."""
+    environ = os.environ if environ is None else environ
+    if "SLURM_JOB_ID" not in environ:
+        return []
+    drop = sorted(k for k in environ if k.startswith(("SLURM_", "SRUN_")) and k not in KEPT_SLURM_VARS)
+    return ["env", *(arg for k in drop for arg in ("-u", k))]
+
+
+def _executor() -> type:
+    import submitit
+
+    class Executor(submitit.SlurmExecutor):
+        """submitit's executor, submitting outside the job it may be called from (`outside_job_env`)."""
+
+        def _make_submission_command(self, submission_file_path):  # type: ignore[no-untyped-def]
+            return [*outside_job_env(), *super()._make_submission_command(submission_file_path)]
+
+    return Executor
+
+
 def _array_executor() -> type:
     import uuid
 
-    import submitit
     from submitit.core.utils import JobPaths
     from submitit.slurm.slurm import SlurmJob
 
-    class ArrayExecutor(submitit.SlurmExecutor):
+    class ArrayExecutor(_executor()):
         """submitit's array branch, run by this executor itself: submitit submits a one-element map
         as a plain job (a generator stays an array even with one instance, so that elastic scaling
         is always adding or cancelling array tasks), and it submits larger arrays through a plain
