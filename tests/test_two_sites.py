@@ -18,7 +18,10 @@ from conftest import streamrl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-ITERATIONS = 6
+# Long enough to be watched live: generators post their metrics (the cross-site transfer that
+# `status` shows) every 5 s, and 6 iterations were over within seconds of the engines serving, so
+# status saw the far site only after its members had left (a refused stop's CI failure).
+ITERATIONS = 40
 RUN_S = 1200  # liveness bound: queueing, two vLLM engines and DeepSpeed on 2 shared cores
 
 
