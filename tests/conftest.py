@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -184,3 +185,12 @@ def wait_on_run(pred, timeout: float, what: str, run: Path) -> None:  # type: ig
             return
         time.sleep(2)
     raise AssertionError(f"timed out waiting for {what}\n{job_logs(run)}")
+
+
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """Two connected TCP sockets on loopback (the relay's Conn sets TCP options: no socketpair())."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(listener.getsockname())
+    b, _ = listener.accept()
+    listener.close()
+    return a, b

@@ -18,6 +18,7 @@ import msgspec
 import pytest
 import yaml
 import zmq
+from conftest import tcp_pair
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_rendezvous_hostile import server as rdv_server  # noqa: F401 - a fixture
@@ -112,10 +113,7 @@ def test_relay_still_serves_after_the_fuzzing(relay):
 @given(body=st.binary(max_size=512))
 def test_any_frame_body_decodes_or_is_a_protocol_error(body):
     """What a relay client does with whatever a (sealed, so authenticated) server sends."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    a = socket.create_connection(listener.getsockname())
-    b, _ = listener.accept()
-    listener.close()
+    a, b = tcp_pair()
     try:
         a.sendall(struct.pack(">I", len(body)) + body)
         try:

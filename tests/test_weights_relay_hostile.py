@@ -11,6 +11,7 @@ import time
 import msgspec
 import pytest
 import torch
+from conftest import tcp_pair
 from netproxy import Proxy
 from test_weights_relay import CHUNK, TOKEN, weights
 
@@ -110,10 +111,7 @@ def test_a_frame_announced_before_the_handshake_is_refused_unread(server):
 
 
 def test_preauth_frames_are_bounded_on_both_sides():
-    listener = socket.create_server(("127.0.0.1", 0))
-    a = socket.create_connection(listener.getsockname())
-    b, _ = listener.accept()
-    listener.close()
+    a, b = tcp_pair()
     try:
         ca, cb = rw.Conn(a, 5), rw.Conn(b, 5)
         a.sendall(struct.pack(">I", rw.PREAUTH_MAX_FRAME + 1))
@@ -222,10 +220,7 @@ def test_a_fetch_that_finds_every_slot_taken_tries_again_then_names_the_server(m
 
 def _sealed_pair() -> tuple[rw.Conn, rw.Conn, socket.socket]:
     """Two connected Conns sealed with matching keys, and the sender's raw socket."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    a = socket.create_connection(listener.getsockname())
-    b, _ = listener.accept()
-    listener.close()
+    a, b = tcp_pair()
     tx, rx = rw.Conn(a, 10), rw.Conn(b, 10)
     c2s, s2c = rw.session_keys(TOKEN, b"s" * 16, b"c" * 16)
     tx.secure(tx_key=c2s, rx_key=s2c)
@@ -253,8 +248,10 @@ def test_chunk_payloads_sealed_in_slices_arrive_whole_and_a_flipped_byte_in_any_
         enc = rw.Cipher(rw.algorithms.AES(tx._tx_key), rw.modes.GCM(tx._next_tx_nonce())).encryptor()
         wire = bytearray(enc.update(payload.numpy().tobytes()) + enc.finalize() + enc.tag)
         wire[max(0, n - 2)] ^= 0x01
-        threading.Thread(target=raw.sendall, args=(bytes(wire),)).start()
+        forger = threading.Thread(target=raw.sendall, args=(bytes(wire),))
+        forger.start()
         assert rx.recv_payload(n) is None
+        forger.join()
 
         tx.send(rw.GetChunks(7, [1, 2]))  # in step: the next frame opens
         assert rx.recv() == rw.GetChunks(7, [1, 2])
