@@ -184,6 +184,42 @@ def test_records_carry_the_metrics_and_the_timeline():
     assert all(a <= b for a, b in tl["train"])
 
 
+def test_generation_time_ends_when_generators_finished_not_when_the_trainer_read_the_sample():
+    """All samples are finished at once; the trainer reads them only between slow micro-batch rounds.
+    T_gen (the elastic rule's input) is the generators' time, not the trainer's reading."""
+    events: list = []
+    clock = Clock()
+
+    class Finished(Generators):
+        def get(self, timeout=None):
+            s = super().get(timeout)
+            if s is not None:
+                s.finished_at = self.done_at
+            return s
+
+        def submit(self, requests):
+            self.done_at = clock.t + 0.5  # generated within half a second of the dispatch
+            super().submit(requests)
+
+    class SlowDriver(Driver):
+        def round(self, micro_batches, *, last):
+            clock.t += 10.0  # each round trains for 10 s while finished samples wait unread
+            super().round(micro_batches, last=last)
+
+    gens, records = Finished(events), []
+    cfg = PipelineConfig(mode="sync-stream", group_size=2, global_batch=4, micro_batch=2)
+    task = CountTask(64)
+    pipe = Pipeline(
+        cfg, task=task, sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],
+        detokenize=lambda ids: "x" * len(ids), svc=gens, driver=SlowDriver(events),
+        publisher=Publisher(events, gens), on_record=records.append, clock=clock,
+    )  # fmt: skip
+    pipe.run(0, 2, 0)
+    for rec in records:
+        assert rec["t/generation"] == pytest.approx(0.5, abs=0.01)  # not ~30 s of reading between rounds
+        assert rec["t/train"] >= 30.0 and rec["idle/generator"] > 0.9
+
+
 class LengthRanker:
     """Predicts the prompt's index as its length; records what it learnt."""
 

@@ -124,7 +124,8 @@ class Batch:
     prompts: dict[str, tuple[Prompt, list[int]]]  # request prompt id -> (task prompt, tokens)
     sampler_state: dict[str, Any]  # the sampler's position before drawing this batch
     dispatched_at: float = 0.0
-    last_sample_at: float = 0.0
+    last_sample_at: float = 0.0  # when the trainer last read one of its samples (progress)
+    generated_at: float = 0.0  # when generation finished its last sample so far (T_gen's end)
     collector: GroupCollector | None = None
     ready: list[Rollout] = field(default_factory=list)  # whole groups not yet trained on
     # Reproducible runs train the groups in the batch's own order, not as they finish: a group that
@@ -407,7 +408,13 @@ class Pipeline:
             retry = self._request(rid, tokens, [sample.sample_index], group=group, seed_key=prompt.prompt_id)
             self.svc.submit([retry])
             return
-        batch.last_sample_at = self.clock()
+        now = batch.last_sample_at = self.clock()
+        # T_gen ends when the generator finished the sample, not when this loop read it: while a
+        # micro-batch trains, arrived samples wait in the queue, and stamping them on reading made
+        # T_gen track T_train whenever training was the slower stage (the elastic rule then never
+        # saw idle generators). The generator's clock is bounded by what this side saw.
+        done_at = min(now, max(batch.dispatched_at, sample.finished_at)) if sample.finished_at > 0 else now
+        batch.generated_at = max(batch.generated_at, done_at)
         if sample.first_token_at and sample.finished_at:
             batch.longest_s = max(batch.longest_s, sample.finished_at - sample.first_token_at)
         group = batch.collector.add(sample)
@@ -423,7 +430,7 @@ class Pipeline:
                 batch.ready += batch.held.pop(batch.order[batch.released])
                 batch.released += 1
         if batch.done_groups == batch.n_groups:
-            self.gen_spans.append([batch.dispatched_at, batch.last_sample_at])
+            self.gen_spans.append([batch.dispatched_at, batch.generated_at])
 
     def _score(self, batch: Batch, key: str, samples: list[Sample]) -> list[Rollout]:
         prompt, tokens = batch.prompts[key]
@@ -540,7 +547,7 @@ class Pipeline:
         stale = [r.staleness for r in rows]
         elapsed = max(end - started, 1e-9)
         busy = sum(b - a for a, b in train_spans) + (step_span[1] - step_span[0])
-        gen_busy = _covered(self.gen_spans + [[batch.dispatched_at, batch.last_sample_at]], started, end)
+        gen_busy = _covered(self.gen_spans + [[batch.dispatched_at, batch.generated_at]], started, end)
         syncs = [s for s in self.sync_spans if started <= s[2] <= end + 1e-6]
         tokens = sum(lengths)
         rec = {
@@ -561,7 +568,7 @@ class Pipeline:
             "samples_per_s": len(rows) / elapsed,
             "tokens_per_s": tokens / elapsed,
             "t/iteration": elapsed,
-            "t/generation": batch.last_sample_at - batch.dispatched_at,
+            "t/generation": batch.generated_at - batch.dispatched_at,
             "t/train": busy,
             "t/longest_sample": batch.longest_s,
             "t/wait": wait_s,
@@ -581,7 +588,7 @@ class Pipeline:
             "timeline": {
                 "start": started,
                 "end": end,
-                "generation": [batch.dispatched_at, batch.last_sample_at],
+                "generation": [batch.dispatched_at, batch.generated_at],
                 "train": train_spans,
                 "step": step_span,
                 "weight_sync": [syncs[-1][1], syncs[-1][2]] if syncs else None,
