@@ -194,3 +194,30 @@ def tcp_pair() -> tuple[socket.socket, socket.socket]:
     b, _ = listener.accept()
     listener.close()
     return a, b
+
+
+# Overrides that run the built-in reward on a dataset file written by `shrinking_dataset`.
+SHRINKING = (
+    "task.shuffle=false",
+    "task.reward=streamrl_cli.tasks.rewards:repeat_verifier",
+)
+
+
+def shrinking_dataset(path: Path, long_prompts: int, short_prompts: int = 4000) -> str:
+    """A "repeat <word> <count>:" dataset whose outputs shrink: `long_prompts` asking for 60 copies,
+    then `short_prompts` asking for one (a word and EOS). Trained in file order (task.shuffle=false),
+    a run is generation-bound first and training-bound after: the elastic rule's grow-then-release
+    workload. Returns the `task.dataset=` override."""
+    import json
+
+    from streamrl_cli.tasks.builtin import WORDS
+
+    with path.open("w") as f:
+        for phase, n, count in (("long", long_prompts, 60), ("short", short_prompts, 1)):
+            for k in range(n):
+                word = WORDS[k % len(WORDS)]
+                prompt = f"repeat {word} {count}:"
+                f.write(
+                    json.dumps({"id": f"{phase}/{k}", "prompt": prompt, "word": word, "count": count}) + "\n"
+                )
+    return f"task.dataset={path}"

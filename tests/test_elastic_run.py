@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, STREAMRL, none_alive, streamrl
+from conftest import REPO, SHRINKING, STREAMRL, none_alive, shrinking_dataset, streamrl
 
 pytestmark = pytest.mark.slow
 
@@ -53,9 +53,9 @@ def wait_until(pred, timeout: float, what: str, proc: subprocess.Popen) -> None:
         time.sleep(1.0)
 
 
-def start(root: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
+def start(root: Path, *overrides: str, common: tuple[str, ...] = COMMON) -> tuple[subprocess.Popen, Path]:
     proc = subprocess.Popen(
-        [*STREAMRL, "run", "local", *COMMON, *overrides, "--root", str(root)],
+        [*STREAMRL, "run", "local", *common, *overrides, "--root", str(root)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
         env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
@@ -78,8 +78,13 @@ def every_sample_trained_once(run_dir: Path, n: int) -> None:
 
 
 def scaled_events(run_dir: Path) -> list[dict]:
-    evs = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    path = run_dir / "events.jsonl"
+    evs = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
     return [e for e in evs if e["event"] in ("scaled", "scale_failed")]
+
+
+def changes(run_dir: Path) -> list[dict]:
+    return [e for e in scaled_events(run_dir) if e["event"] == "scaled" and e["before"] != e["after"]]
 
 
 def test_scale_by_hand_grows_and_shrinks_a_local_run(runs_root):
@@ -123,27 +128,46 @@ def test_scale_by_hand_grows_and_shrinks_a_local_run(runs_root):
     assert none_alive(json.loads((run_dir / "local.json").read_text()))
 
 
-def test_the_rule_asks_for_an_instance_when_generation_is_the_bottleneck(runs_root):
-    # One instance that runs one group at a time: generation outlasts training (Δ > Δ′) at once.
-    # (The new instance serving is checked by the test above; this run may end before it starts.)
+def test_the_rule_grows_then_releases_as_outputs_shorten(runs_root, tmp_path):
+    """1 -> 2 -> 1 by the rule alone. Long outputs first: one instance running one group at a time
+    cannot keep up (Δ > Δ′), so the trainer asks for a second. Then one-word answers: training (one
+    sample per micro-batch) is the slow side, the generators idle, and one fewer would still keep
+    up, so the rule releases the instance it added once it serves. Every sample trained once."""
     e = "roles.generator.elastic"
+    batch = 8
     proc, run_dir = start(
-        runs_root, "train.iterations=120", "roles.generator.instances=1", f"{e}.enabled=true", f"{e}.max=2",
-        f"{e}.patience=1", f"{e}.cooldown=1",
+        runs_root, shrinking_dataset(tmp_path / "shrinking.jsonl", long_prompts=12 * batch), *SHRINKING,
+        "train.iterations=100000", f"train.global_batch={batch}", "train.micro_batch=1",
+        "roles.generator.instances=1", f"{e}.enabled=true", f"{e}.max=2", f"{e}.patience=1",
+        f"{e}.cooldown=1", common=(f"algorithm.group_size={GROUP}", f"roles.generator.max_num_seqs={GROUP}",
+                                   "train.checkpoint_every=0"),
     )  # fmt: skip
     try:
-        code = proc.wait(timeout=1500)
+        wait_until(lambda: len(changes(run_dir)) >= 2, 900, "the rule to add, then release", proc)
+        after = len(iterations(run_dir))
+        wait_until(lambda: len(iterations(run_dir)) >= after + 2, 600, "iterations after the release", proc)
+        out = streamrl("cancel", run_dir.name, timeout=200)
+        assert out.returncode == 0, out.stdout + out.stderr
+        code = proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
     output = proc.communicate()[0]
-    assert code == 0, output[-3000:]
-    every_sample_trained_once(run_dir, 120)
+    assert code == 130, output[-3000:]
+    evs = changes(run_dir)  # (a repeated request, while the new instance starts, changes nothing)
+    steps = [(e["before"], e["after"], e["source"]) for e in evs[:2]]
+    assert steps == [(1, 2, "policy"), (2, 1, "policy")], evs
+    assert evs[0]["added"] == [1] and evs[1]["released"] == [1]
     recs = iterations(run_dir)
-    evs = scaled_events(run_dir)
-    assert evs and evs[0]["source"] == "policy" and (evs[0]["before"], evs[0]["after"]) == (1, 2), evs
-    assert evs[0]["added"] == [1]
-    # The decision followed the rule on what was measured.
-    first = next(r for r in recs if r["elastic/target"] == 2)
-    assert first["elastic/delta"] > first["elastic/delta_prime"]
-    assert first["t/generation"] - first["t/train"] == pytest.approx(first["elastic/delta"])
+    assert [r["iteration"] for r in recs] == list(range(len(recs)))
+    for r in recs:  # every sample of every iteration, once
+        assert r["samples"] == batch * GROUP and len(r["lengths/by_prompt"]) == batch
+        assert all(len(v) == GROUP for v in r["lengths/by_prompt"].values())
+    # Each decision followed the rule on what was measured.
+    grew = next(r for r in recs if r["elastic/target"] == 2)
+    assert grew["elastic/delta"] > grew["elastic/delta_prime"] and grew["elastic/instances"] == 1
+    assert grew["t/generation"] - grew["t/train"] == pytest.approx(grew["elastic/delta"])
+    shrank = next(r for r in recs if r["elastic/instances"] == 2 and r["elastic/target"] == 1)
+    assert shrank["idle/generator"] > 0.5 and 2 * shrank["t/generation"] <= shrank["t/train"]
+    assert any(r.get("total_samples", 0) > 0 for r in records(run_dir, "generator") if r["rank"] == 1)
+    assert none_alive(json.loads((run_dir / "local.json").read_text()))

@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import job_logs, metrics_records, streamrl, wait_on_run
+from conftest import SHRINKING, job_logs, metrics_records, shrinking_dataset, streamrl, wait_on_run
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -161,44 +161,52 @@ def test_the_far_site_survives_losing_its_relay(slurm_remote, runs_root):
     assert late and relay not in late, (relay, fetched)
 
 
-def test_the_policy_grows_slurm_generators_by_a_new_array_job(slurm, runs_root):
-    """`slurm-local` with the elastic rule: one instance running one group at a time cannot keep up
-    (Δ > Δ′), so the trainer asks for a second; the rendezvous role's job watcher submits it as a
-    new array job, whose task gets the current weights and takes work. Every iteration is trained
-    once. (The rule releases only when one instance fewer would still keep up, which a workload
-    that made it grow does not give: release is shown by hand above and by the policy's tests.)"""
-    e = "roles.generator.elastic"
+def test_the_policy_grows_then_releases_slurm_generators(slurm, runs_root, tmp_path):
+    """`slurm-local` goes 1 -> 2 -> 1 by the elastic rule alone. Long outputs first: one instance
+    running one group at a time cannot keep up (Δ > Δ′), so the trainer asks for a second and the
+    rendezvous role's job watcher submits it as a new array job, whose task gets the current
+    weights and takes work. Then one-word answers: training (one sample per micro-batch) is the
+    slow side, the generators idle, one fewer would still keep up, so the rule releases the new
+    task, which is cancelled alone. Every iteration is trained once across both events."""
+    e, batch = "roles.generator.elastic", 8
     out = streamrl(
-        "run", "slurm-local", "train.iterations=100000", "train.checkpoint_every=0",
-        "train.global_batch=8", f"algorithm.group_size={GROUP}", f"roles.generator.max_num_seqs={GROUP}",
+        "run", "slurm-local", shrinking_dataset(tmp_path / "shrinking.jsonl", long_prompts=12 * batch),
+        *SHRINKING, "train.iterations=100000", "train.checkpoint_every=0", f"train.global_batch={batch}",
+        "train.micro_batch=1", f"algorithm.group_size={GROUP}", f"roles.generator.max_num_seqs={GROUP}",
         "roles.generator.instances=1", f"{e}.enabled=true", f"{e}.max=2", f"{e}.patience=1",
         f"{e}.cooldown=1", "--root", str(runs_root), env=FAST,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     (run,) = list(runs_root.iterdir())
 
-    def scaled() -> list[dict]:
-        return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()
-                if json.loads(x)["event"] == "scaled"]  # fmt: skip
-
-    def newcomer_worked() -> bool:
-        gen = metrics_records(run, "generator")
-        return any(r.get("total_samples", 0) > 0 for r in gen if r["rank"] == 1)
+    def changes() -> list[dict]:  # (a repeated request, while the new task starts, changes nothing)
+        path = run / "events.jsonl"
+        evs = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        return [e for e in evs if e["event"] == "scaled" and e["before"] != e["after"]]
 
     try:
-        wait_on_run(lambda: len(scaled()) >= 1, 900, "the rule to add an instance", run)
-        wait_on_run(newcomer_worked, 900, "samples from the instance the rule added", run)
+        wait_on_run(lambda: len(changes()) >= 2, 900, "the rule to add an instance, then release it", run)
+        (added,) = [j for j in json.loads((run / "jobs.json").read_text()) if j.get("scaled")]
+        task = f"{added['job_id']}_0"
+        wait_on_run(lambda: squeue(task) in ("", "COMPLETING"), 120, "the released task to end", run)
+        first = next(j for j in json.loads((run / "jobs.json").read_text()) if j["role"] == "generator")
+        assert squeue(f"{first['job_id']}_0") == "RUNNING"  # the first instance stays
+        after = len(iterations(run))
+        wait_on_run(lambda: len(iterations(run)) >= after + 2, 600, "iterations after the release", run)
     finally:
         streamrl("cancel", str(run), timeout=200)
-    first = scaled()[0]
-    assert (first["source"], first["before"], first["after"], first["added"]) == ("policy", 1, 2, [1])
-    (added,) = [j for j in json.loads((run / "jobs.json").read_text()) if j.get("scaled")]
-    assert added["rank_base"] == 1 and first["jobs"] == [added["job_id"]]
+    grow, shrink = changes()[:2]
+    assert (grow["source"], grow["before"], grow["after"], grow["added"]) == ("policy", 1, 2, [1])
+    assert (shrink["source"], shrink["before"], shrink["after"], shrink["released"]) == ("policy", 2, 1, [1])
+    assert added["rank_base"] == 1 and grow["jobs"] == [added["job_id"]]
     member = json.loads((run / "members" / "generator-1.json").read_text())
     assert member["slurm_array_job_id"] == added["job_id"]
+    assert any(r.get("total_samples", 0) > 0 for r in metrics_records(run, "generator") if r["rank"] == 1)
     recs = [r for r in metrics_records(run, "trainer") if "iteration" in r]
-    decided = next(r for r in recs if r["elastic/target"] == 2)
-    assert decided["elastic/delta"] > decided["elastic/delta_prime"]  # the rule, on what was measured
+    grew = next(r for r in recs if r["elastic/target"] == 2)  # the rule, on what was measured
+    assert grew["elastic/delta"] > grew["elastic/delta_prime"]
+    shrank = next(r for r in recs if r["elastic/instances"] == 2 and r["elastic/target"] == 1)
+    assert shrank["idle/generator"] > 0.5 and 2 * shrank["t/generation"] <= shrank["t/train"]
     done = iterations(run)
     assert done == list(range(len(done)))
-    assert all(r["samples"] == 8 * GROUP for r in recs)
+    assert all(r["samples"] == batch * GROUP for r in recs)
