@@ -37,7 +37,7 @@ def test_assign_complete_and_loads():
     assert led.complete("p0", 7) is Outcome.UNKNOWN and led.complete("nope", 0) is Outcome.UNKNOWN
     assert led.complete("p1", 0) is Outcome.NEW and led.is_done("p1")
     assert led.complete("p1", 0) is Outcome.UNKNOWN  # finished prompts are forgotten (memory is bounded)
-    assert led.stats == {"completed": 2, "duplicates": 1, "unknown": 3, "redispatched": 0}
+    assert led.stats == {"completed": 2, "duplicates": 1, "unknown": 3, "redispatched": 0, "cancelled": 0}
 
 
 def test_lose_reopens_only_the_lost_generators_undelivered_samples():
@@ -58,6 +58,21 @@ def test_lose_reopens_only_the_lost_generators_undelivered_samples():
     led.assign("b", [0], "g2")
     assert led.complete("b", 0) is Outcome.NEW and led.load("g2") == 0  # the lost g0's copy won the race
     assert led.complete("b", 0) is Outcome.DUPLICATE  # ... so g2's copy is dropped
+
+
+def test_cancel_forgets_a_prompt_and_names_who_owed_it():
+    led = Ledger()
+    for p in ("a", "b"):
+        led.add(req(p, 3))
+    led.assign("a", [0], "g0")
+    led.assign("a", [1], "g1")  # index 2 still open
+    led.assign("b", [0, 1, 2], "g0")
+    assert led.complete("a", 0) is Outcome.NEW
+    assert led.cancel("a") == {"g1"}  # g0 delivered its part already
+    assert led.loads() == {"g0": 3} and led.stats["cancelled"] == 2
+    assert [r.prompt_id for r in led.open_requests()] == []  # the open index is never assigned
+    assert led.complete("a", 1) is Outcome.UNKNOWN  # a late copy is dropped
+    assert led.lose("g1") == [] and led.cancel("a") == set() and led.cancel("never") == set()
 
 
 def test_invalid_transitions_raise():

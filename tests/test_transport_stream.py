@@ -297,3 +297,36 @@ def test_malformed_messages_from_a_run_member_are_counted_and_dropped(cfg, recei
         assert [x.key for x in drain(receiver, 1)] == [("ok", 0)]
     finally:
         good.close()
+
+
+def test_a_cancelled_prompt_reaches_its_generator_after_its_request_and_late_samples_are_dropped(cfg):
+    """Over-sampling's cancellation: the generators that owe a prompt get a cancel in the same ordered,
+    acknowledged stream as its request; what they send of it afterwards is dropped (and acknowledged,
+    so nothing is resent), and the ledger owes nothing for it."""
+    d = Dispatcher()
+    r = make_receiver(cfg, token=TOKEN, hooks=d)
+    gen = make_sender(cfg, address=r.address, token=TOKEN, generator="generator-0")
+    try:
+        gen.wait_connected(10)
+        reqs = [Request(prompt_id=p, prompt_token_ids=[1], sample_indices=[0, 1]) for p in ("keep", "drop")]
+        for g, batch in d.submit(reqs).items():
+            r.dispatch(g, batch)
+        gen.send(sample("drop", 0))  # one sample of the doomed prompt arrives before its cancel
+        assert [x.prompt_id for x in drain(r, 1)] == ["drop"]
+        for g, batch in d.cancel(["drop", "never-sent"]).items():
+            r.dispatch(g, batch)
+        got: list[Request] = []
+        deadline = time.monotonic() + 10
+        while len(got) < 3 and time.monotonic() < deadline:
+            got += gen.requests(timeout=1)
+        assert [(x.prompt_id, x.cancel) for x in got] == [("keep", False), ("drop", False), ("drop", True)]
+        assert d.ledger.loads() == {"generator-0": 2} and d.ledger.stats["cancelled"] == 1
+        for p in ("drop", "keep"):
+            for i in (1, 0) if p == "drop" else (0, 1):
+                gen.send(sample(p, i))
+        assert gen.flush(10) and gen.pending() == 0  # the dropped ones are acknowledged too
+        assert sorted(x.key for x in drain(r, 2)) == [("keep", 0), ("keep", 1)]
+        assert r.get(timeout=0.2) is None and d.outstanding() == 0
+    finally:
+        gen.close()
+        r.close()

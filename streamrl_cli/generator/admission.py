@@ -80,6 +80,19 @@ class Admission(Generic[T]):
         self._heap.clear()
         return n
 
+    def waiting_keys(self) -> list[str]:
+        """The requests not yet admitted (in no particular order)."""
+        return [w.key for w in self._heap]
+
+    def drop(self, keys: set[str]) -> int:
+        """Forget the waiting requests among `keys` (cancelled); returns how many were waiting."""
+        kept = [w for w in self._heap if w.key not in keys]
+        dropped = len(self._heap) - len(kept)
+        if dropped:
+            self._heap = kept
+            heapq.heapify(self._heap)
+        return dropped
+
     def running_keys(self) -> list[str]:
         """The requests in the engine now."""
         return list(self._running)

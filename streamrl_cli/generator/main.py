@@ -146,6 +146,7 @@ class GeneratorRole:
         self.defaults = {"max_tokens": spec.task.max_output_len, "temperature": 1.0}
         self._stop = asyncio.Event()
         self._serial = itertools.count()
+        self.cancelled = 0  # requests the trainer cancelled while we still had them (over-sampling)
         # Requests wait here until they fit in the batch their dispatcher chose (generator.admission);
         # `_wake` tells `_incoming` that one arrived or one finished.
         self.admission: Admission[GenerationRequest] = Admission()
@@ -269,6 +270,9 @@ class GeneratorRole:
             if self.sender is not sender:
                 continue  # dispatched by the trainer that went: the new one dispatches again
             for req in reqs:
+                if req.cancel:
+                    await self._cancel(req.prompt_id)
+                    continue
                 self.meter.submitted(time.time())
                 er = to_engine_request(req, next(self._serial), self.defaults)
                 self.admission.add(
@@ -276,6 +280,23 @@ class GeneratorRole:
                 )
             if reqs:
                 self._wake.set()
+
+    async def _cancel(self, prompt_id: str) -> None:
+        """The trainer wants no more of `prompt_id` (an over-sampled group it will not train):
+        drop it from the admission queue, abort it in the engine (its places go to the next)."""
+        mine = {k for k in [*self.admission.waiting_keys(), *self.admission.running_keys()]
+                if k.rpartition("#")[0] == prompt_id}  # fmt: skip
+        if not mine:
+            return  # finished already (its samples are on their way and will be dropped)
+        dropped = self.admission.drop(mine)
+        running = [k for k in self.admission.running_keys() if k in mine]
+        if running:
+            await self.engine.abort(running)
+        self.cancelled += 1
+        log.debug(
+            "%s: cancelled %s (%d queued, %d running)", self.member_id, prompt_id, dropped, len(running)
+        )
+        self._wake.set()
 
     async def _incoming(self) -> AsyncIterator[GenerationRequest]:
         """The engine's input stream: what the admission queue lets in (ends when we stop)."""
@@ -448,6 +469,7 @@ class GeneratorRole:
             record = {
                 **self.meter.report(time.time()),
                 "weight_version": self.engine.weight_version,
+                "cancelled_requests": self.cancelled,
                 **self.transfer,
             }
             try:

@@ -181,6 +181,16 @@ class Dispatcher:
                 self._alive.setdefault(generator)
             return self._assign_open()
 
+    def cancel(self, prompt_ids: Iterable[str]) -> Assignments:
+        """Stop wanting these prompts: each generator that still owes some of one gets a cancellation."""
+        out: dict[str, list[Request]] = {}
+        with self._lock:
+            for pid in prompt_ids:
+                for g in sorted(self.ledger.cancel(pid)):
+                    cancel = Request(prompt_id=pid, prompt_token_ids=[], sample_indices=[], cancel=True)
+                    out.setdefault(g, []).append(cancel)
+        return out
+
     def admit(self, sample: Sample) -> bool:
         with self._lock:
             return self.ledger.complete(sample.prompt_id, sample.sample_index) is Outcome.NEW
@@ -231,6 +241,10 @@ class DispatchService:
 
     def submit(self, requests: Iterable[Request]) -> None:
         self._send(self.dispatcher.submit(requests))
+
+    def cancel(self, prompt_ids: Iterable[str]) -> None:
+        """No more samples of these prompts are wanted: generators drop them, late copies are dropped."""
+        self._send(self.dispatcher.cancel(prompt_ids))
 
     def lost(self, generator: str) -> None:
         """Call when the rendezvous reports `generator` lost or gone (watch() does it for you)."""

@@ -47,7 +47,7 @@ class Ledger:
     def __init__(self) -> None:
         self._prompts: dict[str, _Prompt] = {}
         self._load: dict[str, int] = {}  # generator -> samples it owes
-        self.stats = {"completed": 0, "duplicates": 0, "unknown": 0, "redispatched": 0}
+        self.stats = {"completed": 0, "duplicates": 0, "unknown": 0, "redispatched": 0, "cancelled": 0}
 
     # ---- queries ----
 
@@ -137,6 +137,18 @@ class Ledger:
         self._load.pop(generator, None)
         self.stats["redispatched"] += sum(len(r.sample_indices) for r in out)
         return out
+
+    def cancel(self, prompt_id: str) -> set[str]:
+        """No sample of `prompt_id` is wanted any more: forget it (a copy arriving later is
+        ``UNKNOWN``, dropped); returns the generators that still owed some of it."""
+        p = self._prompts.pop(prompt_id, None)
+        if p is None:
+            return set()
+        owners = {g for g in p.owner.values() if g is not None}
+        for g in owners:
+            self._drop_load(g, sum(1 for x in p.owner.values() if x == g))
+        self.stats["cancelled"] += len(p.owner)
+        return owners
 
     def _drop_load(self, generator: str, n: int) -> None:
         left = self._load.get(generator, 0) - n

@@ -71,6 +71,10 @@ class Request(msgspec.Struct, array_like=True, kw_only=True):
     # Appended fields (array_like: new ones go last, with defaults, so older peers still decode).
     batch_limit: int = 0  # sequences its generator runs at once (Algorithm 2's batch size); 0: no limit
     target: str = ""  # generator member id to send it to while that one is alive; "": the policy chooses
+    # A cancellation, not work: drop whatever of `prompt_id` the generator still has (queued or
+    # running); no sample of it is wanted any more (over-sampling's aborted groups). It travels in
+    # the same acknowledged, ordered stream as the requests, so it never overtakes its request.
+    cancel: bool = False
 
 
 class Hello(msgspec.Struct, array_like=True):
