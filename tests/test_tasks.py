@@ -318,6 +318,25 @@ def test_sampler_without_shuffle_keeps_the_dataset_order_epoch_after_epoch_and_o
     assert resumed.next_batch() == prompts[1:4]
 
 
+def test_handed_back_prompts_come_first_and_survive_a_resume():
+    prompts = _prompts(10)
+    s = PromptSampler(prompts, batch_size=3, seed=0, shuffle=False)
+    first = s.next_batch(5)  # over-sampled: 5 drawn for a batch of 3
+    assert first == prompts[:5]
+    assert s.give_back([first[4], first[1]]) == [4, 1]  # the two that did not finish
+    saved = json.loads(json.dumps(s.state()))
+    assert saved == {"epoch": 0, "index": 5, "seed": 0, "returned": [4, 1]}
+    assert s.next_batch(3) == [prompts[4], prompts[1], prompts[5]]  # handed back first, in order
+    assert s.next_batch() == prompts[6:9] and "returned" not in s.state()
+    resumed = PromptSampler(prompts, batch_size=3, seed=0, shuffle=False)
+    resumed.load_state(saved)
+    assert resumed.next_batch(3) == [prompts[4], prompts[1], prompts[5]]
+    with pytest.raises(TaskError, match="not one of the task's"):
+        s.give_back([Prompt("elsewhere/0", "x")])
+    with pytest.raises(TaskError, match="dataset change"):
+        resumed.load_state({**saved, "returned": [10]})
+
+
 def test_sampler_errors():
     with pytest.raises(TaskError, match="global_batch"):
         PromptSampler(_prompts(3), batch_size=0)

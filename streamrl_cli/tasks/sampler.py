@@ -5,6 +5,10 @@ off: a curriculum the dataset is sorted for), so the position in the stream is
 fully described by three numbers (:meth:`PromptSampler.state`). A run that is resumed from a
 checkpoint loads them and continues with exactly the batches it would have seen, which keeps
 resumed and uninterrupted runs comparable.
+
+Prompts handed back (over-sampling's aborted groups, ``rollout.oversample``) are drawn first, in
+the order they came back, before the epoch goes on; they are part of the state, so a resumed run
+neither loses nor repeats them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ class PromptSampler:
         self.epoch = 0
         self.index = 0  # position inside the current epoch's permutation
         self._order = self._permutation(self.epoch)
+        self.returned: list[int] = []  # dataset positions handed back, drawn before the epoch goes on
+        self._position = {p.prompt_id: k for k, p in enumerate(self.prompts)}
 
     def _permutation(self, epoch: int) -> list[int]:
         order = list(range(len(self.prompts)))
@@ -38,9 +44,13 @@ class PromptSampler:
             random.Random(f"prompts-{self.seed}-{epoch}").shuffle(order)
         return order
 
-    def next_batch(self) -> list[Prompt]:
-        batch = []
-        while len(batch) < self.batch_size:
+    def next_batch(self, size: int | None = None) -> list[Prompt]:
+        """The next `size` prompts (default: the batch size), handed-back ones first."""
+        size = self.batch_size if size is None else size
+        take = self.returned[:size]
+        self.returned = self.returned[len(take) :]
+        batch = [self.prompts[k] for k in take]
+        while len(batch) < size:
             if self.index == len(self._order):
                 self.epoch, self.index = self.epoch + 1, 0
                 self._order = self._permutation(self.epoch)
@@ -48,20 +58,36 @@ class PromptSampler:
             self.index += 1
         return batch
 
-    def state(self) -> dict[str, int]:
+    def give_back(self, prompts: Sequence[Prompt]) -> list[int]:
+        """Prompts drawn but not trained on (aborted): they come first in the next batches.
+        Returns their dataset positions (what :meth:`state` records for them)."""
+        out = []
+        for p in prompts:
+            if p.prompt_id not in self._position:
+                raise TaskError(f"prompt {p.prompt_id!r} handed back is not one of the task's")
+            out.append(self._position[p.prompt_id])
+        self.returned += out
+        return out
+
+    def state(self) -> dict[str, Any]:
         """Where the sampler is: enough to continue the same order after a restart."""
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed}
+        out: dict[str, Any] = {"epoch": self.epoch, "index": self.index, "seed": self.seed}
+        if self.returned:
+            out["returned"] = list(self.returned)
+        return out
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state` (its seed wins: the resumed run keeps the saved order)."""
         try:
             epoch, index, seed = int(state["epoch"]), int(state["index"]), int(state["seed"])
+            returned = [int(k) for k in state.get("returned", [])]
         except (KeyError, TypeError, ValueError) as e:
             raise TaskError(f"prompt sampler state {state!r} is not {{epoch, index, seed}}: {e}") from e
-        if epoch < 0 or not 0 <= index <= len(self.prompts):
+        n = len(self.prompts)
+        if epoch < 0 or not 0 <= index <= n or any(not 0 <= k < n for k in returned):
             raise TaskError(
                 f"prompt sampler state {state!r} does not fit a dataset of {len(self.prompts)} prompts "
                 "(did the dataset change since the checkpoint?)"
             )
-        self.seed, self.epoch, self.index = seed, epoch, index
+        self.seed, self.epoch, self.index, self.returned = seed, epoch, index, returned
         self._order = self._permutation(epoch)
