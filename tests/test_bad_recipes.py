@@ -125,6 +125,18 @@ MISTAKES = [
         ["clusters.local.sbatch.ntasks_per_node", "--ntasks-per-node is set by StreamRL"],
     ),
     (
+        "over-sampling beyond double the batch",
+        "",
+        ["rollout.oversample=1.5", "train.reproducible_sampling=false"],
+        ["rollout.oversample", "must be in [0, 1]", "got 1.5"],
+    ),
+    (
+        "over-sampling with reproducible sampling",
+        "",
+        ["rollout.oversample=0.25"],
+        ["rollout.oversample", "set train.reproducible_sampling=false"],
+    ),
+    (
         "a site option written with dashes",
         "clusters: {local: {sbatch: {'--constraint': a100}}}\n",
         [],

@@ -220,6 +220,80 @@ def test_generation_time_ends_when_generators_finished_not_when_the_trainer_read
         assert rec["t/train"] >= 30.0 and rec["idle/generator"] > 0.9
 
 
+class Tail(Generators):
+    """FIFO, one sample per get(), except the groups `slow(request id)` names: those come after every
+    other sample (the long tail). Cancellations are recorded but the samples still come (as samples
+    already on the wire do): the pipeline must drop them itself."""
+
+    def __init__(self, events: list, slow):
+        super().__init__(events)
+        self.slow, self.late, self.cancelled = slow, deque(), []
+
+    def submit(self, requests):
+        for r in requests:
+            self.events.append(("dispatch", r.prompt_id))
+            for i in r.sample_indices:
+                (self.late if self.slow(r.prompt_id) else self.queue).append((r, i))
+
+    def get(self, timeout=None):
+        if not self.queue and self.late:
+            self.queue.append(self.late.popleft())
+        return super().get(timeout)
+
+    def cancel(self, ids):
+        self.cancelled.append(list(ids))
+
+
+def oversampled(mode: str, iterations: int):
+    from streamrl_cli.tasks.sampler import PromptSampler
+
+    events: list = []
+    gens = Tail(events, slow=lambda rid: rid in ("it0/c/1", "it0/c/4"))
+    driver, records, checkpoints = Driver(events), [], []
+    cfg = PipelineConfig(mode=mode, group_size=2, global_batch=4, micro_batch=2, oversample=0.5)
+    task = CountTask(64)
+    pipe = Pipeline(
+        cfg, task=task, sampler=PromptSampler(task.prompts(), 4, shuffle=False), tokenize=lambda t: [5, 6],
+        detokenize=lambda ids: "x" * len(ids), svc=gens, driver=driver, publisher=Publisher(events, gens),
+        on_record=records.append, clock=Clock(), on_checkpoint=lambda i, st, stop: checkpoints.append(st),
+    )  # fmt: skip
+    pipe.run(0, iterations, 0)
+    trained = [[r.sample.prompt_id for r in rnd] for rnd in driver.rounds]
+    return gens, records, checkpoints, trained
+
+
+def test_oversampling_trains_the_first_groups_to_finish_and_hands_the_rest_back():
+    gens, records, _, trained = oversampled("sync-stream", 3)
+    # 4 + 2 groups dispatched per iteration; the first 4 to finish are trained, whole, once.
+    assert [r["samples"] for r in records] == [8, 8, 8]
+    assert [r["rollout/aborted_groups"] for r in records] == [2, 2, 2]
+    flat = [p for rnd in trained for p in rnd]
+    by_it = [sorted({p for p in flat if p.startswith(f"it{i}/")}) for i in range(3)]
+    assert by_it[0] == ["it0/c/0", "it0/c/2", "it0/c/3", "it0/c/5"]  # the two slow groups were not waited for
+    assert gens.cancelled[0] == ["it0/c/1", "it0/c/4"]
+    # Their prompts come first in the next batch; there the last two dispatched finish last.
+    assert by_it[1] == ["it1/c/1", "it1/c/4", "it1/c/6", "it1/c/7"]
+    assert gens.cancelled[1] == ["it1/c/8", "it1/c/9"]
+    assert all(flat.count(p) == 2 for p in flat)  # each group's two samples, once (late copies dropped)
+    assert not any(p in flat for ids in gens.cancelled for p in ids)
+    assert all(r["t/tail"] >= 0 for r in records)
+
+
+def test_oversampling_in_async_mode_saves_the_handed_back_prompts_with_the_next_batch():
+    """Batch 1 is drawn before batch 0 closes: the checkpoint after iteration 0 resumes from batch 1's
+    sampler state, which must carry batch 0's handed-back prompts (else a resumed run skips them)."""
+    gens, records, checkpoints, _ = oversampled("async", 2)
+    assert records[0]["rollout/aborted_groups"] == 2 and gens.cancelled[0] == ["it0/c/1", "it0/c/4"]
+    assert checkpoints[0]["sampler"]["returned"][-2:] == [1, 4]
+
+
+def test_oversampling_is_refused_with_reproducible_sampling():
+    with pytest.raises(ValueError, match="reproducible"):
+        oversampled_cfg = PipelineConfig(global_batch=4, oversample=0.5, reproducible=True)
+        Pipeline(oversampled_cfg, task=CountTask(4), sampler=None, tokenize=None, detokenize=None, svc=None,
+                 driver=None, publisher=None, on_record=None)  # fmt: skip
+
+
 class LengthRanker:
     """Predicts the prompt's index as its length; records what it learnt."""
 

@@ -88,6 +88,7 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
             task=copy.deepcopy(r.task),
             train=copy.deepcopy(r.train),
             skewness=copy.deepcopy(r.skewness),
+            rollout=copy.deepcopy(r.rollout),
             planner=_absolute(r.planner),
             generator=copy.deepcopy(g),
             generator_transport=gen_transport,

@@ -355,6 +355,15 @@ def _training(r: Recipe) -> Iterator[Problem]:
         )
     if not 0 <= k.long_tail <= 1:
         yield "skewness.long_tail", f"a share of the prompts: must be in [0, 1], got {k.long_tail}"
+    o = r.rollout.oversample
+    if not 0 <= o <= 1:
+        yield "rollout.oversample", f"a fraction of train.global_batch: must be in [0, 1] (0: off), got {o}"
+    elif o > 0 and t.reproducible_sampling:
+        yield (
+            "rollout.oversample",
+            "trains the first groups to finish, which vary run to run: set train.reproducible_sampling=false "
+            "with it (or rollout.oversample=0)",
+        )
     if not t.stall_after_s > 0 or t.stall_after_s == float("inf"):
         yield "train.stall_after_s", f"must be a positive number of seconds, got {t.stall_after_s}"
     if t.checkpoint_every < 0 or t.keep_checkpoints < 1:

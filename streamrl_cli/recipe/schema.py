@@ -320,6 +320,16 @@ class SkewnessConfig:
 
 
 @dataclass(kw_only=True)
+class RolloutConfig:
+    """How an iteration's samples are gathered beyond dispatching its batch (docs/long-tail.md)."""
+
+    # Over-sampling: dispatch this fraction more prompts (whole GRPO groups) than train.global_batch;
+    # the iteration trains on the first global_batch groups to finish, the rest are aborted on their
+    # generators and their prompts drawn again first. Cuts the long tail; not reproducible.
+    oversample: float = 0.0
+
+
+@dataclass(kw_only=True)
 class Recipe:
     """The whole run, as composed from a recipe file, its defaults and command-line overrides."""
 
@@ -332,3 +342,4 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)  # tune-split's hardware and profiles
     skewness: SkewnessConfig = field(default_factory=SkewnessConfig)  # ranker, dispatch, LPT
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # over-sampling

@@ -25,6 +25,7 @@ from streamrl_cli.recipe.schema import (
     ModelConfig,
     PlannerConfig,
     RendezvousConfig,
+    RolloutConfig,
     SkewnessConfig,
     TaskConfig,
     TrainConfig,
@@ -60,6 +61,7 @@ class TrainerSpec(RoleSpec):
     task: TaskConfig = field(default_factory=TaskConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     skewness: SkewnessConfig = field(default_factory=SkewnessConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)  # profile_file: Algorithm 2's PTL curve
     # The generators it dispatches to and sends weights to: instances, TP (weight group size),
     # max_num_seqs (the bound of Algorithm 2's batch sizes), and how weights reach them.

@@ -119,6 +119,6 @@ class GroupCollector:
     def pending(self) -> int:
         return sum(len(g) for g in self._open.values())
 
-    def drop(self, keys: Sequence[str]) -> None:
-        for k in keys:
-            self._open.pop(k, None)
+    def drop(self, keys: Sequence[str]) -> int:
+        """Forget these groups' samples so far; returns how many tokens they had."""
+        return sum(len(s.token_ids) for k in keys for s in self._open.pop(k, {}).values())

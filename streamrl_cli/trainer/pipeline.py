@@ -22,6 +22,7 @@ The gradient is the same in every mode (``learner``): modes differ only in timin
 from __future__ import annotations
 
 import logging
+import math
 import random
 import statistics
 import threading
@@ -85,6 +86,12 @@ class PipelineConfig:
     long_tail: float = 0.2  # α of Algorithm 2
     engine_max_seqs: int = 64  # sequences a generator's engine runs at once at most (its max_num_seqs)
     reproducible: bool = False  # seed each request from (seed, prompt id, sample index); train in batch order
+    oversample: float = 0.0  # dispatch this fraction more groups; train the first global_batch to finish
+
+    @property
+    def extra_groups(self) -> int:
+        """Groups dispatched beyond global_batch per iteration (rollout.oversample)."""
+        return math.ceil(self.global_batch * self.oversample - 1e-9) if self.oversample > 0 else 0
 
     @classmethod
     def from_spec(cls, spec: TrainerSpec) -> PipelineConfig:
@@ -97,6 +104,7 @@ class PipelineConfig:
             seed=t.seed, dispatch=skew.dispatch, schedule=skew.schedule, long_tail=skew.long_tail,
             engine_max_seqs=spec.generator.max_num_seqs, reproducible=t.reproducible_sampling,
             sample_timeout_s=t.stall_after_s, no_generator_s=t.stall_after_s, sampling=sampling_keys(a),
+            oversample=spec.rollout.oversample,
         )  # fmt: skip
 
     @property
@@ -134,8 +142,13 @@ class Batch:
     order: list[str] = field(default_factory=list)  # group keys in the batch's order
     released: int = 0  # groups of `order` moved to `ready`
     trained: list[Rollout] = field(default_factory=list)
-    n_groups: int = 0
+    n_groups: int = 0  # groups dispatched
+    needed: int = 0  # groups the iteration trains on (n_groups less the over-sampled ones)
     done_groups: int = 0
+    aborted: list[str] = field(default_factory=list)  # over-sampled groups cancelled when it closed
+    discarded_tokens: int = 0  # tokens generated for them that arrived (the rest died in the engines)
+    # When each sample's generation finished, by (group key, sample index): the tail time.
+    done_at: dict[tuple[str, int], float] = field(default_factory=dict)
     retries: int = 0
     predicted: dict[str, float] = field(default_factory=dict)  # request prompt id -> predicted length
     observed: dict[str, float] = field(default_factory=dict)  # request prompt id -> longest output
@@ -192,6 +205,11 @@ class Pipeline:
         # iteration, before its checkpoint; that iteration is then checkpointed and the run stops.
         self.stop_requested = stop_requested
         self.stopping = False
+        if cfg.oversample and cfg.reproducible:
+            raise ValueError(
+                "over-sampling trains the groups that finish first: not with reproducible sampling"
+            )
+        self.cancelled: set[str] = set()  # request ids of aborted groups: their late samples are dropped
 
     # ---- the loop ----
 
@@ -258,7 +276,10 @@ class Pipeline:
 
     def _dispatch(self, j: int) -> None:
         state = self.sampler.state()
-        prompts = self.sampler.next_batch()
+        extra = self.cfg.extra_groups
+        prompts = (
+            self.sampler.next_batch(self.cfg.global_batch + extra) if extra else self.sampler.next_batch()
+        )
         batch = Batch(index=j, prompts={}, sampler_state=state)
         batch.collector = GroupCollector(self.cfg.group_size, lambda key, s, b=batch: self._score(b, key, s))
         rids = [f"it{j}/{p.prompt_id}" for p in prompts]
@@ -272,6 +293,7 @@ class Pipeline:
                 req.priority, req.target, req.batch_limit = placement[k]
             requests.append(req)
         batch.n_groups = len(prompts)
+        batch.needed = len(prompts) - extra
         batch.order = rids
         batch.dispatched_at = self.clock()
         self.batches[j] = batch
@@ -341,7 +363,7 @@ class Pipeline:
         train_spans: list[list[float]] = []
         stream = self.cfg.mode != "baseline"
         while True:
-            done = batch.done_groups == batch.n_groups
+            done = batch.done_groups == batch.needed
             if done or (stream and len(batch.ready) > per_round):
                 take = batch.ready[:per_round] if not done or len(batch.ready) > per_round else batch.ready
                 batch.ready = batch.ready[len(take) :]
@@ -392,6 +414,8 @@ class Pipeline:
         if self.evaluator is not None and self.evaluator.owns(sample.prompt_id):
             self.evaluator.add(sample)
             return
+        if sample.prompt_id in self.cancelled:  # an aborted group's sample, queued before it was cancelled
+            return
         j = int(sample.prompt_id.split("/", 1)[0].removeprefix("it"))
         batch = self.batches.get(j)
         if batch is None:
@@ -415,6 +439,7 @@ class Pipeline:
         # saw idle generators). The generator's clock is bounded by what this side saw.
         done_at = min(now, max(batch.dispatched_at, sample.finished_at)) if sample.finished_at > 0 else now
         batch.generated_at = max(batch.generated_at, done_at)
+        batch.done_at[(GroupCollector.key(sample), sample.sample_index)] = done_at
         if sample.first_token_at and sample.finished_at:
             batch.longest_s = max(batch.longest_s, sample.finished_at - sample.first_token_at)
         group = batch.collector.add(sample)
@@ -429,8 +454,27 @@ class Pipeline:
             while batch.released < len(batch.order) and batch.order[batch.released] in batch.held:
                 batch.ready += batch.held.pop(batch.order[batch.released])
                 batch.released += 1
-        if batch.done_groups == batch.n_groups:
+        if batch.done_groups == batch.needed:
             self.gen_spans.append([batch.dispatched_at, batch.generated_at])
+            if batch.needed < batch.n_groups:
+                self._abort_rest(batch)
+
+    def _abort_rest(self, batch: Batch) -> None:
+        """Over-sampling: the iteration has its groups; the others are cancelled on their generators
+        (late samples dropped) and their prompts drawn again first (batches drawn already, in async
+        mode, carry them in their saved sampler state, so a resumed run neither loses nor repeats them)."""
+        assert batch.collector is not None
+        done = {GroupCollector.key(r.sample) for r in [*batch.trained, *batch.ready]}
+        batch.aborted = [rid for rid in batch.order if rid not in done]
+        ids = [k for k in batch.prompts if k in batch.aborted or k.split("#r", 1)[0] in batch.aborted]
+        self.cancelled.update(ids)
+        self.svc.cancel(ids)
+        batch.discarded_tokens += batch.collector.drop(batch.aborted)
+        positions = self.sampler.give_back([batch.prompts[rid][0] for rid in batch.aborted])
+        for later in self.batches.values():
+            if later.index > batch.index:
+                saved = later.sampler_state
+                later.sampler_state = {**saved, "returned": [*saved.get("returned", []), *positions]}
 
     def _score(self, batch: Batch, key: str, samples: list[Sample]) -> list[Rollout]:
         prompt, tokens = batch.prompts[key]
@@ -571,6 +615,7 @@ class Pipeline:
             "t/generation": batch.generated_at - batch.dispatched_at,
             "t/train": busy,
             "t/longest_sample": batch.longest_s,
+            "t/tail": _tail(batch, rows),
             "t/wait": wait_s,
             "t/weight_sync": sum(s[2] - s[1] for s in syncs),
             "idle/trainer": max(0.0, 1.0 - busy / elapsed),
@@ -578,6 +623,9 @@ class Pipeline:
             "staleness/mean": statistics.fmean(stale),
             "staleness/max": max(stale),
             "retries": batch.retries,
+            "rollout/aborted_groups": len(batch.aborted),
+            "rollout/aborted_prompts": [batch.prompts[rid][0].prompt_id for rid in batch.aborted],
+            "rollout/discarded_tokens": batch.discarded_tokens,
             # Which prompts the batch held, in order (a resumed run must repeat the same data order).
             "data/digest": xxhash.xxh64_hexdigest(
                 "\n".join(p.prompt_id for k, (p, _) in batch.prompts.items() if "#r" not in k).encode()
@@ -614,6 +662,17 @@ class Pipeline:
         out.update({f"ranker/{name}": v for name, v in q.items() if name != "n"})
         self.ranker.update([batch.prompts[k][0] for k in keys], [batch.observed[k] for k in keys])
         return out
+
+
+def _tail(batch: Batch, rows: list[Rollout]) -> float:
+    """The long tail of a batch's generation: from when 90% of its trained samples were generated
+    to when the last one was (seconds; 0 for a batch of fewer than two)."""
+    times = sorted(
+        batch.done_at.get((GroupCollector.key(r.sample), r.sample.sample_index), 0.0) for r in rows
+    )
+    if len(times) < 2:
+        return 0.0
+    return times[-1] - times[math.ceil(0.9 * len(times)) - 1]
 
 
 def _covered(spans: list[list[float]], start: float, end: float) -> float:

