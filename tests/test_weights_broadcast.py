@@ -152,11 +152,12 @@ def _dying_source_main(rank: int, world: int, port: int, out: mp.Queue) -> None:
     )
 
     group = init_weight_group(f"127.0.0.1:{port}", rank, world, timeout_s=300)
-    if rank == 0:  # the header of a transfer, then death in the middle of sending the next 16 MiB
+    if rank == 0:  # the header of a transfer announcing 16 MiB of plan, then death before sending it
+        # (It used to start sending 16 MiB of zeros and die 10 ms later; on a loaded machine the
+        # zeros sometimes all arrived first, and the receivers failed decoding them instead.)
         meta = 16 << 20
         _broadcast(group.pg, torch.tensor([MAGIC, 1, meta, 1], dtype=torch.int64), 0).wait()
-        _broadcast(group.pg, torch.zeros(meta, dtype=torch.uint8), 0)
-        time.sleep(0.01)
+        time.sleep(0.5)
         os._exit(1)
     started = time.monotonic()
     try:

@@ -257,10 +257,24 @@ def _wait(work: Any, source_gone: Callable[[], str | None] | None) -> None:
             return
         except RuntimeError as e:
             if "Operation timed out" not in str(e):  # the group's own error (a peer closed, its timeout)
+                # A peer that closed may be the source itself: then say so (SourceGone: the caller
+                # joins a new group), else the group's error as it is.
+                why = _gone_for_sure(source_gone)
+                if why is not None:
+                    raise SourceGone(why) from e
                 raise
         why = source_gone()
         if why is not None:
             raise SourceGone(why)
+
+
+def _gone_for_sure(source_gone: Callable[[], str | None]) -> str | None:
+    """Why the source is gone, asked as many times as the probe needs to be sure; None if it runs."""
+    for _ in range(SOURCE_GONE_PROBES):
+        why = source_gone()
+        if why is not None:
+            return why
+    return None
 
 
 def iter_buckets(
@@ -292,7 +306,10 @@ def iter_buckets(
         )
     meta = torch.empty(meta_len, dtype=torch.uint8, device=device)
     _wait(_broadcast(pg, meta, src), source_gone)
-    plan = msgspec.msgpack.decode(meta.cpu().numpy().tobytes(), type=Plan)
+    try:
+        plan = msgspec.msgpack.decode(meta.cpu().numpy().tobytes(), type=Plan)
+    except msgspec.DecodeError as e:
+        raise WeightTransferError(f"weight metadata of version {version} is not a transfer plan: {e}") from e
     if len(plan.buckets) != n_buckets:
         raise WeightTransferError(
             f"weight metadata lists {len(plan.buckets)} buckets, header says {n_buckets}"
