@@ -76,6 +76,8 @@ def simulate(
                 "t/train": micro_batches * micro_s,
                 "t/wait": max(0.0, begins[0] - t - (0.0 if mode == "sync-stream" else gen_s)),
                 "t/weight_sync": sync_s,
+                "t/tail": 1.5,
+                "rollout/aborted_groups": 2 if mode == "async" else 0,  # over-sampling on one run's records
                 "idle/trainer": 0.5 if mode == "baseline" else 0.2,
                 "idle/generator": 0.3 if mode == "baseline" else 0.05,
                 "staleness/mean": 1.0 if mode == "async" else 0.0,

@@ -287,11 +287,27 @@ def _timeline(fig: Any, iters: list[Record]) -> str | None:
 
 
 def _lengths(fig: Any, iters: list[Record]) -> str | None:
+    """Output lengths, and what their tail costs: generation time, the tail (90% of the batch
+    generated to its last sample) and, with over-sampling, the groups aborted."""
     keys = ["len/mean", "len/p50", "len/p90", "len/max"]
-    ax = fig.subplots()
-    if not _lines(ax, iters, keys, "response length (tokens)"):
+    if not any(_series(iters, k)[0] for k in keys):
         return "no len/* recorded"
-    ax.legend(loc="best")
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    _lines(top, iters, keys, "response length (tokens)")
+    top.legend(loc="best")
+    if _lines(bottom, iters, ["t/generation", "t/tail"], "seconds"):
+        bottom.legend(loc="upper left")
+        ax, ys = _series(iters, "rollout/aborted_groups")
+        if any(ys):
+            twin = bottom.twinx()
+            twin.bar(ax, ys, color="tab:gray", alpha=0.3, label="groups aborted (over-sampling)")
+            twin.set_ylabel("groups aborted")
+            twin.legend(loc="upper right")
+            bottom.set_zorder(twin.get_zorder() + 1)  # the times drawn over the bars
+            bottom.patch.set_visible(False)
+        bottom.set_ylim(bottom=0)
+    else:
+        bottom.text(0.5, 0.5, "generation times not recorded", ha="center", transform=bottom.transAxes)
     return None
 
 

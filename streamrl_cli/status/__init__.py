@@ -350,6 +350,8 @@ def _progress_of(rec: dict[str, Any], iterations: Any) -> dict[str, Any]:
         "samples_per_s": rounded("samples_per_s", 2),
         "trainer_idle": rounded("idle/trainer", 3),
         "generator_idle": rounded("idle/generator", 3),
+        "tail_s": rounded("t/tail", 3),  # 90% of the batch generated to its last sample
+        "aborted_groups": rec.get("rollout/aborted_groups") or None,  # over-sampling, when on
         "mode": rec.get("mode"),
         "from": "metrics.jsonl",
     }

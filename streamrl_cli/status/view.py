@@ -128,7 +128,8 @@ def run_view(doc: dict[str, Any]) -> RenderableType:
     if "step" in p and p.get("iterations"):
         p["step"] = f"{p['step']}/{p['iterations']}"
     keys = (
-        "step", "reward", "eval_reward", "samples_per_s", "trainer_idle", "generator_idle", "ranker_recall20"
+        "step", "reward", "eval_reward", "samples_per_s", "trainer_idle", "generator_idle", "tail_s",
+        "aborted_groups", "ranker_recall20",
     )  # fmt: skip
     pline = Text(
         "progress: " + ("  ".join(f"{k} {p[k]}" for k in keys if k in p) or "no progress reported yet")
