@@ -618,3 +618,20 @@ def test_generators_that_join_while_none_serves_get_the_current_weights_as_a_new
     assert [r["iteration"] for r in records] == [0, 1, 2]
     assert [r["weight_version"] for r in records] == [1, 3, 4]  # batch j's policy is j + 1 from then on
     assert all(r["staleness/max"] == 0 for r in records)
+
+
+def test_tail_runs_from_ninety_percent_of_the_samples_generated_to_the_last():
+    from streamrl_cli.trainer.batch import Rollout
+    from streamrl_cli.trainer.pipeline import Batch, _tail
+
+    batch = Batch(index=0, prompts={}, sampler_state={})
+    rows = []
+    for g in range(5):  # 5 groups of 2, finished at 1, 2, 3, 4 and 10 s
+        for i in range(2):
+            s = Sample(prompt_id=f"g{g}", sample_index=i, group_id=f"g{g}", token_ids=[1], logprobs=[-1.0],
+                       finish_reason="stop", weight_version=0)  # fmt: skip
+            batch.done_at[(f"g{g}", i)] = [1.0, 2.0, 3.0, 4.0, 10.0][g]
+            rows.append(Rollout(prompt_tokens=[5], sample=s, reward=0.0, advantage=0.0))
+    assert _tail(batch, rows) == 6.0  # ⌊90%⌋ of 5 groups: the 4th, done at 4 s; the last at 10 s
+    assert _tail(batch, rows[:2]) == 0.0  # one group: no tail
+    assert _tail(batch, rows[:4]) == 1.0  # two groups: from the first to the last

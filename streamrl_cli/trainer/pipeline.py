@@ -665,14 +665,17 @@ class Pipeline:
 
 
 def _tail(batch: Batch, rows: list[Rollout]) -> float:
-    """The long tail of a batch's generation: from when 90% of its trained samples were generated
-    to when the last one was (seconds; 0 for a batch of fewer than two)."""
-    times = sorted(
-        batch.done_at.get((GroupCollector.key(r.sample), r.sample.sample_index), 0.0) for r in rows
-    )
+    """The long tail of a batch's generation, in seconds: from when ⌊90%⌋ of its trained groups were
+    generated (at most all but the last) to when the last one was. Counted in groups, because a
+    group's samples finish together (0 for a batch of one group)."""
+    done: dict[str, float] = {}
+    for r in rows:
+        key = GroupCollector.key(r.sample)
+        done[key] = max(done.get(key, 0.0), batch.done_at.get((key, r.sample.sample_index), 0.0))
+    times = sorted(done.values())
     if len(times) < 2:
         return 0.0
-    return times[-1] - times[math.ceil(0.9 * len(times)) - 1]
+    return times[-1] - times[min(math.floor(0.9 * len(times)), len(times) - 1) - 1]
 
 
 def _covered(spans: list[list[float]], start: float, end: float) -> float:
