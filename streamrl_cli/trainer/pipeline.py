@@ -146,7 +146,6 @@ class Batch:
     needed: int = 0  # groups the iteration trains on (n_groups less the over-sampled ones)
     done_groups: int = 0
     aborted: list[str] = field(default_factory=list)  # over-sampled groups cancelled when it closed
-    discarded_tokens: int = 0  # tokens generated for them that arrived (the rest died in the engines)
     # When each sample's generation finished, by (group key, sample index): the tail time.
     done_at: dict[tuple[str, int], float] = field(default_factory=dict)
     retries: int = 0
@@ -210,6 +209,7 @@ class Pipeline:
                 "over-sampling trains the groups that finish first: not with reproducible sampling"
             )
         self.cancelled: set[str] = set()  # request ids of aborted groups: their late samples are dropped
+        self.discarded_tokens = 0  # tokens of aborted groups that reached us since the last record
 
     # ---- the loop ----
 
@@ -414,7 +414,8 @@ class Pipeline:
         if self.evaluator is not None and self.evaluator.owns(sample.prompt_id):
             self.evaluator.add(sample)
             return
-        if sample.prompt_id in self.cancelled:  # an aborted group's sample, queued before it was cancelled
+        if sample.prompt_id in self.cancelled:  # an aborted group's sample, generated before the cancel came
+            self.discarded_tokens += len(sample.token_ids)
             return
         j = int(sample.prompt_id.split("/", 1)[0].removeprefix("it"))
         batch = self.batches.get(j)
@@ -469,7 +470,7 @@ class Pipeline:
         ids = [k for k in batch.prompts if k in batch.aborted or k.split("#r", 1)[0] in batch.aborted]
         self.cancelled.update(ids)
         self.svc.cancel(ids)
-        batch.discarded_tokens += batch.collector.drop(batch.aborted)
+        self.discarded_tokens += batch.collector.drop(batch.aborted)
         positions = self.sampler.give_back([batch.prompts[rid][0] for rid in batch.aborted])
         for later in self.batches.values():
             if later.index > batch.index:
@@ -625,7 +626,7 @@ class Pipeline:
             "retries": batch.retries,
             "rollout/aborted_groups": len(batch.aborted),
             "rollout/aborted_prompts": [batch.prompts[rid][0].prompt_id for rid in batch.aborted],
-            "rollout/discarded_tokens": batch.discarded_tokens,
+            "rollout/discarded_tokens": self.discarded_tokens,
             # Which prompts the batch held, in order (a resumed run must repeat the same data order).
             "data/digest": xxhash.xxh64_hexdigest(
                 "\n".join(p.prompt_id for k, (p, _) in batch.prompts.items() if "#r" not in k).encode()
@@ -645,6 +646,7 @@ class Pipeline:
             **self._skew_record(batch),
         }
         self.batches.pop(i, None)
+        self.discarded_tokens = 0
         return rec
 
     def _skew_record(self, batch: Batch) -> dict[str, Any]:
