@@ -59,7 +59,14 @@ def run_local(label: str, root: Path, overrides: list[str]) -> Path:
 
 def run_mode(mode: str, root: Path, iterations: int, overrides: list[str]) -> Path:
     return run_local(
-        mode, root / mode, [f"algorithm.mode={mode}", f"train.iterations={iterations}", *overrides]
+        mode,
+        root / mode,
+        [
+            f"algorithm.mode={mode}",
+            f"train.iterations={iterations}",
+            "roles.generator.instances=2",
+            *overrides,
+        ],
     )
 
 

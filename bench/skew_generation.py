@@ -73,7 +73,7 @@ def common(iterations: int, bound: int) -> list[str]:
     return [
         "algorithm.mode=baseline", "algorithm.lr=0", "train.reproducible_sampling=true",
         f"train.iterations={iterations}", f"train.global_batch={GLOBAL_BATCH}", f"task.num_prompts={PROMPTS}",
-        f"roles.generator.max_num_seqs={bound}",
+        f"roles.generator.max_num_seqs={bound}", "roles.generator.instances=2",  # dispatch needs two
     ]  # fmt: skip
 
 

@@ -14,6 +14,9 @@ from conftest import PREFLIGHT, REPO, STREAMRL, none_alive, streamrl
 HOLD = "+clusters.local.env.STREAMRL_PREFLIGHT_HOLD_S=120"
 
 
+TWO = "roles.generator.instances=2"  # the embedded default has one; these tests look at a pair
+
+
 def run_dir_of(runs_root: Path) -> Path:
     (d,) = list(runs_root.iterdir())
     return d
@@ -46,7 +49,7 @@ def pids(run_dir: Path) -> list[dict]:
 def start_held_run(runs_root: Path) -> tuple[subprocess.Popen, Path]:
     """`streamrl run local` whose roles hold (heartbeating) after preflight; returns once all passed it."""
     proc = subprocess.Popen(
-        [*STREAMRL, "run", "local", *PREFLIGHT, HOLD, "--root", str(runs_root)],
+        [*STREAMRL, "run", "local", *PREFLIGHT, TWO, HOLD, "--root", str(runs_root)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -62,7 +65,7 @@ def start_held_run(runs_root: Path) -> tuple[subprocess.Popen, Path]:
 
 
 def test_local_run_meets_at_the_rendezvous_and_finishes(runs_root):
-    out = streamrl("run", "local", *PREFLIGHT, "--root", str(runs_root))
+    out = streamrl("run", "local", *PREFLIGHT, TWO, "--root", str(runs_root))
     assert out.returncode == 0, out.stdout + out.stderr
     run_dir = run_dir_of(runs_root)
     info = json.loads((run_dir / "run.json").read_text())
@@ -153,7 +156,7 @@ def test_a_run_without_progress_past_its_bound_shows_as_stalled(runs_root):
     """Preflight roles hold and heartbeat but never train: past train.stall_after_s the run is
     `stalled`, in the JSON and the table, with a problem that says for how long and the errors."""
     proc = subprocess.Popen(
-        [*STREAMRL, "run", "local", *PREFLIGHT, HOLD, "train.stall_after_s=3", "--root", str(runs_root)],
+        [*STREAMRL, "run", "local", *PREFLIGHT, TWO, HOLD, "train.stall_after_s=3", "--root", str(runs_root)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip

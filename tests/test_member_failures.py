@@ -27,7 +27,7 @@ RUN_S = 900  # liveness bound of a whole small run here (two vLLM engines + Deep
 def start_run(runs_root: Path, *overrides: str) -> subprocess.Popen:
     env = {**os.environ, "COLUMNS": "200", "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
-        [*STREAMRL, "run", "local", *overrides, "--root", str(runs_root)],
+        [*STREAMRL, "run", "local", "roles.generator.instances=2", *overrides, "--root", str(runs_root)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 

@@ -53,8 +53,10 @@ def test_the_local_default_trains_and_records_every_iteration(local_run):
         assert 0.0 <= r["reward_mean"] <= 1.0 and r["grad_norm"] == r["grad_norm"]  # not NaN
         assert r["timeline"]["generation"][0] <= r["timeline"]["step"][0]
     # every generator loaded every version the trainer sent (and confirmed it: the run went on)
-    for g in (0, 1):
-        log = (run_dir / "logs" / "generator" / f"generator-{g}.log").read_text()
+    logs = sorted((run_dir / "logs" / "generator").glob("generator-*.log"))
+    assert logs
+    for path in logs:
+        log = path.read_text()
         assert all(f"serving weight version {v} " in log for v in (1, 2, 3, 4)), log[-2000:]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("iter-*")) == ["iter-000001", "iter-000003"]
 

@@ -1,3 +1,2 @@
 # generator on this machine: one local process per line
 PYTHON -u -m streamrl_cli.roles /RUN_DIR/roles/generator.yaml --rank 0
-PYTHON -u -m streamrl_cli.roles /RUN_DIR/roles/generator.yaml --rank 1
