@@ -71,7 +71,7 @@ def test_recipe_from_a_user_directory_uses_shipped_groups(tmp_path):
     f = tmp_path / "mine.yaml"
     f.write_text("defaults:\n  - local\n  - _self_\nrun: {name: mine}\ntrain: {iterations: 3}\n")
     r = load(str(f)).recipe
-    assert (r.run.name, r.train.iterations, r.roles.generator.instances) == ("mine", 3, 1)  # instances from the shipped local recipe
+    assert (r.run.name, r.train.iterations, r.roles.generator.instances) == ("mine", 3, 1)
 
 
 def test_an_integer_given_as_text_is_converted_as_omegaconf_would():
