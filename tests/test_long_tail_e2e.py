@@ -23,6 +23,10 @@ RUN = (
     f"train.iterations={ITERATIONS}", f"train.global_batch={BATCH}", f"algorithm.group_size={GROUP}",
     "train.checkpoint_every=3", "train.keep_checkpoints=3", "rollout.oversample=0.5",
     "train.reproducible_sampling=false",
+    # One group at a time: the extra groups are still queued or running when the batch closes, so
+    # their cancellations reach the engine (with room for all, this fast engine finished every
+    # group before the trainer, busy with a micro-batch, could close the batch).
+    f"roles.generator.max_num_seqs={GROUP}",
 )  # fmt: skip
 
 

@@ -466,16 +466,14 @@ class GeneratorRole:
     async def _report(self) -> None:
         while True:
             await asyncio.sleep(METRICS_S)
-            record = {
-                **self.meter.report(time.time()),
-                "weight_version": self.engine.weight_version,
-                "cancelled_requests": self.cancelled,
-                **self.transfer,
-            }
+            record = {**self._metrics(), "weight_version": self.engine.weight_version, **self.transfer}
             try:
                 await asyncio.to_thread(self.rdv.post_metrics, record)
             except StreamRLError as e:  # metrics are not worth dying for
                 log.warning("%s: metrics not posted: %s", self.member_id, e)
+
+    def _metrics(self) -> dict[str, Any]:
+        return {**self.meter.report(time.time()), "cancelled_requests": self.cancelled}
 
     def _find_trainer(self) -> dict[str, Any]:
         """Trainer rank 0's member record: it receives the samples and hosts the weight group."""
@@ -529,7 +527,7 @@ class GeneratorRole:
                 log.error("%s: %s", self.member_id, reason)
             try:
                 if self.transfer:  # the last transfer's figures stay visible after we left
-                    self.rdv.post_metrics({**self.meter.report(time.time()), **self.transfer})
+                    self.rdv.post_metrics({**self._metrics(), **self.transfer})
                 self.rdv.leave(reason)
             except StreamRLError as e:
                 log.warning("%s: could not leave the rendezvous: %s", self.member_id, e)

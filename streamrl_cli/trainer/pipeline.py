@@ -364,6 +364,12 @@ class Pipeline:
         stream = self.cfg.mode != "baseline"
         while True:
             done = batch.done_groups == batch.needed
+            if not done and batch.needed < batch.n_groups:
+                # Over-sampling: read what already arrived before training a round, so that the
+                # batch closes (and its extra groups are cancelled) as soon as it may, not a round late.
+                while batch.done_groups < batch.needed and (sample := self.svc.get(timeout=0)) is not None:
+                    self._route(sample)
+                done = batch.done_groups == batch.needed
             if done or (stream and len(batch.ready) > per_round):
                 take = batch.ready[:per_round] if not done or len(batch.ready) > per_round else batch.ready
                 batch.ready = batch.ready[len(take) :]
