@@ -637,3 +637,22 @@ def test_tail_runs_from_ninety_percent_of_the_samples_generated_to_the_last():
     assert _tail(batch, rows) == 6.0  # ⌊90%⌋ of 5 groups: the 4th, done at 4 s; the last at 10 s
     assert _tail(batch, rows[:2]) == 0.0  # one group: no tail
     assert _tail(batch, rows[:4]) == 1.0  # two groups: from the first to the last
+
+
+def test_a_prompt_drawn_twice_in_one_batch_is_two_groups():
+    """A batch that spans two epochs can draw a prompt twice (the end of one permutation, the start
+    of the next; ~9% of batches with 10 prompts and batches of 4). Each draw is its own group."""
+    events: list = []
+    gens, driver, records = Generators(events), Driver(events), []
+    cfg = PipelineConfig(mode="sync-stream", group_size=2, global_batch=4, micro_batch=2)
+    task = CountTask(3)  # 3 prompts, batches of 4: every batch draws one prompt twice
+    pipe = Pipeline(
+        cfg, task=task, sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],
+        detokenize=lambda ids: "x" * len(ids), svc=gens, driver=driver, publisher=Publisher(events, gens),
+        on_record=records.append, clock=Clock(),
+    )  # fmt: skip
+    pipe.run(0, 2, 0)
+    assert [r["samples"] for r in records] == [8, 8]
+    assert sorted(records[0]["lengths/by_prompt"]) == ["c/0", "c/0~2", "c/1", "c/2"]
+    trained = [(r.sample.prompt_id, r.sample.sample_index) for rnd in driver.rounds for r in rnd]
+    assert len(set(trained)) == len(trained) == 16

@@ -282,13 +282,18 @@ class Pipeline:
         )
         batch = Batch(index=j, prompts={}, sampler_state=state)
         batch.collector = GroupCollector(self.cfg.group_size, lambda key, s, b=batch: self._score(b, key, s))
-        rids = [f"it{j}/{p.prompt_id}" for p in prompts]
+        # A batch that spans two epochs may draw a prompt twice (the end of one permutation and the
+        # start of the next): each draw is a group of its own, under its own request id.
+        rids, drawn = [], {}
+        for p in prompts:
+            drawn[p.prompt_id] = n = drawn.get(p.prompt_id, 0) + 1
+            rids.append(f"it{j}/{p.prompt_id}" + (f"~{n}" if n > 1 else ""))
         placement = self._place(batch, prompts, rids)
         requests = []
         for k, (p, rid) in enumerate(zip(prompts, rids, strict=True)):
             tokens = self.tokenize(p.text)
             batch.prompts[rid] = (p, tokens)
-            req = self._request(rid, tokens, list(range(self.cfg.group_size)), seed_key=p.prompt_id)
+            req = self._request(rid, tokens, list(range(self.cfg.group_size)), seed_key=rid.split("/", 1)[1])
             if placement is not None:
                 req.priority, req.target, req.batch_limit = placement[k]
             requests.append(req)
@@ -436,7 +441,9 @@ class Pipeline:
             rid = f"{group}#r{batch.retries}"
             batch.prompts[rid] = batch.prompts[group]
             prompt, tokens = batch.prompts[group]
-            retry = self._request(rid, tokens, [sample.sample_index], group=group, seed_key=prompt.prompt_id)
+            retry = self._request(
+                rid, tokens, [sample.sample_index], group=group, seed_key=group.split("/", 1)[1]
+            )
             self.svc.submit([retry])
             return
         now = batch.last_sample_at = self.clock()
@@ -490,7 +497,7 @@ class Pipeline:
         # A group is admitted whole and comes back when its longest sample ends: that is its
         # processing time, so it is what the ranker learns, and is judged on.
         batch.observed[key] = max(lengths)
-        batch.lengths[prompt.prompt_id] = [
+        batch.lengths[key.split("/", 1)[1]] = [
             len(s.token_ids) for s in sorted(samples, key=lambda s: s.sample_index)
         ]
         texts = [self.detokenize(s.token_ids) for s in samples]
