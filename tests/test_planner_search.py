@@ -134,7 +134,7 @@ def test_pools_from_recipe_flags_and_sites():
     ]
     assert [p.gpus for p in pools_from_recipe(two, sites="a=32,b.h20=8")] == [32, 8]
     local = pools_from_recipe(load("local").recipe)
-    assert [(p.kind, p.gpus) for p in local] == [("cpu", 3)]
+    assert [(p.kind, p.gpus) for p in local] == [("cpu", 2)]  # one trainer and one generator process
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import time
 
 import pytest
 from conftest import PREFLIGHT, REPO, STREAMRL, streamrl
-from test_launch_local import members_ok, run_dir_of, start_held_run
+from test_launch_local import TWO, members_ok, run_dir_of, start_held_run
 
 
 @pytest.fixture
@@ -143,6 +143,7 @@ def test_a_local_run_over_tls(runs_root, tmp_path):
         "run",
         "local",
         *PREFLIGHT,
+        TWO,
         f"roles.rendezvous.tls_cert={cert}",
         f"roles.rendezvous.tls_key={key}",
         f"roles.rendezvous.tls_ca={cert}",
