@@ -137,7 +137,7 @@ def test_the_rule_grows_then_releases_as_outputs_shorten(runs_root, tmp_path):
     e = "roles.generator.elastic"
     batch = 8
     proc, run_dir = start(
-        runs_root, shrinking_dataset(tmp_path / "shrinking.jsonl", long_prompts=12 * batch), *SHRINKING,
+        runs_root, shrinking_dataset(tmp_path / "shrinking.jsonl", long_prompts=20 * batch), *SHRINKING,
         "train.iterations=100000", f"train.global_batch={batch}", "train.micro_batch=1",
         "roles.generator.instances=1", f"{e}.enabled=true", f"{e}.max=2", f"{e}.patience=2",
         f"{e}.cooldown=1", common=(f"algorithm.group_size={GROUP}", f"roles.generator.max_num_seqs={GROUP}",

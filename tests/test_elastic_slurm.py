@@ -171,7 +171,7 @@ def test_the_policy_grows_then_releases_slurm_generators(slurm, runs_root, tmp_p
     2: an instance counted as serving for one iteration may not have taken work yet.)"""
     e, batch = "roles.generator.elastic", 8
     out = streamrl(
-        "run", "slurm-local", shrinking_dataset(tmp_path / "shrinking.jsonl", long_prompts=12 * batch),
+        "run", "slurm-local", shrinking_dataset(tmp_path / "shrinking.jsonl", long_prompts=20 * batch),
         *SHRINKING, "train.iterations=100000", "train.checkpoint_every=0", f"train.global_batch={batch}",
         "train.micro_batch=1", f"algorithm.group_size={GROUP}", f"roles.generator.max_num_seqs={GROUP}",
         "roles.generator.instances=1", f"{e}.enabled=true", f"{e}.max=2", f"{e}.patience=2",
