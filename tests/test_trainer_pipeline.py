@@ -45,9 +45,10 @@ class ListSampler:
     def __init__(self, prompts, batch):
         self.prompts, self.batch, self.pos = list(prompts), batch, 0
 
-    def next_batch(self):
-        out = [self.prompts[(self.pos + k) % len(self.prompts)] for k in range(self.batch)]
-        self.pos += self.batch
+    def next_batch(self, size=None):
+        size = size or self.batch
+        out = [self.prompts[(self.pos + k) % len(self.prompts)] for k in range(size)]
+        self.pos += size
         return out
 
     def state(self):

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.generator.admission import Admission
 from streamrl_cli.generator.engine import EngineError, GenerationEngine, GenerationRequest, make_engine
-from streamrl_cli.generator.stream import Meter, to_engine_request, to_samples
+from streamrl_cli.generator.stream import Meter, prompt_of, to_engine_request, to_samples
 from streamrl_cli.generator.weights import WeightPath, make_weight_path
 from streamrl_cli.rendezvous.client import RendezvousClient, RendezvousRequestError
 from streamrl_cli.roles.entry import cpu_slot
@@ -284,12 +284,10 @@ class GeneratorRole:
     async def _cancel(self, prompt_id: str) -> None:
         """The trainer wants no more of `prompt_id` (an over-sampled group it will not train):
         drop it from the admission queue, abort it in the engine (its places go to the next)."""
-        mine = {k for k in [*self.admission.waiting_keys(), *self.admission.running_keys()]
-                if k.rpartition("#")[0] == prompt_id}  # fmt: skip
-        if not mine:
+        dropped = self.admission.drop({k for k in self.admission.waiting_keys() if prompt_of(k) == prompt_id})
+        running = [k for k in self.admission.running_keys() if prompt_of(k) == prompt_id]
+        if not dropped and not running:
             return  # finished already (its samples are on their way and will be dropped)
-        dropped = self.admission.drop(mine)
-        running = [k for k in self.admission.running_keys() if k in mine]
         if running:
             await self.engine.abort(running)
         self.cancelled += 1

@@ -36,7 +36,7 @@ def to_engine_request(req: Request, serial: int, defaults: dict[str, Any]) -> Ge
         log.warning("prompt %s: ignoring unknown sampling keys %s", req.prompt_id, sorted(unknown))
     params = {**defaults, **{k: v for k, v in req.sampling.items() if k in SAMPLING_KEYS}}
     return GenerationRequest(
-        request_id=f"{req.prompt_id}#{serial}",
+        request_id=f"{req.prompt_id}#{serial}",  # see prompt_of
         prompt_token_ids=list(req.prompt_token_ids),
         sampling=SamplingSpec(n=len(req.sample_indices), **params),
         priority=req.priority,
@@ -46,6 +46,11 @@ def to_engine_request(req: Request, serial: int, defaults: dict[str, Any]) -> Ge
             "sample_indices": list(req.sample_indices),
         },
     )
+
+
+def prompt_of(request_id: str) -> str:
+    """The dispatched prompt id of an engine request id made by :func:`to_engine_request`."""
+    return request_id.rpartition("#")[0]
 
 
 def to_samples(result: GenerationResult, generator: str) -> list[Sample]:

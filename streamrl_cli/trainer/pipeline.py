@@ -277,9 +277,7 @@ class Pipeline:
     def _dispatch(self, j: int) -> None:
         state = self.sampler.state()
         extra = self.cfg.extra_groups
-        prompts = (
-            self.sampler.next_batch(self.cfg.global_batch + extra) if extra else self.sampler.next_batch()
-        )
+        prompts = self.sampler.next_batch(self.cfg.global_batch + extra)
         batch = Batch(index=j, prompts={}, sampler_state=state)
         batch.collector = GroupCollector(self.cfg.group_size, lambda key, s, b=batch: self._score(b, key, s))
         # A batch that spans two epochs may draw a prompt twice (the end of one permutation and the
@@ -293,7 +291,7 @@ class Pipeline:
         for k, (p, rid) in enumerate(zip(prompts, rids, strict=True)):
             tokens = self.tokenize(p.text)
             batch.prompts[rid] = (p, tokens)
-            req = self._request(rid, tokens, list(range(self.cfg.group_size)), seed_key=rid.split("/", 1)[1])
+            req = self._request(rid, tokens, list(range(self.cfg.group_size)), seed_key=_draw(rid))
             if placement is not None:
                 req.priority, req.target, req.batch_limit = placement[k]
             requests.append(req)
@@ -441,9 +439,7 @@ class Pipeline:
             rid = f"{group}#r{batch.retries}"
             batch.prompts[rid] = batch.prompts[group]
             prompt, tokens = batch.prompts[group]
-            retry = self._request(
-                rid, tokens, [sample.sample_index], group=group, seed_key=group.split("/", 1)[1]
-            )
+            retry = self._request(rid, tokens, [sample.sample_index], group=group, seed_key=_draw(group))
             self.svc.submit([retry])
             return
         now = batch.last_sample_at = self.clock()
@@ -497,9 +493,7 @@ class Pipeline:
         # A group is admitted whole and comes back when its longest sample ends: that is its
         # processing time, so it is what the ranker learns, and is judged on.
         batch.observed[key] = max(lengths)
-        batch.lengths[key.split("/", 1)[1]] = [
-            len(s.token_ids) for s in sorted(samples, key=lambda s: s.sample_index)
-        ]
+        batch.lengths[_draw(key)] = [len(s.token_ids) for s in sorted(samples, key=lambda s: s.sample_index)]
         texts = [self.detokenize(s.token_ids) for s in samples]
         scores = self.task.reward([prompt] * len(samples), texts)
         batch.done_groups += 1
@@ -677,6 +671,12 @@ class Pipeline:
         out.update({f"ranker/{name}": v for name, v in q.items() if name != "n"})
         self.ranker.update([batch.prompts[k][0] for k in keys], [batch.observed[k] for k in keys])
         return out
+
+
+def _draw(rid: str) -> str:
+    """What a request id of batch j ("it<j>/<prompt id>[~n]") drew: the task prompt id, with "~n"
+    for its n-th draw in the same batch. Its sampling seed and its `lengths/by_prompt` key."""
+    return rid.split("/", 1)[1]
 
 
 def _tail(batch: Batch, rows: list[Rollout]) -> float:

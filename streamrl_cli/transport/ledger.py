@@ -20,6 +20,7 @@ samples are done, so memory is bounded by the work in flight; a copy that arrive
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -144,11 +145,11 @@ class Ledger:
         p = self._prompts.pop(prompt_id, None)
         if p is None:
             return set()
-        owners = {g for g in p.owner.values() if g is not None}
-        for g in owners:
-            self._drop_load(g, sum(1 for x in p.owner.values() if x == g))
+        owed = Counter(g for g in p.owner.values() if g is not None)
+        for g, n in owed.items():
+            self._drop_load(g, n)
         self.stats["cancelled"] += len(p.owner)
-        return owners
+        return set(owed)
 
     def _drop_load(self, generator: str, n: int) -> None:
         left = self._load.get(generator, 0) - n
