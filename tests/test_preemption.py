@@ -110,7 +110,7 @@ def test_a_generator_task_warned_by_usr2_hands_back_its_work_and_rejoins(slurm, 
     assert iterations(run) == list(range(n))
     assert int(scontrol(task).get("Restarts", "0")) >= 1
     text = job_logs(run, tail=None)
-    assert "SIGUSR2: handing the work back" in text and "requeued task" in text, text[-5000:]
+    assert "SIGUSR2: handing the work back" in text and "requeuing task" in text, text[-5000:]
     member = json.loads((run / "members" / "generator-0.json").read_text())
     assert member.get("slurm_array_task_id") == "0"
 

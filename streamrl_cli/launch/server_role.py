@@ -59,8 +59,10 @@ def _requeue(run: RunDir) -> None:
     endpoint = {k: v for k, v in (read_json(run.endpoint) or {}).items() if k != "stopped"}
     write_atomic(run.endpoint, json.dumps({**endpoint, "requeued": time.time()}).encode(), durable=True)
     run.event("rendezvous_requeued", job_id=own_job_id())
-    job = requeue_self()
-    log.warning("rendezvous server stopped on SIGUSR2 (time limit near): requeued job %s", job)
+    # Said before the requeue: SLURM ends this job as soon as it is back in the queue, and a line
+    # logged after that can be lost with the job's last output (it was, once, in CI).
+    log.warning("rendezvous server stopped on SIGUSR2 (time limit near): requeuing job %s", own_job_id())
+    requeue_self()
 
 
 def _stop_when_jobs_end(run: RunDir) -> None:

@@ -161,12 +161,13 @@ class TrainerRole:
     def _end_early(self, stopped: Any) -> str:
         """After the checkpoint SLURM's warning asked for: requeue our job after USR2; say why we leave
         (a reason starting `requeued`/`preempted` keeps the generators waiting for us to come back)."""
-        from streamrl_cli.roles.requeue import PREEMPTED, REQUEUED, requeue_self
+        from streamrl_cli.roles.requeue import PREEMPTED, REQUEUED, own_job_id, requeue_self
 
         why = f"{self.ends.signal_name}; checkpointed, resumes at iteration {stopped.next_iteration}"
         if self.ends.requeue:
-            job = requeue_self()
-            log.info("requeued job %s: %s", job, why)
+            # Logged first: SLURM ends the job once it is back in the queue, and may lose later output.
+            log.info("requeuing job %s: %s", own_job_id(), why)
+            requeue_self()
             return f"{REQUEUED}: {why}"
         if RunDir(self.run_dir).info().get("state") in ("cancelling", "cancelled"):
             return "stopped"  # `streamrl cancel`: the run is over
