@@ -137,6 +137,12 @@ MISTAKES = [
         ["rollout.oversample", "set train.reproducible_sampling=false"],
     ),
     (
+        "partial rollout resumes over-sampled groups: none without over-sampling",
+        "",
+        ["rollout.partial=true", "train.reproducible_sampling=false"],
+        ["rollout.partial", "set rollout.oversample above 0"],
+    ),
+    (
         "a site option written with dashes",
         "clusters: {local: {sbatch: {'--constraint': a100}}}\n",
         [],

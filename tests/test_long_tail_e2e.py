@@ -64,3 +64,37 @@ def test_oversampled_run_trains_the_first_groups_and_draws_the_rest_again(runs_r
     assert [r["iteration"] for r in again] == [3, 4, 5]
     drawn = set(again[0]["lengths/by_prompt"]) | set(again[0]["rollout/aborted_prompts"])
     assert set(recs[2]["rollout/aborted_prompts"]) <= drawn
+
+
+def test_partial_rollout_resumes_paused_samples_in_the_next_iteration(runs_root):
+    # The same run with rollout.partial: the extra groups still running at an iteration's close are
+    # paused on the engines (which hand back each sample as far as it got) and go on in the next
+    # iteration under its weights; the last iteration aborts its extras (nothing comes after it).
+    out = streamrl("run", "local", *RUN, "rollout.partial=true", "--root", str(runs_root), timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (run_dir,) = [p for p in runs_root.iterdir() if p.is_dir()]
+    recs = [r for r in records(run_dir, "trainer") if "iteration" in r]
+    assert [r["iteration"] for r in recs] == list(range(ITERATIONS))
+    for r in recs:
+        trained = r["lengths/by_prompt"]
+        assert r["samples"] == BATCH * GROUP and len(trained) == BATCH
+        assert all(len(v) == GROUP for v in trained.values())
+        assert r["staleness/max"] <= 1 and r["staleness/token_max"] <= 1  # algorithm.max_staleness
+    assert [r["rollout/paused_groups"] for r in recs[:-1]] == [2] * (ITERATIONS - 1)
+    assert recs[-1]["rollout/paused_groups"] == 0 and recs[-1]["rollout/aborted_groups"] == 2
+    # A paused group goes on in the next iteration: trained there, or paused again.
+    for prev, nxt in zip(recs, recs[1:], strict=False):
+        drawn = {k.removesuffix("~c") for k in nxt["lengths/by_prompt"]} | set(nxt["rollout/paused_prompts"])
+        assert set(prev["rollout/paused_prompts"]) <= drawn | set(nxt["rollout/aborted_prompts"])
+    # Samples begun under one version were finished under the next, and trained with both.
+    assert sum(r["rollout/resumed_samples"] for r in recs) > 0
+    assert max(r["staleness/token_mean"] for r in recs) > 0
+
+    # Paused samples are not in a checkpoint: the resumed run draws their prompts again first.
+    shutil.rmtree(run_dir / "checkpoints" / "iter-000005")
+    out = streamrl("run", "--resume", str(run_dir), timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    again = [r for r in records(run_dir, "trainer") if "iteration" in r][ITERATIONS:]
+    assert [r["iteration"] for r in again] == [3, 4, 5]
+    drawn = set(again[0]["lengths/by_prompt"]) | set(again[0]["rollout/paused_prompts"])
+    assert set(recs[2]["rollout/paused_prompts"]) <= drawn

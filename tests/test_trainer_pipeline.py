@@ -241,7 +241,7 @@ class Tail(Generators):
             self.queue.append(self.late.popleft())
         return super().get(timeout)
 
-    def cancel(self, ids):
+    def cancel(self, ids, keep=False):
         self.cancelled.append(list(ids))
 
 
@@ -657,3 +657,139 @@ def test_a_prompt_drawn_twice_in_one_batch_is_two_groups():
     assert sorted(records[0]["lengths/by_prompt"]) == ["c/0", "c/0~2", "c/1", "c/2"]
     trained = [(r.sample.prompt_id, r.sample.sample_index) for rnd in driver.rounds for r in rnd]
     assert len(set(trained)) == len(trained) == 16
+
+
+# ---- partial rollout ----
+
+
+class Pausing(Tail):
+    """Tail, and a pause (cancel with keep) sends back each undelivered sample of the paused requests
+    as far as it got: 3 tokens (log-prob -0.5) for a slow one, none for the others. A resumed sample
+    ("#p" request) finishes with 2 more tokens (log-prob -0.25), unless `slow` names it too."""
+
+    def __init__(self, events: list, slow):
+        super().__init__(events, slow)
+        self.requests: list = []
+        self.back: deque = deque()
+
+    def submit(self, requests):
+        self.requests += requests
+        super().submit(requests)
+
+    def cancel(self, ids, keep=False):
+        super().cancel(ids)
+        if not keep:
+            return
+        for q in (self.queue, self.late):
+            for r, i in [e for e in q if e[0].prompt_id in ids]:
+                q.remove((r, i))
+                n = 3 if self.slow(r.prompt_id) else 0
+                self.back.append(Sample(prompt_id=r.prompt_id, sample_index=i, group_id=r.group_id,
+                                        token_ids=[7] * n, logprobs=[-0.5] * n, finish_reason="abort",
+                                        weight_version=self.version))  # fmt: skip
+
+    def get(self, timeout=None):
+        if self.back:  # a pause is answered at once
+            return self.back.popleft()
+        if not self.queue and self.late:
+            self.queue.append(self.late.popleft())
+        if self.queue and "#p" in self.queue[0][0].prompt_id:
+            r, i = self.queue.popleft()
+            return Sample(prompt_id=r.prompt_id, sample_index=i, group_id=r.group_id, token_ids=[8, 8],
+                          logprobs=[-0.25, -0.25], finish_reason="stop",
+                          weight_version=self.version)  # fmt: skip
+        return Generators.get(self, timeout)
+
+
+def partial_run(mode: str, iterations: int, slow, **kw):
+    from streamrl_cli.tasks.sampler import PromptSampler
+
+    events: list = []
+    gens = Pausing(events, slow)
+    driver, records, checkpoints = Driver(events), [], []
+    cfg = PipelineConfig(mode=mode, group_size=2, global_batch=4, micro_batch=2, oversample=0.5, partial=True,
+                         **kw)  # fmt: skip
+    task = CountTask(64)
+    pipe = Pipeline(
+        cfg, task=task, sampler=PromptSampler(task.prompts(), 4, shuffle=False), tokenize=lambda t: [5, 6],
+        detokenize=lambda ids: "x" * len(ids), svc=gens, driver=driver, publisher=Publisher(events, gens),
+        on_record=records.append, clock=Clock(), on_checkpoint=lambda i, st, stop: checkpoints.append(st),
+    )  # fmt: skip
+    pipe.run(0, iterations, 0)
+    rollouts = [r for rnd in driver.rounds for r in rnd]
+    return gens, records, checkpoints, rollouts
+
+
+def test_partial_rollout_resumes_paused_samples_under_the_next_weights_with_per_token_versions():
+    import torch
+
+    from streamrl_cli.trainer import losses as L
+    from streamrl_cli.trainer.batch import collate
+
+    gens, records, checkpoints, rollouts = partial_run(
+        "sync-stream", 3, lambda rid: rid in ("it0/c/1", "it0/c/4")
+    )
+    # Iteration 0 trains the four fast groups and pauses the two slow ones, which go on first in
+    # iteration 1 (under version 1) from their three tokens; it draws four fresh prompts.
+    assert [r["rollout/paused_groups"] for r in records] == [2, 2, 0]  # the last one aborts its extras
+    assert gens.cancelled[0] == ["it0/c/1", "it0/c/4"]
+    resumed = [r for r in gens.requests if "#p" in r.prompt_id]
+    got = [(r.prompt_id, r.sample_indices, r.prompt_token_ids, r.sampling["max_tokens"]) for r in resumed[:4]]
+    assert got == [
+        ("it1/c/1#p1", [0], [5, 6, 7, 7, 7], 61), ("it1/c/1#p2", [1], [5, 6, 7, 7, 7], 61),
+        ("it1/c/4#p3", [0], [5, 6, 7, 7, 7], 61), ("it1/c/4#p4", [1], [5, 6, 7, 7, 7], 61),
+    ]  # fmt: skip
+    fresh = [r.prompt_id for r in gens.requests if r.prompt_id.startswith("it1/") and "#" not in r.prompt_id]
+    assert fresh == ["it1/c/6", "it1/c/7", "it1/c/8", "it1/c/9"]
+    by_it = [sorted({r.sample.group_id for r in rollouts if r.iteration == i}) for i in range(3)]
+    assert by_it[0] == ["it0/c/0", "it0/c/2", "it0/c/3", "it0/c/5"]
+    assert by_it[1] == ["it1/c/1", "it1/c/4", "it1/c/6", "it1/c/7"]
+    # Each sample trained once: every (prompt, index) once over the run.
+    keys = [(r.sample.group_id.split("/", 1)[1], r.sample.sample_index) for r in rollouts]
+    assert len(keys) == len(set(keys)) == 24
+    # The joined sample: 3 tokens of version 0, then 2 of version 1; oldest token's staleness 1.
+    (s,) = [r for r in rollouts if r.sample.group_id == "it1/c/1" and r.sample.sample_index == 0]
+    assert s.sample.token_ids == [7, 7, 7, 8, 8] and s.sample.token_versions == [0, 0, 0, 1, 1]
+    assert s.sample.weight_version == 0 and s.staleness == 1 and s.prompt_tokens == [5, 6]
+    assert records[1]["rollout/resumed_samples"] == 4 and records[1]["staleness/max"] == 1
+    # 12 tokens of staleness 1 among the iteration's tokens (4 resumed × 3; fresh ones: 0).
+    assert records[1]["staleness/token_max"] == 1
+    assert records[1]["staleness/token_mean"] == pytest.approx(12 / records[1]["tokens"])
+    # The importance weights use each token's own behaviour log-prob: with the trainer's log-probs
+    # at 0, min(exp(0 - b), 2) = e^0.5 for the first three tokens and e^0.25 for the last two.
+    mb = collate([s])
+    w = L.importance_weights(torch.zeros_like(mb.behaviour_logp), mb.behaviour_logp, mb.mask, 2.0)
+    hand = [0.0, *[0.5**0 * 2.718281828459045**0.5] * 3, *[2.718281828459045**0.25] * 2]
+    torch.testing.assert_close(w[0], torch.tensor(hand), atol=1e-6, rtol=0)
+    # Paused groups are not checkpointed: their prompts are drawn again first by a resumed run.
+    assert checkpoints[0]["sampler"]["returned"] == [1, 4]
+
+
+def test_a_sample_paused_past_the_staleness_bound_starts_over():
+    # it0/c/1 is slow, and so are its resumptions: paused again at iteration 1's close, its samples
+    # would go on in iteration 2 with tokens of version 0, two versions old (max_staleness 1): they
+    # start over from the prompt, and their tokens so far are counted as discarded.
+    slow = lambda rid: rid == "it0/c/1" or rid.startswith("it1/c/1#p")  # noqa: E731
+    gens, records, _, rollouts = partial_run("sync-stream", 3, slow)
+    again = [r for r in gens.requests if r.prompt_id.startswith("it2/c/1#p")]
+    assert [(r.prompt_token_ids, r.sampling["max_tokens"]) for r in again] == [([5, 6], 64)] * 2
+    assert records[2]["rollout/discarded_tokens"] == 2 * 6  # 3 of version 0 and 3 of version 1, each
+    assert all(r.staleness <= 1 for r in rollouts)
+    assert max(rec["staleness/token_max"] for rec in records) <= 1
+    keys = [(r.sample.group_id.split("/", 1)[1], r.sample.sample_index) for r in rollouts]
+    assert len(keys) == len(set(keys))
+
+
+def test_partial_rollout_in_async_mode_resumes_in_the_batch_drawn_already():
+    gens, records, checkpoints, rollouts = partial_run("async", 3, lambda rid: rid in ("it0/c/1", "it0/c/4"))
+    assert records[0]["rollout/paused_groups"] == 2
+    resumed = sorted({r.prompt_id.split("#")[0] for r in gens.requests if "#p" in r.prompt_id})
+    assert resumed[:2] == ["it1/c/1", "it1/c/4"]
+    assert all(r.staleness <= 1 for r in rollouts)
+    keys = [(r.sample.group_id.split("/", 1)[1], r.sample.sample_index) for r in rollouts]
+    assert len(keys) == len(set(keys))
+    # Batch 1 was drawn before batch 0 closed: the paused prompts are saved with its sampler state.
+    assert checkpoints[0]["sampler"]["returned"][-2:] == [1, 4]
+    # The draws after it are smaller by what batch 1 took on: 6 groups in flight per batch at most.
+    assert [len([r for r in gens.requests if r.prompt_id.startswith(f"it{j}/") and "#" not in r.prompt_id])
+            for j in range(3)] == [6, 6, 4]  # fmt: skip

@@ -330,3 +330,34 @@ def test_a_cancelled_prompt_reaches_its_generator_after_its_request_and_late_sam
     finally:
         gen.close()
         r.close()
+
+
+def test_a_paused_prompt_reaches_its_generator_and_its_samples_are_still_owed(cfg):
+    """Partial rollout's pause: a cancel with `keep` reaches the generator the same way, but the
+    ledger still owes the prompt's samples (the generator sends each as far as it got); if the
+    generator is lost before it does, they are re-dispatched whole to another."""
+    d = Dispatcher()
+    r = make_receiver(cfg, token=TOKEN, hooks=d)
+    gen = make_sender(cfg, address=r.address, token=TOKEN, generator="generator-0")
+    try:
+        gen.wait_connected(10)
+        reqs = [Request(prompt_id=p, prompt_token_ids=[1], sample_indices=[0, 1]) for p in ("a", "b")]
+        for g, batch in d.submit(reqs).items():
+            r.dispatch(g, batch)
+        for g, batch in d.cancel(["a", "b"], keep=True).items():
+            r.dispatch(g, batch)
+        got: list[Request] = []
+        deadline = time.monotonic() + 10
+        while len(got) < 4 and time.monotonic() < deadline:
+            got += gen.requests(timeout=1)
+        assert [(x.prompt_id, x.cancel, x.keep) for x in got[2:]] == [("a", True, True), ("b", True, True)]
+        assert d.outstanding() == 4 and d.ledger.stats["cancelled"] == 0
+        gen.send(sample("a", 0))
+        gen.send(sample("a", 1))
+        assert sorted(x.key for x in drain(r, 2)) == [("a", 0), ("a", 1)]
+        assert d.outstanding() == 2
+        # Lost before it answered for "b": both its samples are open again, for the next generator.
+        assert [(x.prompt_id, x.sample_indices) for x in d.ledger.lose("generator-0")] == [("b", [0, 1])]
+    finally:
+        gen.close()
+        r.close()

@@ -84,10 +84,10 @@ class Admission(Generic[T]):
         """The requests not yet admitted (in no particular order)."""
         return [w.key for w in self._heap]
 
-    def drop(self, keys: set[str]) -> int:
-        """Forget the waiting requests among `keys` (cancelled); returns how many were waiting."""
+    def drop(self, keys: set[str]) -> list[T]:
+        """Forget the waiting requests among `keys` (cancelled); returns those that were waiting."""
         kept = [w for w in self._heap if w.key not in keys]
-        dropped = len(self._heap) - len(kept)
+        dropped = [w.item for w in self._heap if w.key in keys]
         if dropped:
             self._heap = kept
             heapq.heapify(self._heap)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.generator.admission import Admission
 from streamrl_cli.generator.engine import EngineError, GenerationEngine, GenerationRequest, make_engine
-from streamrl_cli.generator.stream import Meter, prompt_of, to_engine_request, to_samples
+from streamrl_cli.generator.stream import Meter, prompt_of, to_engine_request, to_samples, unstarted_samples
 from streamrl_cli.generator.weights import WeightPath, make_weight_path
 from streamrl_cli.rendezvous.client import RendezvousClient, RendezvousRequestError
 from streamrl_cli.roles.entry import cpu_slot
@@ -147,6 +147,7 @@ class GeneratorRole:
         self._stop = asyncio.Event()
         self._serial = itertools.count()
         self.cancelled = 0  # requests the trainer cancelled while we still had them (over-sampling)
+        self._keep: set[str] = set()  # engine ids paused (partial rollout): their samples go back as they are
         # Requests wait here until they fit in the batch their dispatcher chose (generator.admission);
         # `_wake` tells `_incoming` that one arrived or one finished.
         self.admission: Admission[GenerationRequest] = Admission()
@@ -271,7 +272,7 @@ class GeneratorRole:
                 continue  # dispatched by the trainer that went: the new one dispatches again
             for req in reqs:
                 if req.cancel:
-                    await self._cancel(req.prompt_id)
+                    await self._cancel(req.prompt_id, keep=req.keep)
                     continue
                 self.meter.submitted(time.time())
                 er = to_engine_request(req, next(self._serial), self.defaults)
@@ -281,19 +282,29 @@ class GeneratorRole:
             if reqs:
                 self._wake.set()
 
-    async def _cancel(self, prompt_id: str) -> None:
+    async def _cancel(self, prompt_id: str, *, keep: bool = False) -> None:
         """The trainer wants no more of `prompt_id` (an over-sampled group it will not train):
-        drop it from the admission queue, abort it in the engine (its places go to the next)."""
-        dropped = self.admission.drop({k for k in self.admission.waiting_keys() if prompt_of(k) == prompt_id})
+        drop it from the admission queue, abort it in the engine (its places go to the next).
+        `keep` (partial rollout pauses it): what it generated so far goes back to the trainer, as
+        samples cut short (finish_reason "abort"; no tokens for one still queued)."""
+        waiting = self.admission.drop({k for k in self.admission.waiting_keys() if prompt_of(k) == prompt_id})
         running = [k for k in self.admission.running_keys() if prompt_of(k) == prompt_id]
-        if not dropped and not running:
-            return  # finished already (its samples are on their way and will be dropped)
+        if not waiting and not running:
+            return  # finished already (its samples are on their way: dropped, or trained if kept)
+        now = time.time()
+        for _ in waiting:  # never reached the engine: out of the queue depth
+            self.meter.finished(now, 0, 0)
+        if keep:
+            self._keep.update(running)
+            for er in waiting:
+                await self._send(unstarted_samples(er, self.engine.weight_version, self.member_id, now))
         if running:
             await self.engine.abort(running)
         self.cancelled += 1
         log.debug(
-            "%s: cancelled %s (%d queued, %d running)", self.member_id, prompt_id, dropped, len(running)
-        )
+            "%s: %s %s (%d queued, %d running)",
+            self.member_id, "paused" if keep else "cancelled", prompt_id, len(waiting), len(running),
+        )  # fmt: skip
         self._wake.set()
 
     async def _incoming(self) -> AsyncIterator[GenerationRequest]:
@@ -313,19 +324,25 @@ class GeneratorRole:
         async for result in self.engine.generate(self._incoming()):
             self.admission.finish(result.request_id)  # its place goes to the next one right away
             self._wake.set()
-            samples = [] if result.aborted else to_samples(result, self.member_id)
+            # An aborted request's samples are dropped, unless the trainer paused it (partial rollout).
+            kept = result.request_id in self._keep
+            self._keep.discard(result.request_id)
+            samples = [] if result.aborted and not kept else to_samples(result, self.member_id)
             self.meter.finished(time.time(), len(samples), sum(len(s.token_ids) for s in samples))
-            sender = self.sender if self._serving.is_set() else None
-            if samples and sender is not None:
-                try:
-                    if sender.room() >= len(samples):
-                        self._send_all(sender, samples)  # on the engine's thread: no other takes the GIL
-                    else:  # in a thread: send() blocks while the trainer has the window full (back-pressure)
-                        await asyncio.to_thread(self._send_all, sender, samples)
-                except Exception:
-                    if self.sender is sender:
-                        raise
-                    # for the trainer that went (its stream closed under us): the new one dispatches again
+            await self._send(samples)
+
+    async def _send(self, samples: list[Sample]) -> None:
+        sender = self.sender if self._serving.is_set() else None
+        if samples and sender is not None:
+            try:
+                if sender.room() >= len(samples):
+                    self._send_all(sender, samples)  # on the engine's thread: no other takes the GIL
+                else:  # in a thread: send() blocks while the trainer has the window full (back-pressure)
+                    await asyncio.to_thread(self._send_all, sender, samples)
+            except Exception:
+                if self.sender is sender:
+                    raise
+                # for the trainer that went (its stream closed under us): the new one dispatches again
 
     def _send_all(self, sender: Any, samples: list[Sample]) -> None:
         for s in samples:
@@ -499,14 +516,15 @@ class GeneratorRole:
 
     def _requeue_task(self) -> str:
         """Our task back in the queue (after USR2): the leave reason that says so, or why not."""
-        from streamrl_cli.roles.requeue import REQUEUED, requeue_self
+        from streamrl_cli.roles.requeue import REQUEUED, own_job_id, requeue_self
 
+        # Logged first: SLURM ends the task once it is back in the queue, and may lose later output.
+        log.info("%s: requeuing task %s", self.member_id, own_job_id())
         try:
             job = requeue_self()
         except StreamRLError as e:
             log.error("%s: %s", self.member_id, e)
             return f"failed: {e}"
-        log.info("%s: requeued task %s", self.member_id, job)
         return f"{REQUEUED}: SIGUSR2, task {job}"
 
     async def _shutdown(self) -> None:

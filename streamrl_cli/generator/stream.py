@@ -79,6 +79,28 @@ def to_samples(result: GenerationResult, generator: str) -> list[Sample]:
     ]
 
 
+def unstarted_samples(req: GenerationRequest, version: int, generator: str, now: float) -> list[Sample]:
+    """A paused request that never reached the engine, as samples with no tokens yet (partial rollout
+    resumes them from the start)."""
+    meta = req.meta
+    return [
+        Sample(
+            prompt_id=meta["prompt_id"],
+            sample_index=i,
+            group_id=meta.get("group_id", ""),
+            token_ids=[],
+            logprobs=[],
+            finish_reason="abort",
+            weight_version=version,
+            generator=generator,
+            queued_at=now,
+            first_token_at=now,
+            finished_at=now,
+        )  # fmt: skip
+        for i in meta["sample_indices"]
+    ]
+
+
 class Meter:
     """Rates over the window since the last report, plus running totals.
 

@@ -38,8 +38,8 @@ def resolve(r: Recipe) -> Recipe:
     """Settings whose value follows from others, made explicit once (after ``check`` found nothing):
     the roles read what runs, and the run's config.yaml shows it."""
     a = r.algorithm
-    if a.is_correction == "auto":  # truncated IS corrects the lag of async samples; others have none
-        a.is_correction = "on" if a.mode == "async" else "off"
+    if a.is_correction == "auto":  # truncated IS corrects the lag of async or resumed samples
+        a.is_correction = "on" if a.mode == "async" or r.rollout.partial else "off"
     return r
 
 
@@ -363,6 +363,17 @@ def _training(r: Recipe) -> Iterator[Problem]:
             "rollout.oversample",
             "trains the first groups to finish, which vary run to run: set train.reproducible_sampling=false "
             "with it (or rollout.oversample=0)",
+        )
+    if r.rollout.partial and not o > 0:
+        yield (
+            "rollout.partial",
+            "resumes the over-sampled groups still running when an iteration closes: set rollout.oversample "
+            "above 0 with it (e.g. 0.25), or rollout.partial=false",
+        )
+    elif r.rollout.partial and a.max_staleness < 1:
+        yield (
+            "algorithm.max_staleness",
+            "partial rollout trains samples begun under the previous weights: needs max_staleness ≥ 1",
         )
     if not t.stall_after_s > 0 or t.stall_after_s == float("inf"):
         yield "train.stall_after_s", f"must be a positive number of seconds, got {t.stall_after_s}"

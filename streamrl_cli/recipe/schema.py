@@ -197,7 +197,7 @@ class AlgorithmConfig:
     name: str = choices(*ALGORITHMS, default="grpo")  # RL algorithm
     mode: str = choices(*MODES, default="sync-stream")  # pipelining between generation and training
     group_size: int = 8  # samples per prompt
-    max_staleness: int = 1  # async mode: max policy versions a sample may lag
+    max_staleness: int = 1  # async, partial rollout: max versions a sample (its oldest token) may lag
     kl_coef: float = 0.001  # KL penalty against the reference model
     clip_ratio: float = 0.2  # PPO-style ratio clipping (both sides unless clip_ratio_high is set)
     clip_ratio_high: float | None = None  # upper clip (DAPO's clip-higher); null: clip_ratio
@@ -327,6 +327,11 @@ class RolloutConfig:
     # the iteration trains on the first global_batch groups to finish, the rest are aborted on their
     # generators and their prompts drawn again first. Cuts the long tail; not reproducible.
     oversample: float = 0.0
+    # Partial rollout: the over-sampled groups still running when an iteration closes are paused
+    # with the tokens they have and resumed under the next weights in the next iteration, instead of
+    # aborted; each token keeps the version that produced it, a sample older than
+    # algorithm.max_staleness versions starts over. Sync modes are then no longer strictly on-policy.
+    partial: bool = False
 
 
 @dataclass(kw_only=True)

@@ -61,12 +61,17 @@ class PromptSampler:
     def give_back(self, prompts: Sequence[Prompt]) -> list[int]:
         """Prompts drawn but not trained on (aborted): they come first in the next batches.
         Returns their dataset positions (what :meth:`state` records for them)."""
+        out = self.positions(prompts)
+        self.returned += out
+        return out
+
+    def positions(self, prompts: Sequence[Prompt]) -> list[int]:
+        """The dataset positions of these prompts (a state's `returned` list names prompts by them)."""
         out = []
         for p in prompts:
             if p.prompt_id not in self._position:
                 raise TaskError(f"prompt {p.prompt_id!r} handed back is not one of the task's")
             out.append(self._position[p.prompt_id])
-        self.returned += out
         return out
 
     def state(self) -> dict[str, Any]:

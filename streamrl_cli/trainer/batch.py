@@ -119,6 +119,10 @@ class GroupCollector:
     def pending(self) -> int:
         return sum(len(g) for g in self._open.values())
 
+    def take(self, key: str) -> dict[int, Sample]:
+        """The samples of an unfinished group so far (sample index -> sample), forgotten here."""
+        return self._open.pop(key, {})
+
     def drop(self, keys: Sequence[str]) -> int:
         """Forget these groups' samples so far; returns how many tokens they had."""
         return sum(len(s.token_ids) for k in keys for s in self._open.pop(k, {}).values())

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import xxhash
 
 from streamrl_cli.errors import StreamRLError
@@ -87,6 +88,7 @@ class PipelineConfig:
     engine_max_seqs: int = 64  # sequences a generator's engine runs at once at most (its max_num_seqs)
     reproducible: bool = False  # seed each request from (seed, prompt id, sample index); train in batch order
     oversample: float = 0.0  # dispatch this fraction more groups; train the first global_batch to finish
+    partial: bool = False  # over-sampled groups running at the close are paused and resumed, not aborted
 
     @property
     def extra_groups(self) -> int:
@@ -104,12 +106,17 @@ class PipelineConfig:
             seed=t.seed, dispatch=skew.dispatch, schedule=skew.schedule, long_tail=skew.long_tail,
             engine_max_seqs=spec.generator.max_num_seqs, reproducible=t.reproducible_sampling,
             sample_timeout_s=t.stall_after_s, no_generator_s=t.stall_after_s, sampling=sampling_keys(a),
-            oversample=spec.rollout.oversample,
+            oversample=spec.rollout.oversample, partial=spec.rollout.partial,
         )  # fmt: skip
 
     @property
     def ahead(self) -> int:
         return self.max_staleness if self.mode == "async" else 0
+
+    @property
+    def bound(self) -> int:
+        """The most versions a trained sample's oldest token may lag its batch's policy."""
+        return self.max_staleness if self.partial else self.ahead
 
 
 def sampling_keys(a: AlgorithmConfig) -> dict[str, Any]:
@@ -146,6 +153,10 @@ class Batch:
     needed: int = 0  # groups the iteration trains on (n_groups less the over-sampled ones)
     done_groups: int = 0
     aborted: list[str] = field(default_factory=list)  # over-sampled groups cancelled when it closed
+    carried: dict[str, Carried] = field(default_factory=dict)  # group key -> a group resumed in this batch
+    paused: list[str] = field(
+        default_factory=list
+    )  # over-sampled groups paused at its close (partial rollout)
     # When each sample's generation finished, by (group key, sample index): the tail time.
     done_at: dict[tuple[str, int], float] = field(default_factory=dict)
     retries: int = 0
@@ -156,6 +167,26 @@ class Batch:
     longest_s: float = (
         0.0  # the longest sample's own decoding (first token to finish): more instances won't shorten it
     )
+
+
+@dataclass(eq=False)
+class Carried:
+    """A group paused when its iteration closed (partial rollout), on its way to the next batch.
+
+    Its samples are in three places: finished ones (`have`), ones paused with the tokens they had
+    (`prefix`: resumed by a request whose prompt is the prompt plus those tokens), and ones whose
+    paused copy is still on its way back (`inflight`, under the request ids in `ids`). Once in a
+    batch (`batch`), every sample that comes back goes on at once; the group trains when whole.
+    """
+
+    key: str  # its group key in the batch it is in (or was paused in)
+    prompt: Prompt
+    tokens: list[int]
+    have: dict[int, Sample] = field(default_factory=dict)
+    prefix: dict[int, Sample] = field(default_factory=dict)
+    inflight: set[int] = field(default_factory=set)
+    ids: list[str] = field(default_factory=list)  # paused request ids whose samples are still owed
+    batch: Batch | None = None
 
 
 class Pipeline:
@@ -210,6 +241,12 @@ class Pipeline:
             )
         self.cancelled: set[str] = set()  # request ids of aborted groups: their late samples are dropped
         self.discarded_tokens = 0  # tokens of aborted groups that reached us since the last record
+        # Partial rollout: paused request id -> its group; groups waiting for the next dispatch; groups
+        # resumed in batches drawn already (async), which the next dispatch draws fewer prompts for.
+        self.pausing: dict[str, Carried] = {}
+        self.carry: list[Carried] = []
+        self.carry_debt = 0
+        self.resumes = 0  # request ids of resumed samples: "<group>#p<n>"
 
     # ---- the loop ----
 
@@ -277,7 +314,16 @@ class Pipeline:
     def _dispatch(self, j: int) -> None:
         state = self.sampler.state()
         extra = self.cfg.extra_groups
-        prompts = self.sampler.next_batch(self.cfg.global_batch + extra)
+        # Paused samples that came back already go on first (their requests ahead of the fresh ones).
+        while any(c.inflight for c in self.carry) and (sample := self.svc.get(timeout=0)) is not None:
+            self._route(sample)
+        held, self.carry = self.carry, []
+        # Paused groups take the places of fresh ones (partial rollout); those resumed in a batch drawn
+        # already (async) are paid back from the over-sampled share of the next draws.
+        fresh = self.cfg.global_batch + extra - len(held)
+        draw = max(self.cfg.global_batch - len(held), fresh - self.carry_debt)
+        self.carry_debt = max(0, self.carry_debt - (fresh - draw))
+        prompts = self.sampler.next_batch(draw)
         batch = Batch(index=j, prompts={}, sampler_state=state)
         batch.collector = GroupCollector(self.cfg.group_size, lambda key, s, b=batch: self._score(b, key, s))
         # A batch that spans two epochs may draw a prompt twice (the end of one permutation and the
@@ -296,10 +342,12 @@ class Pipeline:
                 req.priority, req.target, req.batch_limit = placement[k]
             requests.append(req)
         batch.n_groups = len(prompts)
-        batch.needed = len(prompts) - extra
+        batch.needed = self.cfg.global_batch
         batch.order = rids
         batch.dispatched_at = self.clock()
         self.batches[j] = batch
+        for c in held:  # resumed first: they are the longest (FIFO admission takes them first)
+            self._resume(c, batch)
         self.svc.submit(requests)
 
     def _place(
@@ -426,15 +474,30 @@ class Pipeline:
         if sample.prompt_id in self.cancelled:  # an aborted group's sample, generated before the cancel came
             self.discarded_tokens += len(sample.token_ids)
             return
+        paused = self.pausing.get(sample.prompt_id)
+        if paused is not None:  # a paused group's sample, as far as it got
+            self._came_back(paused, sample)
+            return
         j = int(sample.prompt_id.split("/", 1)[0].removeprefix("it"))
         batch = self.batches.get(j)
         if batch is None:
             log.warning("sample of unknown iteration %s dropped", sample.prompt_id)
             return
+        carried = batch.carried.get(GroupCollector.key(sample))
+        if carried is not None and sample.sample_index in carried.prefix:  # a resumed sample: join its start
+            sample = _join(carried.prefix.pop(sample.sample_index), sample)
+        self._accept(batch, sample)
+
+    def _accept(self, batch: Batch, sample: Sample) -> None:
+        """A sample of `batch` (whole: a resumed one joined to its start): into its group, or generated
+        again when its oldest token is past the staleness bound."""
+        j = batch.index
         staleness = j + self.offset - sample.weight_version
-        if staleness > self.cfg.ahead:
-            # Too old for this batch (a late joiner's or a re-dispatch's): generate it again.
+        if staleness > self.cfg.bound:
+            # Too old for this batch (a late joiner's, a re-dispatch's, one resumed once too often):
+            # generate it again.
             group = GroupCollector.key(sample)
+            self.discarded_tokens += len(sample.token_ids)
             batch.retries += 1
             rid = f"{group}#r{batch.retries}"
             batch.prompts[rid] = batch.prompts[group]
@@ -454,7 +517,9 @@ class Pipeline:
             batch.longest_s = max(batch.longest_s, sample.finished_at - sample.first_token_at)
         group = batch.collector.add(sample)
         for r in group:
-            r.staleness, r.iteration = staleness, j
+            r.staleness, r.iteration = j + self.offset - r.sample.weight_version, j
+        if group:
+            batch.carried.pop(GroupCollector.key(sample), None)
         if not self.cfg.reproducible:
             batch.ready += group
         elif group:
@@ -467,7 +532,11 @@ class Pipeline:
         if batch.done_groups == batch.needed:
             self.gen_spans.append([batch.dispatched_at, batch.generated_at])
             if batch.needed < batch.n_groups:
-                self._abort_rest(batch)
+                # The last iteration's extra groups have no next batch to go on in: aborted.
+                if self.cfg.partial and batch.index + 1 < self.end:
+                    self._pause_rest(batch)
+                else:
+                    self._abort_rest(batch)
 
     def _abort_rest(self, batch: Batch) -> None:
         """Over-sampling: the iteration has its groups; the others are cancelled on their generators
@@ -476,7 +545,12 @@ class Pipeline:
         assert batch.collector is not None
         done = {GroupCollector.key(r.sample) for r in [*batch.trained, *batch.ready]}
         batch.aborted = [rid for rid in batch.order if rid not in done]
-        ids = [k for k in batch.prompts if k in batch.aborted or k.split("#r", 1)[0] in batch.aborted]
+        ids = [k for k in batch.prompts if k.split("#", 1)[0] in batch.aborted]
+        for rid in batch.aborted:  # resumed groups (partial rollout): what they still owe goes too
+            c = batch.carried.pop(rid, None)
+            if c is not None:
+                ids += [k for k in c.ids if self.pausing.pop(k, None) is not None]
+                self.discarded_tokens += sum(len(s.token_ids) for s in c.prefix.values())
         self.cancelled.update(ids)
         self.svc.cancel(ids)
         self.discarded_tokens += batch.collector.drop(batch.aborted)
@@ -485,6 +559,90 @@ class Pipeline:
             if later.index > batch.index:
                 saved = later.sampler_state
                 later.sampler_state = {**saved, "returned": [*saved.get("returned", []), *positions]}
+
+    # ---- partial rollout ----
+
+    def _pause_rest(self, batch: Batch) -> None:
+        """Partial rollout: the iteration has its groups; the others are paused on their generators,
+        which send back each sample as far as it got, and go on in the next batch to be drawn (or,
+        in async mode, in the next one, drawn already)."""
+        assert batch.collector is not None
+        done = {GroupCollector.key(r.sample) for r in [*batch.trained, *batch.ready]}
+        rest = [rid for rid in batch.order if rid not in done]
+        later = sorted(k for k in self.batches if k > batch.index)
+        groups, paused = [], []
+        for rid in rest:
+            c = batch.carried.pop(rid, None) or Carried(rid, *batch.prompts[rid])
+            c.batch = None
+            c.have.update(batch.collector.take(rid))
+            ids = [k for k in batch.prompts if k.split("#", 1)[0] == rid]
+            c.inflight = set(range(self.cfg.group_size)) - set(c.have)
+            c.ids += ids
+            self.pausing.update(dict.fromkeys(ids, c))
+            groups.append(c)
+            paused += ids
+        self.svc.cancel(paused, keep=True)
+        for c in groups:
+            if later:
+                self.carry_debt += 1
+                self._resume(c, self.batches[later[0]])
+            else:
+                self.carry.append(c)
+        batch.paused = rest
+
+    def _came_back(self, c: Carried, sample: Sample) -> None:
+        """A sample of a paused group, as far as it got (or whole, if it finished meanwhile)."""
+        i = sample.sample_index
+        if i not in c.inflight:
+            return  # a copy of one already back (re-dispatched after its generator was lost)
+        c.inflight.discard(i)
+        if i in c.prefix:
+            sample = _join(c.prefix.pop(i), sample)
+        (c.prefix if sample.finish_reason == "abort" else c.have)[i] = sample
+        if not c.inflight:
+            for rid in c.ids:
+                self.pausing.pop(rid, None)
+            c.ids = []
+        if c.batch is not None:
+            self._go_on(c, i)
+
+    def _resume(self, c: Carried, batch: Batch) -> None:
+        """Make a paused group one of `batch`'s (under a key of that batch) and send on what it has."""
+        key = f"it{batch.index}/{_draw(c.key)}"
+        while key in batch.prompts:  # drawn afresh by this batch too (an epoch boundary)
+            key += "~c"
+        for d in (c.have, c.prefix):
+            for i, s in d.items():
+                d[i] = msgspec.structs.replace(s, group_id=key)
+        c.key, c.batch = key, batch
+        batch.prompts[key] = (c.prompt, c.tokens)
+        batch.order.append(key)
+        batch.n_groups += 1
+        batch.carried[key] = c
+        for i in sorted({*c.have, *c.prefix}):
+            self._go_on(c, i)
+
+    def _go_on(self, c: Carried, i: int) -> None:
+        """Sample `i` of a group resumed in its batch: into the group if finished, else resumed from its
+        tokens so far (from the start if they are too old to be trained in this batch)."""
+        batch = c.batch
+        assert batch is not None
+        if i in c.have:
+            self._accept(batch, msgspec.structs.replace(c.have.pop(i), group_id=c.key))
+            return
+        prefix = c.prefix[i]
+        if batch.index + self.offset - prefix.weight_version > self.cfg.bound:
+            self.discarded_tokens += len(prefix.token_ids)
+            prefix = msgspec.structs.replace(prefix, token_ids=[], logprobs=[], token_versions=[])
+        self.resumes += 1
+        rid = f"{c.key}#p{self.resumes}"
+        batch.prompts[rid] = (c.prompt, c.tokens)
+        req = self._request(rid, c.tokens + list(prefix.token_ids), [i], group=c.key)
+        req.sampling["max_tokens"] = self.cfg.max_output_len - len(prefix.token_ids)
+        req.priority = -1  # admitted before any fresh request: begun earlier, it is likely the longest
+        if not prefix.token_ids:
+            del c.prefix[i]  # nothing to join: an ordinary sample from the start
+        self.svc.submit([req])
 
     def _score(self, batch: Batch, key: str, samples: list[Sample]) -> list[Rollout]:
         prompt, tokens = batch.prompts[key]
@@ -589,6 +747,12 @@ class Pipeline:
         """What a resumed run needs: where the data of iteration i + 1 starts."""
         nxt = self.batches.get(i + 1)
         sampler = nxt.sampler_state if nxt is not None else self.sampler.state()
+        # Paused groups are not saved (their tokens were generated by weights a resumed run no longer
+        # has in flight): their prompts are drawn again first, from the start.
+        live = [*self.carry, *(c for b in self.batches.values() if b.index > i for c in b.carried.values())]
+        if live:
+            back = self.sampler.positions([c.prompt for c in live])
+            sampler = {**sampler, "returned": [*sampler.get("returned", []), *back]}
         return {"iteration": i, "next_iteration": i + 1, "weight_version": i + 1, "sampler": sampler}
 
     def _record(self, i, batch, started, end, train_spans, step_span, wait_s, stats) -> dict[str, Any]:  # noqa: ANN001
@@ -597,6 +761,8 @@ class Pipeline:
         rewards = [r.reward for r in rows if r.scored] or [float("nan")]  # none scored: recorded as null
         lengths = sorted(r.response_len for r in rows)
         stale = [r.staleness for r in rows]
+        policy = i + self.offset  # the batch's policy version (self.version is the step's already)
+        token_stale = [policy - v for r in rows for v in _versions(r.sample)]
         elapsed = max(end - started, 1e-9)
         busy = sum(b - a for a, b in train_spans) + (step_span[1] - step_span[0])
         gen_busy = _covered(self.gen_spans + [[batch.dispatched_at, batch.generated_at]], started, end)
@@ -630,13 +796,18 @@ class Pipeline:
             "idle/generator": max(0.0, 1.0 - gen_busy / elapsed),
             "staleness/mean": statistics.fmean(stale),
             "staleness/max": max(stale),
+            "staleness/token_mean": statistics.fmean(token_stale) if token_stale else 0.0,
+            "staleness/token_max": max(token_stale, default=0),
             "retries": batch.retries,
             "rollout/aborted_groups": len(batch.aborted),
             "rollout/aborted_prompts": [batch.prompts[rid][0].prompt_id for rid in batch.aborted],
             "rollout/discarded_tokens": self.discarded_tokens,
+            "rollout/paused_groups": len(batch.paused),
+            "rollout/paused_prompts": [batch.prompts[rid][0].prompt_id for rid in batch.paused],
+            "rollout/resumed_samples": sum(bool(r.sample.token_versions) for r in rows),
             # Which prompts the batch held, in order (a resumed run must repeat the same data order).
             "data/digest": xxhash.xxh64_hexdigest(
-                "\n".join(p.prompt_id for k, (p, _) in batch.prompts.items() if "#r" not in k).encode()
+                "\n".join(p.prompt_id for k, (p, _) in batch.prompts.items() if "#" not in k).encode()
             ),
             "micro_batches": len(train_spans),
             # What each prompt produced (`streamrl rank --fit` input; the benchmark's true oracle).
@@ -677,6 +848,24 @@ def _draw(rid: str) -> str:
     """What a request id of batch j ("it<j>/<prompt id>[~n]") drew: the task prompt id, with "~n"
     for its n-th draw in the same batch. Its sampling seed and its `lengths/by_prompt` key."""
     return rid.split("/", 1)[1]
+
+
+def _versions(sample: Sample) -> list[int]:
+    """The weight version of each of a sample's tokens."""
+    return list(sample.token_versions) or [sample.weight_version] * len(sample.token_ids)
+
+
+def _join(start: Sample, rest: Sample) -> Sample:
+    """A paused sample's tokens so far followed by what its resumption generated: one sample whose
+    tokens keep their versions and behaviour log-probs (the loss's importance weights are per token)."""
+    if not start.token_ids:
+        return rest
+    versions = _versions(start) + _versions(rest)
+    return msgspec.structs.replace(
+        rest, token_ids=[*start.token_ids, *rest.token_ids], logprobs=[*start.logprobs, *rest.logprobs],
+        weight_version=min(versions), token_versions=versions, queued_at=start.queued_at,
+        first_token_at=start.first_token_at,
+    )  # fmt: skip
 
 
 def _tail(batch: Batch, rows: list[Rollout]) -> float:

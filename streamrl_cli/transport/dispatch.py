@@ -181,13 +181,18 @@ class Dispatcher:
                 self._alive.setdefault(generator)
             return self._assign_open()
 
-    def cancel(self, prompt_ids: Iterable[str]) -> Assignments:
-        """Stop wanting these prompts: each generator that still owes some of one gets a cancellation."""
+    def cancel(self, prompt_ids: Iterable[str], *, keep: bool = False) -> Assignments:
+        """Stop wanting these prompts: each generator that still owes some of one gets a cancellation.
+        `keep` (partial rollout's pause): the generators send back what they had, and those samples
+        are still owed (a generator lost meanwhile has its share re-dispatched whole)."""
         out: dict[str, list[Request]] = {}
         with self._lock:
             for pid in prompt_ids:
-                for g in sorted(self.ledger.cancel(pid)):
-                    cancel = Request(prompt_id=pid, prompt_token_ids=[], sample_indices=[], cancel=True)
+                owers = self.ledger.owers(pid) if keep else self.ledger.cancel(pid)
+                for g in sorted(owers):
+                    cancel = Request(
+                        prompt_id=pid, prompt_token_ids=[], sample_indices=[], cancel=True, keep=keep
+                    )
                     out.setdefault(g, []).append(cancel)
         return out
 
@@ -242,9 +247,10 @@ class DispatchService:
     def submit(self, requests: Iterable[Request]) -> None:
         self._send(self.dispatcher.submit(requests))
 
-    def cancel(self, prompt_ids: Iterable[str]) -> None:
-        """No more samples of these prompts are wanted: generators drop them, late copies are dropped."""
-        self._send(self.dispatcher.cancel(prompt_ids))
+    def cancel(self, prompt_ids: Iterable[str], *, keep: bool = False) -> None:
+        """No more samples of these prompts are wanted: generators drop them, late copies are dropped.
+        `keep`: generators send back each sample as far as it got (partial rollout pauses them)."""
+        self._send(self.dispatcher.cancel(prompt_ids, keep=keep))
 
     def lost(self, generator: str) -> None:
         """Call when the rendezvous reports `generator` lost or gone (watch() does it for you)."""

@@ -151,6 +151,11 @@ class Ledger:
         self.stats["cancelled"] += len(p.owner)
         return set(owed)
 
+    def owers(self, prompt_id: str) -> set[str]:
+        """The generators that still owe samples of `prompt_id` (those a pause must reach)."""
+        p = self._prompts.get(prompt_id)
+        return {g for g in p.owner.values() if g is not None} if p is not None else set()
+
     def _drop_load(self, generator: str, n: int) -> None:
         left = self._load.get(generator, 0) - n
         assert left >= 0, f"load of {generator} would go negative"

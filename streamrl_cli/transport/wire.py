@@ -53,6 +53,10 @@ class Sample(msgspec.Struct, array_like=True, kw_only=True):
     queued_at: float = 0.0  # unix time the engine queued the request
     first_token_at: float = 0.0  # unix time of the first generated token
     finished_at: float = 0.0  # unix time it finished
+    # Partial rollout (appended: older peers still decode): the weight version of each token when
+    # they differ (a sample paused at an iteration's close and resumed under newer weights); empty:
+    # every token is of `weight_version`. Then `weight_version` is the oldest token's.
+    token_versions: list[int] = []
 
     @property
     def key(self) -> tuple[str, int]:
@@ -75,6 +79,9 @@ class Request(msgspec.Struct, array_like=True, kw_only=True):
     # running); no sample of it is wanted any more (over-sampling's aborted groups). It travels in
     # the same acknowledged, ordered stream as the requests, so it never overtakes its request.
     cancel: bool = False
+    # With `cancel`: send back what was generated so far (each sample's tokens, finish_reason
+    # "abort") instead of dropping it: partial rollout pauses the group to resume it later.
+    keep: bool = False
 
 
 class Hello(msgspec.Struct, array_like=True):
