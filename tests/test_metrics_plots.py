@@ -78,6 +78,7 @@ def simulate(
                 "t/weight_sync": sync_s,
                 "t/tail": 1.5,
                 "rollout/aborted_groups": 2 if mode == "async" else 0,  # over-sampling on one run's records
+                "rollout/paused_groups": 2 if mode == "sync-stream" else 0,  # partial rollout on another's
                 "idle/trainer": 0.5 if mode == "baseline" else 0.2,
                 "idle/generator": 0.3 if mode == "baseline" else 0.05,
                 "staleness/mean": 1.0 if mode == "async" else 0.0,

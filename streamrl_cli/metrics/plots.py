@@ -288,7 +288,8 @@ def _timeline(fig: Any, iters: list[Record]) -> str | None:
 
 def _lengths(fig: Any, iters: list[Record]) -> str | None:
     """Output lengths, and what their tail costs: generation time, the tail (90% of the batch
-    generated to its last sample) and, with over-sampling, the groups aborted."""
+    generated to its last sample) and, with over-sampling, the groups aborted (or paused, with
+    partial rollout)."""
     keys = ["len/mean", "len/p50", "len/p90", "len/max"]
     if not any(_series(iters, k)[0] for k in keys):
         return "no len/* recorded"
@@ -298,10 +299,14 @@ def _lengths(fig: Any, iters: list[Record]) -> str | None:
     if _lines(bottom, iters, ["t/generation", "t/tail"], "seconds"):
         bottom.legend(loc="upper left")
         ax, ys = _series(iters, "rollout/aborted_groups")
-        if any(ys):
+        px, ps = _series(iters, "rollout/paused_groups")
+        if any(ys) or any(ps):
             twin = bottom.twinx()
-            twin.bar(ax, ys, color="tab:gray", alpha=0.3, label="groups aborted (over-sampling)")
-            twin.set_ylabel("groups aborted")
+            if any(ys):
+                twin.bar(ax, ys, color="tab:gray", alpha=0.3, label="groups aborted (over-sampling)")
+            if any(ps):
+                twin.bar(px, ps, color="tab:green", alpha=0.3, label="groups paused (partial rollout)")
+            twin.set_ylabel("groups")
             twin.legend(loc="upper right")
             bottom.set_zorder(twin.get_zorder() + 1)  # the times drawn over the bars
             bottom.patch.set_visible(False)

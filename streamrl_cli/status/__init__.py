@@ -352,6 +352,9 @@ def _progress_of(rec: dict[str, Any], iterations: Any) -> dict[str, Any]:
         "generator_idle": rounded("idle/generator", 3),
         "tail_s": rounded("t/tail", 3),  # 90% of the batch generated to its last sample
         "aborted_groups": rec.get("rollout/aborted_groups") or None,  # over-sampling, when on
+        "paused_groups": rec.get("rollout/paused_groups") or None,  # partial rollout, when on
+        "resumed_samples": rec.get("rollout/resumed_samples") or None,
+        "token_staleness": rounded("staleness/token_mean", 3) or None,
         "mode": rec.get("mode"),
         "from": "metrics.jsonl",
     }

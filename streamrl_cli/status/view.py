@@ -129,7 +129,7 @@ def run_view(doc: dict[str, Any]) -> RenderableType:
         p["step"] = f"{p['step']}/{p['iterations']}"
     keys = (
         "step", "reward", "eval_reward", "samples_per_s", "trainer_idle", "generator_idle", "tail_s",
-        "aborted_groups", "ranker_recall20",
+        "aborted_groups", "paused_groups", "resumed_samples", "token_staleness", "ranker_recall20",
     )  # fmt: skip
     pline = Text(
         "progress: " + ("  ".join(f"{k} {p[k]}" for k in keys if k in p) or "no progress reported yet")
