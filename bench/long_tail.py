@@ -12,6 +12,12 @@ over-sampling, measured in the same invocation.
     .venv/bin/python bench/long_tail.py [--iterations 40] [--oversample 0.25] [override ...]
 
 The JSON line's ratio is partial rollout's samples/s over no over-sampling's.
+
+Then the same three at cluster scale, in the discrete-event simulator: the paper's 7B setup on 32
+H800 (its measured decode-step curve, the split `tune-split` recommends, the paper recipe's output
+lengths up to 20K), sync-stream and async with skewness-aware dispatch, 5 seeds each. There an
+aborted group's prompt comes back first in the next iteration with the same lengths, from the
+start; a paused one goes on from its tokens, and starts over if paused twice (staleness bound 1).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from rich.table import Table
 from rl_modes import console, run_local
 
 from streamrl_cli.metrics.read import read_iterations
+from streamrl_cli.planner.simulator import simulate
 
 TARGET = 1.3
 # A real tail: the built-in task's counts run to the length limit (a fifth of them uniform up to
@@ -60,6 +67,38 @@ def summarise(run_dir: Path, skip: int) -> dict:
         "reward": (recs[0]["reward_mean"], recs[-1]["reward_mean"]),
         "held_out": evaluation(run_dir),
     }
+
+
+SIM_SEEDS = range(5)
+
+
+def cluster_scale(oversample: float) -> Table:
+    """None / over-sampling / partial rollout in the simulator, at the paper's 7B scale."""
+    import dataclasses
+
+    from simulator_ablation import configs
+
+    out, split = configs("7b", 32, True)
+    variants = {"none": {}, "over-sampling": {"oversample": oversample},
+                "+ partial rollout": {"oversample": oversample, "partial": True}}  # fmt: skip
+    table = Table(title=f"Cluster scale (simulator): 7B on 32 H800, {split}, paper PTL curve, "
+                  f"{out['sync-stream'].prompts} prompts × 6 iterations, {len(SIM_SEEDS)} seeds")  # fmt: skip
+    for col in ("mode", "configuration", "samples/s", "× none", "generation s", "tokens thrown away",
+                "groups paused"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for mode in ("sync-stream", "async"):
+        base = None
+        for name, kw in variants.items():
+            runs = [simulate(dataclasses.replace(out[mode], seed=s, **kw)) for s in SIM_SEEDS]
+            rate = statistics.fmean(r.samples_per_s for r in runs)
+            base = base or rate
+            table.add_row(
+                mode, name, f"{rate:.2f}", f"{rate / base:.2f}",
+                f"{statistics.fmean(r.generation_s for r in runs):.0f}",
+                f"{statistics.fmean(r.wasted_tokens for r in runs) / 1e6:.1f}M",
+                f"{statistics.fmean(r.paused_groups for r in runs):.0f}",
+            )  # fmt: skip
+    return table
 
 
 def main() -> None:
@@ -118,6 +157,7 @@ def main() -> None:
         held = (ours["held_out"] or 0) >= (res["no over-sampling"]["held_out"] or 0) - 0.01
         console.print(f"{name} ({args.oversample}): {ratio:.2f}× the samples/s of none (target ≥ {TARGET}); "
                       f"held-out reward {'kept' if held else 'LOST'}")  # fmt: skip
+    console.print(cluster_scale(args.oversample))
     metric = f"samples_per_s_partial_rollout_{args.oversample}_vs_none"
     print(json.dumps({"bench": "long_tail", "metric": metric,
                       "value": round(ours["samples_per_s"], 2), "baseline": round(base, 2),

@@ -144,3 +144,30 @@ def test_ablation_ordering_and_ratios_within_20_percent_of_the_paper(size, gpus,
     assert norm["baseline"] < norm["colocated"]  # naive disaggregation idles both stages in turn
     for name, paper in PAPER_ABLATION.items():
         assert norm[name] == pytest.approx(paper, rel=0.20), (name, norm)
+
+
+@pytest.mark.parametrize("mode", ["sync-stream", "async"])
+def test_over_sampling_closes_on_the_first_groups_and_partial_rollout_wastes_nothing(mode):
+    # 16 groups of 4 needed, 4 more dispatched: each iteration trains exactly its 64 samples. Aborted
+    # extras throw their tokens away; paused ones carry them into the next iteration, where they
+    # finish first (only the last iteration's extras, with no next one, are aborted), so fewer
+    # tokens are generated over the run for the same training.
+    cfgs = {
+        name: small(mode, group_size=4, prompts=16, dispatch="skewness", iterations=6, **kw)
+        for name, kw in {"none": {}, "abort": {"oversample": 0.25}, "partial": {"oversample": 0.25, "partial": True}}.items()
+    }  # fmt: skip
+    res = {name: simulate(cfg) for name, cfg in cfgs.items()}
+    for r in res.values():
+        assert r.trained_samples == 6 * 64
+        assert all(t.samples == 64 + 16 * (r.config.oversample > 0) for t in r.iterations)
+    assert res["none"].wasted_tokens == 0 and res["none"].paused_groups == 0
+    assert res["abort"].wasted_tokens > 0 and res["abort"].paused_groups == 0
+    assert res["partial"].wasted_tokens < res["abort"].wasted_tokens / 2
+    assert res["partial"].paused_groups == 4 * 5  # at every close but the last
+    generated = {name: sum(t.tokens for t in r.iterations) for name, r in res.items()}
+    assert generated["partial"] < generated["abort"]
+    # The tail is cut: an iteration's generation ends on its 16th group, not its last.
+    assert res["abort"].generation_s < res["none"].generation_s
+    assert res["partial"].generation_s < res["none"].generation_s
+    with pytest.raises(ValueError, match="oversample"):
+        small(partial=True)

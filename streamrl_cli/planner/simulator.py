@@ -14,6 +14,12 @@ Modes: `colocated` (all GPUs generate, then all train: the paper's verl baseline
 micro-batches, on-policy), `async` (generation of iteration k+1 overlaps training of k; weights
 move in the background; staleness bound s: iteration k needs the weights of step k − s − 1).
 
+Over-sampling (`oversample`): each iteration dispatches that fraction more GRPO groups and closes
+when `prompts` groups are complete; the rest are aborted (their tokens so far wasted, their prompts
+drawn again first by the next iteration: the same lengths, from the start) or, with `partial`,
+paused and put first into the next iteration with the tokens they have (a resumed sample prefills
+its prompt and those tokens, then decodes the rest).
+
 Deterministic: all randomness (lengths, shuffles, ranker noise) comes from one seeded generator,
 and simulated time is a number, not a clock. Between two events an instance's batch is
 constant, so the next completion is computed, not stepped to: events ≈ samples, not tokens.
@@ -61,6 +67,12 @@ class SimConfig:
     long_fraction: float = 0.2  # Algorithm 2's α
     iterations: int = 6
     seed: int = 0
+    oversample: float = 0.0  # extra groups per iteration, a fraction of `prompts`
+    partial: bool = False  # extra groups still running at the close go on in the next iteration
+
+    @property
+    def extra_groups(self) -> int:
+        return math.ceil(self.prompts * self.oversample - 1e-9) if self.oversample > 0 else 0
 
     def __post_init__(self) -> None:
         if self.mode not in SIM_MODES:
@@ -69,6 +81,8 @@ class SimConfig:
             raise ValueError(f"dispatch {self.dispatch!r} not in {POLICIES}")
         if self.instances < 1 or self.max_batch < 1 or self.iterations < 2:
             raise ValueError("need ≥1 instance, max_batch ≥1 and ≥2 iterations")
+        if not 0 <= self.oversample <= 1 or (self.partial and not self.oversample > 0):
+            raise ValueError("oversample must be in [0, 1], and above 0 with partial")
 
     def step_s(self, batch: float) -> float:
         return interpolate(self.ptl, batch)
@@ -91,6 +105,8 @@ class SimResult:
     trained_samples: int  # each sample trained exactly once: a check on the event logic
     generator_busy: float  # fraction of instance-time with a running batch (steady state)
     trainer_busy: float
+    wasted_tokens: int = 0  # generated, then thrown away (over-sampling's aborted groups)
+    paused_groups: int = 0  # groups carried into the next iteration (partial rollout)
 
     @property
     def samples_per_s(self) -> float:
@@ -113,7 +129,7 @@ class _Instance:
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.queue: list[tuple[int, int]] = []  # (sample id, length), admission order
+        self.queue: list[tuple[tuple[int, int], int, float]] = []  # (sample id, length, prefill tokens)
         self.running: list[tuple[float, int]] = []  # heap of (progress at which it ends, sample id)
         self.progress = 0.0  # decode steps taken (every running sample advances one token a step)
         self.clock = 0.0  # time up to which `progress` is accounted
@@ -130,8 +146,13 @@ class Simulator:
         self.events: list[tuple[float, int, str, tuple]] = []
         self.seq = 0
         self.instances = [_Instance(i) for i in range(cfg.instances)]
-        self.lengths: list[list[int]] = []  # per iteration, per sample
-        self.left = []  # samples of each iteration still generating
+        self.lengths: list[list[int]] = []  # per iteration, per sample (whole: a resumed one's too)
+        self.groups_done: list[int] = []  # per iteration: complete groups
+        # Groups for the next iteration: ((length, tokens left) per sample, times paused so far).
+        self.carry: list[tuple[list[tuple[int, int]], int]] = []
+        self.paused_before: dict[tuple[int, int], int] = {}  # (iteration, group) -> times paused
+        self.wasted = 0
+        self.paused = 0
         self.arrived: list[list[int]] = []  # per iteration: sample ids ready for training
         self.group_left: dict[tuple[int, int], int] = {}
         self.trained: list[int] = []
@@ -161,17 +182,24 @@ class Simulator:
     def _on_dispatch(self, t: float, k: int) -> None:
         cfg = self.cfg
         g = cfg.group_size
-        lengths = cfg.lengths.sample(self.rng, cfg.prompts * g)
+        carried, self.carry = self.carry, []
+        fresh = cfg.prompts + cfg.extra_groups - len(carried)
+        new = cfg.lengths.sample(self.rng, fresh * g)
+        groups = [grp for grp, _ in carried] + [
+            [(n, n) for n in new[p * g : (p + 1) * g]] for p in range(fresh)
+        ]
+        self.paused_before.update(((k, p), times) for p, (_, times) in enumerate(carried) if times)
+        lengths = [n for grp in groups for n, _ in grp]
         self.lengths.append(lengths)
-        self.left.append(len(lengths))
+        self.groups_done.append(0)
         self.arrived.append([])
         self.trained.append(0)
         self.dispatched = k
-        self.trace[k] = {"dispatched": t, "tokens": sum(lengths)}
+        self.trace[k] = {"dispatched": t, "tokens": sum(left for grp in groups for _, left in grp)}
         if cfg.dispatch == "random":
-            plan = dispatch_random(cfg.prompts, cfg.instances, self.rng)
-        else:
-            per_prompt = [sum(lengths[p * g : (p + 1) * g]) / g for p in range(cfg.prompts)]
+            plan = dispatch_random(len(groups), cfg.instances, self.rng)
+        else:  # what is left of each group to decode is what the ranker would predict
+            per_prompt = [sum(left for _, left in grp) / g for grp in groups]
             seen = self.lengths[-2] if len(self.lengths) > 1 else None
             l50 = empirical_quantile(seen, 0.5) if seen else cfg.lengths.quantile(0.5)
             l90 = empirical_quantile(seen, 0.9) if seen else cfg.lengths.quantile(0.9)
@@ -187,9 +215,10 @@ class Simulator:
             )
         for inst, prompts in zip(self.instances, plan, strict=True):
             self._advance(inst, t)
-            for p in prompts:
-                self.group_left[(k, p)] = g
-                inst.queue.extend(((k, p * g + j), lengths[p * g + j]) for j in range(g))
+            for p in sorted(prompts, key=lambda p: p >= len(carried)):  # resumed groups first
+                todo = [(j, n, left) for j, (n, left) in enumerate(groups[p]) if left > 0]
+                self.group_left[(k, p)] = len(todo)
+                inst.queue.extend(((k, p * g + j), left, cfg.prompt_len + n - left) for j, n, left in todo)
             self._admit(inst, t)
 
     def _advance(self, inst: _Instance, t: float) -> None:
@@ -200,14 +229,14 @@ class Simulator:
             inst.clock = t
 
     def _admit(self, inst: _Instance, t: float) -> None:
-        admitted = 0
+        prefill = 0.0
         while inst.queue and len(inst.running) < self.cfg.max_batch:
-            sid, length = inst.queue.pop(0)
+            sid, length, tokens = inst.queue.pop(0)
             heapq.heappush(inst.running, (inst.progress + length, sid))
-            admitted += 1
-        if admitted:
-            # Prefill of the admitted prompts stalls the instance's decoding.
-            stall = admitted * self.cfg.prompt_len * self.cfg.prefill_s_per_token
+            prefill += tokens
+        if prefill:
+            # Prefill of the admitted prompts (a resumed sample's: with its tokens so far) stalls decoding.
+            stall = prefill * self.cfg.prefill_s_per_token
             inst.busy += stall
             inst.clock = max(inst.clock, t) + stall
         self._schedule(inst)
@@ -232,16 +261,47 @@ class Simulator:
 
     def _finished(self, t: float, k: int, s: int) -> None:
         cfg = self.cfg
-        self.left[k] -= 1
         key = (k, s // cfg.group_size)
         self.group_left[key] -= 1
         if self.group_left[key] == 0:  # a GRPO group is trained together
             self.arrived[k].extend(range(key[1] * cfg.group_size, (key[1] + 1) * cfg.group_size))
-        if self.left[k] == 0:
-            self.trace[k]["generated"] = t
-            self.gen_done = k
-            self._maybe_dispatch(t)
+            self.groups_done[k] += 1
+            if self.groups_done[k] == cfg.prompts:
+                self.trace[k]["generated"] = t
+                self.gen_done = k
+                self._close(t, k)
+                self._maybe_dispatch(t)
         self._train(t)
+
+    def _close(self, t: float, k: int) -> None:
+        """Iteration k has its groups: the over-sampled rest leave the instances, aborted or paused."""
+        cfg = self.cfg
+        if not cfg.extra_groups:
+            return
+        g = cfg.group_size
+        left: dict[tuple[int, int], int] = {}  # (iteration, sample) -> tokens still to decode
+        for inst in self.instances:
+            self._advance(inst, t)
+            left.update((sid, n) for sid, n, _ in inst.queue if sid[0] == k)
+            left.update((sid, max(0, round(end - inst.progress))) for end, sid in inst.running if sid[0] == k)
+            inst.queue = [q for q in inst.queue if q[0][0] != k]
+            inst.running = [r for r in inst.running if r[1][0] != k]
+            heapq.heapify(inst.running)
+            self._admit(inst, t)  # their places go to the next requests
+        lengths = self.lengths[k]
+        for p in sorted({s // g for _, s in left}):
+            group = [(lengths[s], left.get((k, s), 0)) for s in range(p * g, (p + 1) * g)]
+            del self.group_left[(k, p)]
+            times = self.paused_before.pop((k, p), 0) + 1
+            # Paused once more, its oldest tokens would lag by more than the staleness bound: it
+            # starts over (as the trainer does with such samples).
+            if cfg.partial and k + 1 < cfg.iterations and times <= max(1, cfg.staleness):
+                self.carry.append((group, times))
+                self.paused += 1
+                continue
+            self.wasted += sum(n - rest for n, rest in group)
+            if k + 1 < cfg.iterations:  # its prompt is drawn again first, and generated from the start
+                self.carry.append(([(n, n) for n, _ in group], 0))
 
     def _maybe_dispatch(self, t: float) -> None:
         k = self.dispatched + 1
@@ -333,6 +393,8 @@ class Simulator:
             trained_samples=sum(self.trained),
             generator_busy=sum(i.busy for i in self.instances) / (cfg.instances * span),
             trainer_busy=self.train_busy / span,
+            wasted_tokens=self.wasted,
+            paused_groups=self.paused,
         )
 
 
