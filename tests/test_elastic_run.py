@@ -87,11 +87,16 @@ def changes(run_dir: Path) -> list[dict]:
     return [e for e in scaled_events(run_dir) if e["event"] == "scaled" and e["before"] != e["after"]]
 
 
-def test_scale_by_hand_grows_and_shrinks_a_local_run(runs_root):
+PARTIAL = ("rollout.oversample=0.5", "rollout.partial=true", "train.reproducible_sampling=false")
+
+
+@pytest.mark.parametrize("rollout", [(), PARTIAL], ids=["plain", "partial-rollout"])
+def test_scale_by_hand_grows_and_shrinks_a_local_run(runs_root, rollout):
     # More iterations than the test waits for: the run must outlast the new instance's engine start
     # however fast this machine trains. The test ends it with `streamrl cancel` once the run went
-    # 1 -> 2 -> 1 and trained on after the release.
-    proc, run_dir = start(runs_root, "train.iterations=100000", "roles.generator.instances=1")
+    # 1 -> 2 -> 1 and trained on after the release. With partial rollout, groups are paused on and
+    # resumed by either instance, and the released one's share is dispatched again whole.
+    proc, run_dir = start(runs_root, "train.iterations=100000", "roles.generator.instances=1", *rollout)
     try:
         wait_until(lambda: len(iterations(run_dir)) >= 1, 600, "first iteration", proc)
         out = streamrl("scale", run_dir.name, "--generators", "+1", timeout=200)
@@ -121,6 +126,10 @@ def test_scale_by_hand_grows_and_shrinks_a_local_run(runs_root):
     output = proc.communicate()[0]
     assert code == 130, output[-3000:]  # cancelled from another terminal
     every_sample_trained_once(run_dir, len(iterations(run_dir)))
+    if rollout:
+        recs = iterations(run_dir)
+        assert sum(r["rollout/paused_groups"] for r in recs) > 0
+        assert max(r["staleness/token_max"] for r in recs) <= 1
     evs = scaled_events(run_dir)
     assert [(e["before"], e["after"], e["source"]) for e in evs] == [(1, 2, "user"), (2, 1, "user")]
     assert evs[0]["added"] == [1] and evs[1]["released"] == [1]

@@ -154,7 +154,9 @@ def test_over_sampling_closes_on_the_first_groups_and_partial_rollout_wastes_not
     # tokens are generated over the run for the same training.
     cfgs = {
         name: small(mode, group_size=4, prompts=16, dispatch="skewness", iterations=6, **kw)
-        for name, kw in {"none": {}, "abort": {"oversample": 0.25}, "partial": {"oversample": 0.25, "partial": True}}.items()
+        for name, kw in {
+            "none": {}, "abort": {"oversample": 0.25}, "partial": {"oversample": 0.25, "partial": True}
+        }.items()
     }  # fmt: skip
     res = {name: simulate(cfg) for name, cfg in cfgs.items()}
     for r in res.values():
