@@ -57,6 +57,8 @@ def summarise(run_dir: Path, skip: int) -> dict:
         "tokens_per_s": sum(r["tokens"] for r in recs) / wall,
         "iteration_s": statistics.fmean(r["t/iteration"] for r in recs),
         "generation_s": statistics.fmean(r["t/generation"] for r in recs),
+        "train_s": statistics.fmean(r["t/train"] for r in recs),
+        "sync_s": statistics.fmean(r["t/weight_sync"] for r in recs),
         "tail_s": statistics.fmean(r["t/tail"] for r in recs),
         "len_max": statistics.fmean(r["len/max"] for r in recs),
         "aborted": sum(r.get("rollout/aborted_groups", 0) for r in recs),
@@ -138,6 +140,8 @@ def main() -> None:
         "tokens/s": lambda r: f"{r['tokens_per_s']:.0f}",
         "iteration s": lambda r: f"{r['iteration_s']:.2f}",
         "generation s": lambda r: f"{r['generation_s']:.2f}",
+        "train s (micro-batches + step)": lambda r: f"{r['train_s']:.2f}",
+        "weight sync s": lambda r: f"{r['sync_s']:.2f}",
         "tail s": lambda r: f"{r['tail_s']:.2f}",
         "longest output (tokens)": lambda r: f"{r['len_max']:.1f}",
         "groups aborted (run)": lambda r: str(r["aborted"]),
@@ -151,6 +155,15 @@ def main() -> None:
     for label, cell in rows.items():
         table.add_row(label, *(cell(r) for r in res.values()))
     console.print(table)
+    # Sync-stream trains every sample and blocks on the weight sync whatever generation does: with
+    # generation infinitely fast an iteration still takes train + sync. The most any change to
+    # generation (over-sampling, partial rollout) can give here is the ratio below.
+    none = res["no over-sampling"]
+    limit = none["iteration_s"] / (none["train_s"] + none["sync_s"])
+    console.print(
+        f"physical limit here: {limit:.2f}× (iteration {none['iteration_s']:.2f} s ÷ (train "
+        f"{none['train_s']:.2f} s + weight sync {none['sync_s']:.2f} s), without over-sampling)"
+    )
     for name in ("over-sampling", "over-sampling + partial rollout"):
         ours = res[name]
         ratio = ours["samples_per_s"] / base
