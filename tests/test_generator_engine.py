@@ -235,6 +235,48 @@ def test_abort_yields_an_aborted_result(loop, engine):
 
 
 @pytest.mark.slow
+def test_an_aborted_request_keeps_the_tokens_it_had_and_a_continuation_resumes_them(loop, engine, hf):
+    # Before the weight tests below: the references are transformers on the model's own weights.
+    # Partial rollout's engine half: a group aborted mid-way comes back with each sample's tokens so
+    # far and their behaviour log-probs; a new request whose prompt is prompt + those tokens goes on
+    # where it stopped, and the joined sample's log-probs are the model's, token for token.
+    prompt = list(range(40, 60))
+    spec = SamplingSpec(n=3, temperature=1.3, max_tokens=400, seed=3, ignore_eos=True)
+
+    async def scenario():
+        results = asyncio.ensure_future(
+            collect(engine, [GenerationRequest(request_id="part", prompt_token_ids=prompt, sampling=spec)])
+        )
+        while (await engine.health()).running < 1:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)
+        await engine.abort(["part"])
+        return (await results)[0]
+
+    r = loop.run_until_complete(scenario())
+    assert r.aborted and [c.index for c in r.completions] == [0, 1, 2]
+    for c in r.completions:
+        assert c.finish_reason == "abort" and 0 < len(c.token_ids) < 400
+        assert len(c.logprobs) == len(c.token_ids)
+        torch.testing.assert_close(
+            torch.tensor(c.logprobs), hf_logprobs(hf, prompt, c.token_ids, 1.3), atol=1e-4, rtol=0
+        )
+    head = r.completions[0]
+    rest = SamplingSpec(n=1, temperature=1.3, max_tokens=400 - len(head.token_ids), seed=4, ignore_eos=True)
+    (more,) = loop.run_until_complete(
+        collect(
+            engine,
+            [GenerationRequest(request_id="more", prompt_token_ids=prompt + head.token_ids, sampling=rest)],
+        )  # fmt: skip
+    )
+    tail = more.completions[0]
+    assert tail.finish_reason == "length" and len(head.token_ids) + len(tail.token_ids) == 400
+    joined = head.token_ids + tail.token_ids
+    torch.testing.assert_close(
+        torch.tensor(head.logprobs + tail.logprobs), hf_logprobs(hf, prompt, joined, 1.3), atol=1e-4, rtol=0
+    )
+
+@pytest.mark.slow
 def test_a_bad_request_fails_alone_and_the_stream_goes_on(loop, engine):
     too_long = greedy("long", [5] * 600)  # max_model_len is 512
     bad_sampling = GenerationRequest(
@@ -345,44 +387,3 @@ def test_weights_broadcast_from_the_trainer_change_greedy_output(loop, engine, m
     finally:
         trainer.close()
 
-
-@pytest.mark.slow
-def test_an_aborted_request_keeps_the_tokens_it_had_and_a_continuation_resumes_them(loop, engine, hf):
-    # Partial rollout's engine half: a group aborted mid-way comes back with each sample's tokens so
-    # far and their behaviour log-probs; a new request whose prompt is prompt + those tokens goes on
-    # where it stopped, and the joined sample's log-probs are the model's, token for token.
-    prompt = list(range(40, 60))
-    spec = SamplingSpec(n=3, temperature=1.3, max_tokens=400, seed=3, ignore_eos=True)
-
-    async def scenario():
-        results = asyncio.ensure_future(
-            collect(engine, [GenerationRequest(request_id="part", prompt_token_ids=prompt, sampling=spec)])
-        )
-        while (await engine.health()).running < 1:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.5)
-        await engine.abort(["part"])
-        return (await results)[0]
-
-    r = loop.run_until_complete(scenario())
-    assert r.aborted and [c.index for c in r.completions] == [0, 1, 2]
-    for c in r.completions:
-        assert c.finish_reason == "abort" and 0 < len(c.token_ids) < 400
-        assert len(c.logprobs) == len(c.token_ids)
-        torch.testing.assert_close(
-            torch.tensor(c.logprobs), hf_logprobs(hf, prompt, c.token_ids, 1.3), atol=1e-4, rtol=0
-        )
-    head = r.completions[0]
-    rest = SamplingSpec(n=1, temperature=1.3, max_tokens=400 - len(head.token_ids), seed=4, ignore_eos=True)
-    (more,) = loop.run_until_complete(
-        collect(
-            engine,
-            [GenerationRequest(request_id="more", prompt_token_ids=prompt + head.token_ids, sampling=rest)],
-        )  # fmt: skip
-    )
-    tail = more.completions[0]
-    assert tail.finish_reason == "length" and len(head.token_ids) + len(tail.token_ids) == 400
-    joined = head.token_ids + tail.token_ids
-    torch.testing.assert_close(
-        torch.tensor(head.logprobs + tail.logprobs), hf_logprobs(hf, prompt, joined, 1.3), atol=1e-4, rtol=0
-    )
