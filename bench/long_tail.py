@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 from pathlib import Path
 
-from peer_trl import REWARD, write_data
+from peer_trl import HELD_OUT, REWARD, write_data
 from rich.table import Table
 from rl_modes import console, run_local
 
@@ -47,6 +48,18 @@ def evaluation(run_dir: Path) -> float | None:
         if rec.get("eval/final"):
             return rec["eval/reward_mean"]
     return None
+
+
+def held_out_verdict(ours: float | None, base: float | None, n: int = HELD_OUT) -> str:
+    """Kept, or lost, beyond two standard errors of the difference (rewards in [0, 1] on `n` prompts:
+    a mean's standard error is at most sqrt(p(1-p)/n))."""
+    if ours is None or base is None:
+        return "not measured"
+    se = math.sqrt(ours * (1 - ours) / n + base * (1 - base) / n)
+    diff = ours - base
+    if diff >= -2 * se:
+        return f"kept ({diff:+.3f}, within ±{2 * se:.3f})"
+    return f"LOST ({diff:+.3f}, beyond -{2 * se:.3f})"
 
 
 def summarise(run_dir: Path, skip: int) -> dict:
@@ -167,9 +180,8 @@ def main() -> None:
     for name in ("over-sampling", "over-sampling + partial rollout"):
         ours = res[name]
         ratio = ours["samples_per_s"] / base
-        held = (ours["held_out"] or 0) >= (res["no over-sampling"]["held_out"] or 0) - 0.01
         console.print(f"{name} ({args.oversample}): {ratio:.2f}× the samples/s of none (target ≥ {TARGET}); "
-                      f"held-out reward {'kept' if held else 'LOST'}")  # fmt: skip
+                      f"held-out reward {held_out_verdict(ours['held_out'], none['held_out'])}")  # fmt: skip
     console.print(cluster_scale(args.oversample))
     metric = f"samples_per_s_partial_rollout_{args.oversample}_vs_none"
     print(json.dumps({"bench": "long_tail", "metric": metric,
