@@ -276,6 +276,7 @@ def test_an_aborted_request_keeps_the_tokens_it_had_and_a_continuation_resumes_t
         torch.tensor(head.logprobs + tail.logprobs), hf_logprobs(hf, prompt, joined, 1.3), atol=1e-4, rtol=0
     )
 
+
 @pytest.mark.slow
 def test_a_bad_request_fails_alone_and_the_stream_goes_on(loop, engine):
     too_long = greedy("long", [5] * 600)  # max_model_len is 512
@@ -386,4 +387,3 @@ def test_weights_broadcast_from_the_trainer_change_greedy_output(loop, engine, m
         assert r.completions[0].token_ids == hf_greedy(hf, LONG_PROMPT, 12) and r.weight_version == 7
     finally:
         trainer.close()
-
