@@ -245,21 +245,28 @@ class Tail(Generators):
         self.cancelled.append(list(ids))
 
 
-def oversampled(mode: str, iterations: int):
+def tail_run(gens: Tail, mode: str, iterations: int, **kw):
+    """A run of 4 + 2 over-sampled groups of 2 per iteration against `gens`; (records, checkpoints,
+    the rollouts of each training round)."""
     from streamrl_cli.tasks.sampler import PromptSampler
 
-    events: list = []
-    gens = Tail(events, slow=lambda rid: rid in ("it0/c/1", "it0/c/4"))
-    driver, records, checkpoints = Driver(events), [], []
-    cfg = PipelineConfig(mode=mode, group_size=2, global_batch=4, micro_batch=2, oversample=0.5)
+    driver, records, checkpoints = Driver(gens.events), [], []
+    cfg = PipelineConfig(mode=mode, group_size=2, global_batch=4, micro_batch=2, oversample=0.5, **kw)
     task = CountTask(64)
     pipe = Pipeline(
         cfg, task=task, sampler=PromptSampler(task.prompts(), 4, shuffle=False), tokenize=lambda t: [5, 6],
-        detokenize=lambda ids: "x" * len(ids), svc=gens, driver=driver, publisher=Publisher(events, gens),
-        on_record=records.append, clock=Clock(), on_checkpoint=lambda i, st, stop: checkpoints.append(st),
+        detokenize=lambda ids: "x" * len(ids), svc=gens, driver=driver,
+        publisher=Publisher(gens.events, gens), on_record=records.append, clock=Clock(),
+        on_checkpoint=lambda i, st, stop: checkpoints.append(st),
     )  # fmt: skip
     pipe.run(0, iterations, 0)
-    trained = [[r.sample.prompt_id for r in rnd] for rnd in driver.rounds]
+    return records, checkpoints, driver.rounds
+
+
+def oversampled(mode: str, iterations: int):
+    gens = Tail([], slow=lambda rid: rid in ("it0/c/1", "it0/c/4"))
+    records, checkpoints, rounds = tail_run(gens, mode, iterations)
+    trained = [[r.sample.prompt_id for r in rnd] for rnd in rounds]
     return gens, records, checkpoints, trained
 
 
@@ -702,22 +709,9 @@ class Pausing(Tail):
 
 
 def partial_run(mode: str, iterations: int, slow, **kw):
-    from streamrl_cli.tasks.sampler import PromptSampler
-
-    events: list = []
-    gens = Pausing(events, slow)
-    driver, records, checkpoints = Driver(events), [], []
-    cfg = PipelineConfig(mode=mode, group_size=2, global_batch=4, micro_batch=2, oversample=0.5, partial=True,
-                         **kw)  # fmt: skip
-    task = CountTask(64)
-    pipe = Pipeline(
-        cfg, task=task, sampler=PromptSampler(task.prompts(), 4, shuffle=False), tokenize=lambda t: [5, 6],
-        detokenize=lambda ids: "x" * len(ids), svc=gens, driver=driver, publisher=Publisher(events, gens),
-        on_record=records.append, clock=Clock(), on_checkpoint=lambda i, st, stop: checkpoints.append(st),
-    )  # fmt: skip
-    pipe.run(0, iterations, 0)
-    rollouts = [r for rnd in driver.rounds for r in rnd]
-    return gens, records, checkpoints, rollouts
+    gens = Pausing([], slow)
+    records, checkpoints, rounds = tail_run(gens, mode, iterations, partial=True, **kw)
+    return gens, records, checkpoints, [r for rnd in rounds for r in rnd]
 
 
 def test_partial_rollout_resumes_paused_samples_under_the_next_weights_with_per_token_versions():
