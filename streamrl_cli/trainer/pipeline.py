@@ -154,9 +154,8 @@ class Batch:
     done_groups: int = 0
     aborted: list[str] = field(default_factory=list)  # over-sampled groups cancelled when it closed
     carried: dict[str, Carried] = field(default_factory=dict)  # group key -> a group resumed in this batch
-    paused: list[str] = field(
-        default_factory=list
-    )  # over-sampled groups paused at its close (partial rollout)
+    # Over-sampled groups paused when it closed (partial rollout).
+    paused: list[str] = field(default_factory=list)
     # When each sample's generation finished, by (group key, sample index): the tail time.
     done_at: dict[tuple[str, int], float] = field(default_factory=dict)
     retries: int = 0
@@ -543,9 +542,8 @@ class Pipeline:
         (late samples dropped) and their prompts drawn again first (batches drawn already, in async
         mode, carry them in their saved sampler state, so a resumed run neither loses nor repeats them)."""
         assert batch.collector is not None
-        done = {GroupCollector.key(r.sample) for r in [*batch.trained, *batch.ready]}
-        batch.aborted = [rid for rid in batch.order if rid not in done]
-        ids = [k for k in batch.prompts if k.split("#", 1)[0] in batch.aborted]
+        batch.aborted = _unfinished(batch)
+        ids = [k for rid in batch.aborted for k in _request_ids(batch, rid)]
         for rid in batch.aborted:  # resumed groups (partial rollout): what they still owe goes too
             c = batch.carried.pop(rid, None)
             if c is not None:
@@ -567,15 +565,14 @@ class Pipeline:
         which send back each sample as far as it got, and go on in the next batch to be drawn (or,
         in async mode, in the next one, drawn already)."""
         assert batch.collector is not None
-        done = {GroupCollector.key(r.sample) for r in [*batch.trained, *batch.ready]}
-        rest = [rid for rid in batch.order if rid not in done]
+        rest = _unfinished(batch)
         later = sorted(k for k in self.batches if k > batch.index)
         groups, paused = [], []
         for rid in rest:
             c = batch.carried.pop(rid, None) or Carried(rid, *batch.prompts[rid])
             c.batch = None
             c.have.update(batch.collector.take(rid))
-            ids = [k for k in batch.prompts if k.split("#", 1)[0] == rid]
+            ids = _request_ids(batch, rid)
             c.inflight = set(range(self.cfg.group_size)) - set(c.have)
             c.ids += ids
             self.pausing.update(dict.fromkeys(ids, c))
@@ -611,9 +608,6 @@ class Pipeline:
         key = f"it{batch.index}/{_draw(c.key)}"
         while key in batch.prompts:  # drawn afresh by this batch too (an epoch boundary)
             key += "~c"
-        for d in (c.have, c.prefix):
-            for i, s in d.items():
-                d[i] = msgspec.structs.replace(s, group_id=key)
         c.key, c.batch = key, batch
         batch.prompts[key] = (c.prompt, c.tokens)
         batch.order.append(key)
@@ -848,6 +842,17 @@ def _draw(rid: str) -> str:
     """What a request id of batch j ("it<j>/<prompt id>[~n]") drew: the task prompt id, with "~n"
     for its n-th draw in the same batch. Its sampling seed and its `lengths/by_prompt` key."""
     return rid.split("/", 1)[1]
+
+
+def _unfinished(batch: Batch) -> list[str]:
+    """The groups of a closed batch that it does not train (over-sampled ones still out), in order."""
+    done = {GroupCollector.key(r.sample) for r in [*batch.trained, *batch.ready]}
+    return [rid for rid in batch.order if rid not in done]
+
+
+def _request_ids(batch: Batch, group: str) -> list[str]:
+    """Every request id of `group` in `batch`: its own and its "#r" retries and "#p" resumptions."""
+    return [k for k in batch.prompts if k.split("#", 1)[0] == group]
 
 
 def _versions(sample: Sample) -> list[int]:
