@@ -37,6 +37,17 @@ def records(run_dir: Path, role: str) -> list[dict]:
     return [r for r in out if r.get("role") == role]
 
 
+def resume_after_iteration_2(run_dir: Path) -> list[dict]:
+    """`streamrl run --resume` from the checkpoint after iteration 2 (the last one removed): the
+    records of the iterations it trained, checked to be 3, 4 and 5."""
+    shutil.rmtree(run_dir / "checkpoints" / "iter-000005")
+    out = streamrl("run", "--resume", str(run_dir), timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    again = [r for r in records(run_dir, "trainer") if "iteration" in r][ITERATIONS:]
+    assert [r["iteration"] for r in again] == [3, 4, 5]
+    return again
+
+
 def test_oversampled_run_trains_the_first_groups_and_draws_the_rest_again(runs_root):
     out = streamrl("run", "local", *RUN, "--root", str(runs_root), timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -59,11 +70,7 @@ def test_oversampled_run_trains_the_first_groups_and_draws_the_rest_again(runs_r
                for k in {g["rank"] for g in gens}) > 0  # fmt: skip
 
     # Resumed from the checkpoint after iteration 2: iteration 3 draws what iteration 2 handed back.
-    shutil.rmtree(run_dir / "checkpoints" / "iter-000005")
-    out = streamrl("run", "--resume", str(run_dir), timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    again = [r for r in records(run_dir, "trainer") if "iteration" in r][ITERATIONS:]
-    assert [r["iteration"] for r in again] == [3, 4, 5]
+    again = resume_after_iteration_2(run_dir)
     drawn = set(again[0]["lengths/by_prompt"]) | set(again[0]["rollout/aborted_prompts"])
     assert set(recs[2]["rollout/aborted_prompts"]) <= drawn
 
@@ -101,11 +108,7 @@ def test_partial_rollout_resumes_paused_samples_in_the_next_iteration(runs_root,
     assert max(r["staleness/token_mean"] for r in recs) > 0
 
     # Paused samples are not in a checkpoint: the resumed run draws their prompts again first.
-    shutil.rmtree(run_dir / "checkpoints" / "iter-000005")
-    out = streamrl("run", "--resume", str(run_dir), timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    again = [r for r in records(run_dir, "trainer") if "iteration" in r][ITERATIONS:]
-    assert [r["iteration"] for r in again] == [3, 4, 5]
+    again = resume_after_iteration_2(run_dir)
     drawn = set(again[0]["lengths/by_prompt"]) | set(again[0]["rollout/paused_prompts"])
     assert set(recs[2]["rollout/paused_prompts"]) <= drawn
     # Samples begun under one version were finished under the next, and trained with both (in about
