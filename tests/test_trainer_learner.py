@@ -177,3 +177,36 @@ def test_a_zero_kl_coefficient_loads_no_reference_and_keeps_the_gradient(model_d
     learner.micro_step(collate(rows), last=True)
     learner.finish_gradients()
     assert_same(learner.full_gradients(), expected)
+
+
+def test_packed_forwards_give_each_rows_own_logprobs_entropy_and_values(model_dir):
+    """A micro-batch runs as one unpadded row (its tokens, not rows × longest); every sequence still
+    attends only to itself: the same log-probs, entropies and values as each row alone."""
+    from streamrl_cli.trainer.models import Critic, Packed, critic_forward, policy_forward
+
+    rows = rollouts(7, seed=11)
+    mb = collate(rows)
+    packed = Packed.of(mb)
+    assert packed is not None
+    assert (
+        packed.ids.shape[1] == sum(len(r.prompt_tokens) + r.response_len for r in rows) < mb.input_ids.numel()
+    )
+    policy, critic = load_policy(model_dir, torch.float32), Critic(model_dir, torch.float32)
+    torch.nn.init.normal_(critic.head.weight)  # a zero head would make every value 0
+    sampling = L.SamplingTransform(temperature=0.7, top_k=50, top_p=0.9)
+    logp, ent = policy_forward(policy, mb, sampling, entropy=True)
+    values = critic_forward(critic, mb)
+    for b, row in enumerate(rows):
+        alone = collate([row])
+        n = alone.targets.shape[1]
+        one_logp, one_ent = policy_forward(policy, alone, sampling, entropy=True)
+        valid = mb.mask[b, :n].bool()
+        assert valid.any()
+        torch.testing.assert_close(logp[b, :n][valid], one_logp[0][valid], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ent[b, :n][valid], one_ent[0][valid], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            values[b, :n][valid], critic_forward(critic, alone)[0][valid], atol=1e-5, rtol=1e-5
+        )
+        assert not logp[b, n:].any(), "padding must hold nothing"
+    logp.sum().backward()  # gradients flow through the unpacking
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
