@@ -81,6 +81,9 @@ class VLLMEngine(GenerationEngine):
         self._update_lock = asyncio.Lock()
         self.weight_version = 0
         self.on_cpu = False
+        # Paused by `pause` with nothing left in flight (mode wait or abort): a weight swap then
+        # need not pause again (each pause costs a round trip and vLLM's own 20 ms settling sleep).
+        self._drained = False
 
     async def start(self) -> None:
         from vllm import AsyncEngineArgs
@@ -258,7 +261,8 @@ class VLLMEngine(GenerationEngine):
         llm = self._require()
         async with self._update_lock:
             t0 = time.perf_counter()
-            await _alive(llm, llm.pause_generation(mode=mode, clear_cache=mode != "keep"), "pausing")
+            if not self._drained:  # (the prefix cache is reset after the load either way)
+                await _alive(llm, llm.pause_generation(mode=mode, clear_cache=False), "pausing")
             t1 = time.perf_counter()
             resume = True
             try:
@@ -284,16 +288,19 @@ class VLLMEngine(GenerationEngine):
             finally:
                 if resume:
                     await _alive(llm, llm.resume_generation(), "resuming")
+                    self._drained = False
             timings = {"pause_s": t1 - t0, "receive_s": t2 - t1, "resume_s": time.perf_counter() - t2}
         return {**stats[0], **timings} if len(stats) == 1 else {"workers": stats, **timings}
 
     async def pause(self, mode: str = "keep") -> None:
         llm = self._require()
         await _alive(llm, llm.pause_generation(mode=mode, clear_cache=False), "pausing")
+        self._drained = mode in ("wait", "abort")
 
     async def resume(self) -> None:
         llm = self._require()
         await _alive(llm, llm.resume_generation(), "resuming")
+        self._drained = False
 
     async def abort(self, request_ids: Iterable[str]) -> None:
         ids = [r for r in request_ids if r in self._running]
