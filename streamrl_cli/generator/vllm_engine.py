@@ -99,6 +99,12 @@ class VLLMEngine(GenerationEngine):
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", self._cpu_cores)
             args["dtype"] = args["dtype"] or "float32"
             args["enforce_eager"] = True if args["enforce_eager"] is None else args["enforce_eager"]
+            if args["enforce_eager"]:
+                # Eager mode still torch.compiles one sampler helper (the ranks of the returned
+                # log-probs): on a CPU that is ~2.5 s at the first request of every engine start, and
+                # again when the batch shape first changes; run eagerly, it is the same count.
+                # Read by the engine core and worker processes: set before they are spawned.
+                os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         else:
             args["dtype"] = args["dtype"] or "auto"
             args["enforce_eager"] = bool(args["enforce_eager"])
