@@ -309,7 +309,7 @@ def test_a_generator_that_cannot_load_a_version_reports_why_and_takes_the_next(r
         # Half loaded ("a" is in): the engine stays paused, the member takes no work until a full version.
         member = trainer.generator()
         assert (member["state"], member["reported_state"], member["weight_version"]) == ("alive", WAITING, 0)
-        assert not engine.weights_intact and engine._llm.paused
+        assert not engine.weights_intact and (await engine.health()).paused
         with pytest.raises(WeightTransferError, match="waiting for weight version 1 to be confirmed"):
             await asyncio.to_thread(bad.result, 60)
         await the_next_version_is_served(trainer, task, engine)

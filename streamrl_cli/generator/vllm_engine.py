@@ -81,9 +81,12 @@ class VLLMEngine(GenerationEngine):
         self._update_lock = asyncio.Lock()
         self.weight_version = 0
         self.on_cpu = False
-        # Paused by `pause` with nothing left in flight (mode wait or abort): a weight swap then
-        # need not pause again (each pause costs a round trip and vLLM's own 20 ms settling sleep).
-        self._drained = False
+        # Requests wait here before they reach vLLM while we are paused. A pause that has nothing
+        # in flight to wait for or abort is only this gate: vLLM's own pause is a round trip to the
+        # engine core plus a 20 ms settling sleep, paid on every weight version otherwise.
+        self._open = asyncio.Event()
+        self._open.set()
+        self._vllm_paused = False
 
     async def start(self) -> None:
         from vllm import AsyncEngineArgs
@@ -187,7 +190,9 @@ class VLLMEngine(GenerationEngine):
                 t.cancel()
 
     async def _run_one(self, llm: Any, req: GenerationRequest) -> GenerationResult:
-        queued_at, version = time.time(), self.weight_version
+        queued_at = time.time()
+        await self._open.wait()  # paused (a weight swap): it starts on the new weights
+        version = self.weight_version  # (no await from here to `_running`: a pause sees it running)
         ids, final, error = req.prompt_token_ids or [], None, ""
         self._running.add(req.request_id)
         try:
@@ -267,8 +272,8 @@ class VLLMEngine(GenerationEngine):
         llm = self._require()
         async with self._update_lock:
             t0 = time.perf_counter()
-            if not self._drained:  # (the prefix cache is reset after the load either way)
-                await _alive(llm, llm.pause_generation(mode=mode, clear_cache=False), "pausing")
+            if self._open.is_set() and not self._vllm_paused:  # (the prefix cache is reset after the load)
+                await self.pause(mode)
             t1 = time.perf_counter()
             resume = True
             try:
@@ -293,20 +298,25 @@ class VLLMEngine(GenerationEngine):
                 self.weight_version = loaded.pop()
             finally:
                 if resume:
-                    await _alive(llm, llm.resume_generation(), "resuming")
-                    self._drained = False
+                    await self.resume()
             timings = {"pause_s": t1 - t0, "receive_s": t2 - t1, "resume_s": time.perf_counter() - t2}
         return {**stats[0], **timings} if len(stats) == 1 else {"workers": stats, **timings}
 
     async def pause(self, mode: str = "keep") -> None:
         llm = self._require()
+        if not self._running and not self._vllm_paused and mode in ("wait", "abort"):
+            self._open.clear()  # nothing to wait for or abort: new requests wait for `resume` here
+            return
+        # Requests in vLLM to wait for, abort or freeze; new ones wait in its scheduler.
         await _alive(llm, llm.pause_generation(mode=mode, clear_cache=False), "pausing")
-        self._drained = mode in ("wait", "abort")
+        self._vllm_paused = True
 
     async def resume(self) -> None:
         llm = self._require()
-        await _alive(llm, llm.resume_generation(), "resuming")
-        self._drained = False
+        if self._vllm_paused:
+            await _alive(llm, llm.resume_generation(), "resuming")
+            self._vllm_paused = False
+        self._open.set()
 
     async def abort(self, request_ids: Iterable[str]) -> None:
         ids = [r for r in request_ids if r in self._running]
@@ -321,7 +331,7 @@ class VLLMEngine(GenerationEngine):
             )
         try:
             await llm.check_health()
-            paused = await _alive(llm, llm.is_paused(), "answering")
+            paused = not self._open.is_set() or await _alive(llm, llm.is_paused(), "answering")
         except Exception as e:  # the engine core died: report it rather than raise
             return EngineHealth(
                 ok=False,
