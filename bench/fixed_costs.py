@@ -182,15 +182,18 @@ def vllm_reload_s(path: Path) -> tuple[float, int]:
 
     from safetensors.torch import load_file
 
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # (read when vLLM is first imported)
-
     from streamrl_cli.generator.vllm_engine import VLLMEngine
 
     state = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
     async def run() -> float:
         engine = VLLMEngine(str(path), max_model_len=64, max_num_seqs=4)
-        await engine.start()
+        # Quiet here (read when vLLM is first imported, and by its processes); not for the runs after.
+        os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+        try:
+            await engine.start()
+        finally:
+            del os.environ["VLLM_LOGGING_LEVEL"]
         try:
             return min([(await engine.load_weights(v, state))["load_s"] for v in (1, 2)])
         finally:
