@@ -319,6 +319,33 @@ def test_weights_loaded_in_place_change_greedy_output_to_match_transformers(loop
     assert loop.run_until_complete(engine.collective_rpc("streamrl_weight_version")) == [2]
 
 
+@pytest.mark.slow
+def test_requests_arriving_during_a_swap_start_on_the_new_weights_and_an_abort_reaches_them(
+    loop, engine, model_dir
+):
+    """With nothing in flight a swap pauses in front of vLLM, not inside it: requests that arrive
+    meanwhile never reach vLLM, run on the new weights and say so; one aborted while it waits comes
+    back aborted, without tokens."""
+    hf = load_hf(model_dir)
+
+    async def scenario() -> dict:
+        await engine.pause(mode="wait")
+        assert (await engine.health()).paused
+        requests = [greedy("g0", LONG_PROMPT), greedy("g1", LONG_PROMPT)]
+        results = asyncio.ensure_future(collect(engine, requests))
+        await asyncio.sleep(0.5)
+        assert (await engine.health()).running == 0, "held in front of vLLM"
+        await engine.abort(["g1"])
+        await engine.load_weights(10, randomize(hf, seed=10))  # resumes
+        return {r.request_id: r for r in await results}
+
+    res = loop.run_until_complete(scenario())
+    assert res["g0"].completions[0].token_ids == hf_greedy(hf, LONG_PROMPT, 12)
+    assert res["g0"].weight_version == res["g0"].weight_version_end == 10
+    assert res["g1"].aborted and res["g1"].completions[0].token_ids == []
+    assert not loop.run_until_complete(engine.health()).paused
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

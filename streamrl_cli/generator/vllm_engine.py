@@ -87,6 +87,7 @@ class VLLMEngine(GenerationEngine):
         self._open = asyncio.Event()
         self._open.set()
         self._vllm_paused = False
+        self._gated: dict[str, bool] = {}  # requests waiting at the gate: id → aborted meanwhile
 
     async def start(self) -> None:
         from vllm import AsyncEngineArgs
@@ -191,7 +192,15 @@ class VLLMEngine(GenerationEngine):
 
     async def _run_one(self, llm: Any, req: GenerationRequest) -> GenerationResult:
         queued_at = time.time()
-        await self._open.wait()  # paused (a weight swap): it starts on the new weights
+        if not self._open.is_set():  # paused (a weight swap): it starts on the new weights
+            self._gated[req.request_id] = False
+            try:
+                while not self._open.is_set():  # (closed again before we ran: wait again)
+                    await self._open.wait()
+            finally:
+                aborted = self._gated.pop(req.request_id)
+            if aborted:  # aborted while it waited: it never reaches vLLM
+                return self._result(req, req.prompt_token_ids or [], None, "", queued_at, self.weight_version)
         version = self.weight_version  # (no await from here to `_running`: a pause sees it running)
         ids, final, error = req.prompt_token_ids or [], None, ""
         self._running.add(req.request_id)
@@ -208,6 +217,11 @@ class VLLMEngine(GenerationEngine):
             log.warning("request %s failed: %s", req.request_id, error)
         finally:
             self._running.discard(req.request_id)
+        return self._result(req, ids, final, error, queued_at, version)
+
+    def _result(
+        self, req: GenerationRequest, ids: list[int], final: Any, error: str, queued_at: float, version: int
+    ) -> GenerationResult:
         finished_at = time.time()
         if final is None:  # failed, or aborted before it produced anything
             reason = "error" if error else "abort"
@@ -319,6 +333,10 @@ class VLLMEngine(GenerationEngine):
         self._open.set()
 
     async def abort(self, request_ids: Iterable[str]) -> None:
+        request_ids = list(request_ids)
+        for r in request_ids:
+            if r in self._gated:
+                self._gated[r] = True
         ids = [r for r in request_ids if r in self._running]
         if ids:
             await self._require().abort(ids)
