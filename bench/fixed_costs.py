@@ -364,7 +364,7 @@ def part_train(work: Path, micro_batch: int, repeats: int = 3) -> dict:
 
     def plain_packed() -> float:
         t0 = time.perf_counter()
-        for k in range(0, len(rows), micro_batch):  # our micro-batches, each as one unpadded row
+        for k in range(0, len(rows), micro_batch):  # our micro-batches, each packed as the learner packs it
             mb = collate(rows[k : k + micro_batch])
             p = Packed(mb)
             logits = model(input_ids=p.ids, position_ids=p.positions).logits[:, :-1]

@@ -179,18 +179,25 @@ def test_a_zero_kl_coefficient_loads_no_reference_and_keeps_the_gradient(model_d
     assert_same(learner.full_gradients(), expected)
 
 
-def test_packed_forwards_give_each_rows_own_logprobs_entropy_and_values(model_dir):
-    """A micro-batch runs as one unpadded row (its tokens, not rows × longest); every sequence still
-    attends only to itself: the same log-probs, entropies and values as each row alone."""
+@pytest.mark.parametrize("row_tokens", [4096, 40])
+def test_packed_forwards_give_each_rows_own_logprobs_entropy_and_values(model_dir, monkeypatch, row_tokens):
+    """A micro-batch runs packed (its tokens, not rows × longest: in one row, or in several when a
+    row would grow past PACK_TOKENS); every sequence still attends only to itself: the same
+    log-probs, entropies and values as each row alone."""
+    from streamrl_cli.trainer import models
     from streamrl_cli.trainer.models import Critic, Packed, critic_forward, policy_forward
 
+    monkeypatch.setattr(models, "PACK_TOKENS", row_tokens)
     rows = rollouts(7, seed=11)
     mb = collate(rows)
     packed = Packed.of(mb)
     assert packed is not None
-    assert (
-        packed.ids.shape[1] == sum(len(r.prompt_tokens) + r.response_len for r in rows) < mb.input_ids.numel()
-    )
+    tokens = sum(len(r.prompt_tokens) + r.response_len for r in rows)
+    if row_tokens >= tokens:
+        assert packed.ids.shape == (1, tokens)
+    else:  # several rows, none past the cap (or the longest sequence)
+        assert packed.ids.shape[0] > 1 and packed.ids.shape[1] <= max(row_tokens, mb.input_ids.shape[1])
+    assert packed.ids.numel() < mb.input_ids.numel()
     policy, critic = load_policy(model_dir, torch.float32), Critic(model_dir, torch.float32)
     torch.nn.init.normal_(critic.head.weight)  # a zero head would make every value 0
     sampling = L.SamplingTransform(temperature=0.7, top_k=50, top_p=0.9)

@@ -7,7 +7,7 @@ that its first values are 0 rather than noise.
 
 Forward passes take a :class:`~streamrl_cli.trainer.batch.MicroBatch` and return per-token
 tensors aligned with its ``targets`` (position j holds what predicts token j + 1). They run it
-packed (:class:`Packed`): its rows as one unpadded sequence, so a micro-batch costs its tokens
+packed (:class:`Packed`): its rows in few unpadded rows, so a micro-batch costs its tokens
 rather than rows × its longest row.
 """
 
@@ -86,37 +86,80 @@ def policy_forward(
     return packed.unpack(logp), (packed.unpack(ent) if ent is not None else None)
 
 
-class Packed:
-    """A micro-batch's rows as one unpadded row: forward passes cost its tokens, not rows × longest.
+# A packed row holds at most this many tokens (or the longest sequence, if longer). With sdpa or
+# eager attention a row's causal mask and attention cost its length squared: one row for a whole
+# micro-batch of long sequences would cost more than padding it.
+PACK_TOKENS = 4096
 
-    The rows are concatenated and each restarts its position ids at 0, with no attention mask:
+
+class Packed:
+    """A micro-batch's sequences packed into few unpadded rows: a forward costs its tokens, not
+    rows × the longest row.
+
+    Sequences go, longest first, into the first row with room (`PACK_TOKENS`, or the longest
+    sequence if longer); each restarts its position ids at 0, and no attention mask is passed:
     transformers then attends within each sequence only (it reads the packing from the position
-    ids). Per-token results come back in the micro-batch's padded layout (``targets``-aligned,
-    0 at padding and at each row's last position), so the losses are the same code either way.
+    ids). Per-token results come back in the micro-batch's padded layout (``targets``-aligned, 0
+    at padding and at each sequence's last position), so the losses are the same code either way.
     """
 
     def __init__(self, mb: MicroBatch):
-        self.keep = mb.attention_mask.bool()
-        self.ids = mb.input_ids[self.keep].unsqueeze(0)
-        self.positions = (mb.attention_mask.cumsum(1) - 1)[self.keep].unsqueeze(0)
-        # Packed position k predicts k + 1; where k + 1 starts the next row, k is nothing of this one.
-        self.within = self.positions[0, 1:] != 0
+        keep = mb.attention_mask.bool()
+        lengths = keep.sum(1).tolist()
+        cap = max(max(lengths), PACK_TOKENS)
+        rows: list[list[int]] = []  # the micro-batch's rows in each packed row
+        used: list[int] = []
+        for b in sorted(range(len(lengths)), key=lambda b: -lengths[b]):
+            r = next((r for r, u in enumerate(used) if u + lengths[b] <= cap), len(rows))
+            if r == len(rows):
+                rows.append([])
+                used.append(0)
+            rows[r].append(b)
+            used[r] += lengths[b]
+        width = max(used)
+        device = mb.input_ids.device
+        ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+        positions = torch.zeros_like(ids)
+        start = [0] * len(lengths)  # where each micro-batch row begins, flattened
+        for r, members in enumerate(rows):
+            at = 0
+            for b in members:
+                n = lengths[b]
+                ids[r, at : at + n] = mb.input_ids[b][keep[b]]
+                positions[r, at : at + n] = torch.arange(n, device=device)
+                start[b] = r * width + at
+                at += n
+            positions[r, at:] = torch.arange(width - at, device=device)  # the tail: a sequence of its own
+        self.ids, self.positions, self.width = ids, positions, width
+        offset = torch.arange(keep.shape[1], device=device)
+        base = torch.tensor(start, device=device)[:, None]
+        self.tokens = (keep, base + offset)  # [B, L]: each token's place in the packed rows
+        # Targets: position j predicts j + 1, so a sequence's last token predicts nothing of it.
+        self.targets = (keep[:, 1:], (base + offset[:-1]) - torch.div(base, width, rounding_mode="floor"))
 
     @classmethod
     def of(cls, mb: MicroBatch) -> Packed | None:
-        """None where packing saves nothing (one row, or no padding)."""
-        if mb.input_ids.shape[0] < 2 or bool(mb.attention_mask.all()):
+        """None where packing saves nothing (one row, no padding, or rows that fill the packed rows
+        no better than the padding did), or for rows not right-padded."""
+        keep = mb.attention_mask.bool()
+        if keep.shape[0] < 2 or bool(keep.all()) or bool((keep[:, 1:] > keep[:, :-1]).any()):
             return None
-        return cls(mb)
+        packed = cls(mb)
+        return packed if packed.ids.numel() < keep.numel() else None
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
-        """[1, T - 1] per packed target → [B, L - 1] aligned with the micro-batch's targets."""
-        x = torch.where(self.within, x[0], torch.zeros((), dtype=x.dtype, device=x.device))
-        return self.spread(torch.cat([x, x.new_zeros(1)]).unsqueeze(0))[:, :-1]  # the last predicts nothing
+        """[R, W - 1] per packed target → [B, L - 1] aligned with the micro-batch's targets."""
+        return self._gather(x, *self.targets)
 
     def spread(self, x: torch.Tensor) -> torch.Tensor:
-        """[1, T] per packed token → [B, L] in the micro-batch's layout (0 at padding)."""
-        return x.new_zeros(self.keep.shape).masked_scatter(self.keep, x[0])
+        """[R, W] per packed token → [B, L] in the micro-batch's layout (0 at padding)."""
+        return self._gather(x, *self.tokens)
+
+    @staticmethod
+    def _gather(x: torch.Tensor, valid: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1)
+        picked = flat[torch.where(valid, index, torch.zeros_like(index))]
+        return torch.where(valid, picked, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def critic_forward(critic: Any, mb: MicroBatch) -> torch.Tensor:
