@@ -217,3 +217,13 @@ def test_packed_forwards_give_each_rows_own_logprobs_entropy_and_values(model_di
         assert not logp[b, n:].any(), "padding must hold nothing"
     logp.sum().backward()  # gradients flow through the unpacking
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
+    # A model as from_pretrained gives it (use_cache on), in eval mode under no_grad, as evaluations
+    # and exports run it: a cache would turn the packing off and let sequences see each other.
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert plain.config.use_cache
+    with torch.no_grad():
+        torch.testing.assert_close(
+            policy_forward(plain, mb, sampling)[0], logp.detach(), atol=1e-5, rtol=1e-5
+        )

@@ -65,7 +65,7 @@ class Critic(nn.Module):
     ) -> torch.Tensor:
         """Values [B, L]; packed rows (:class:`Packed`) pass position ids and no attention mask."""
         hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         return self.head(hidden).squeeze(-1)
 
@@ -81,7 +81,11 @@ def policy_forward(
     if packed is None:
         out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
         return sampled_logprobs(out.logits[:, :-1].float(), mb.targets, sampling, entropy=entropy)
-    logits = model(input_ids=packed.ids, position_ids=packed.positions).logits[:, :-1].float()
+    # use_cache=False: with a cache (any model whose config keeps use_cache on, in eval mode)
+    # transformers no longer reads the packing from the position ids and attends across sequences.
+    logits = (
+        model(input_ids=packed.ids, position_ids=packed.positions, use_cache=False).logits[:, :-1].float()
+    )
     logp, ent = sampled_logprobs(logits, packed.ids[:, 1:], sampling, entropy=entropy)
     return packed.unpack(logp), (packed.unpack(ent) if ent is not None else None)
 
