@@ -134,7 +134,7 @@ class Packed:
                 start[b] = r * width + at
                 at += n
             positions[r, at:] = torch.arange(width - at, device=device)  # the tail: a sequence of its own
-        self.ids, self.positions, self.width = ids, positions, width
+        self.ids, self.positions = ids, positions
         offset = torch.arange(keep.shape[1], device=device)
         base = torch.tensor(start, device=device)[:, None]
         self.tokens = (keep, base + offset)  # [B, L]: each token's place in the packed rows
