@@ -1,21 +1,15 @@
-"""Shared fixtures: every test gets its own catalog ($STREAMRL_HOME) and runs root."""
+"""Shared fixtures: every test gets its own catalog ($STREAMRL_HOME) and runs root.
+
+Helpers live in tests/support/helpers.py; the tiers (unit / e2e / slurm) are set here from each
+test's folder, with each tier's timeout and xdist group (see pytest_collection_modifyitems)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import signal
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
-import psutil
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-STREAMRL = [sys.executable, "-m", "streamrl_cli.cli"]
+from support.helpers import rendezvous_in_thread, slurm_up
 
 # Tests press Ctrl-C (SIGINT) on the processes they start. A shell starts a background command
 # (`bash .ci/run &`) with SIGINT ignored, and an ignored signal stays ignored in every child, so
@@ -50,42 +44,12 @@ def runs_root(tmp_path):
                 pass
 
 
-# Launch tests check the mechanics (jobs, rendezvous, status), not RL: their roles run the
-# preflight program (register, see every peer, leave) instead of the trainer and generators.
-PREFLIGHT = (
-    "roles.trainer.program=streamrl_cli.roles.preflight:main",
-    "roles.generator.program=streamrl_cli.roles.preflight:main",
-)
-
-
-def streamrl(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    """Run the real CLI in a subprocess, as a user would."""
-    env = {**os.environ, "COLUMNS": "200", **kw.pop("env", {})}
-    return subprocess.run(
-        [*STREAMRL, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=kw.pop("cwd", REPO),
-        **kw,
-    )
-
-
-def slurm_up(cluster: str | None = None) -> bool:
-    if shutil.which("sinfo") is None:
-        return False
-    cmd = ["sinfo", "-h", "-o", "%t"] + (["-M", cluster] if cluster else [])
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    states = out.stdout.split()
-    return (
-        out.returncode == 0
-        and bool(states)
-        and not any(bad in s for s in states for bad in ("down", "drain", "fail", "inval", "unk"))
-    )
+@pytest.fixture(scope="module")
+def rendezvous_server(tmp_path_factory):
+    """A real rendezvous server on loopback shared by a module's tests: (authenticated client, run dir)."""
+    run_dir = tmp_path_factory.mktemp("rendezvous")
+    with rendezvous_in_thread(run_dir) as http:
+        yield http, run_dir
 
 
 @pytest.fixture
@@ -105,119 +69,29 @@ def slurm_remote(slurm):
         pytest.skip("second SLURM test cluster `remote` is not running")
 
 
-@contextlib.contextmanager
-def rendezvous_in_thread(run_dir: Path):
-    """A real rendezvous server of ``run_dir`` on loopback, in a thread of this process: yields an
-    httpx client that carries the run's token (stopped when the block ends)."""
-    import asyncio
-    import json
-    import threading
-    import time
-
-    import httpx
-
-    from streamrl_cli.rendezvous import create_secret, read_secret
-    from streamrl_cli.rendezvous.server import run
-
-    again = (run_dir / "secret").exists()  # a server restarted on the same run directory
-    token = read_secret(run_dir) if again else create_secret(run_dir)
-    (run_dir / "rendezvous.json").unlink(missing_ok=True)  # the last server's, now stopped
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    coro = run(run_dir, host="127.0.0.1", port=0, lease_s=30.0, ssl_context=None, token=token, stop=stop)
-    thread = threading.Thread(target=loop.run_until_complete, args=(coro,), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not (run_dir / "rendezvous.json").exists():
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    url = json.loads((run_dir / "rendezvous.json").read_text())["url"]
-    try:
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=5) as http:
-            yield http
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(timeout=10)
-        loop.close()
+# The tiers, from each test's folder (README, "Tests"):
+#   tests/unit/   no SLURM; most need no engine (the fast tier: `make test-fast`, `-m "not slow"`)
+#   tests/e2e/    real vLLM, DeepSpeed and local runs               -> marker slow
+#   tests/slurm/  real runs on the two SLURM test clusters          -> markers slurm, slow
+# A test that starts real engines or processes is `slow` wherever it lives. Slow tests get a
+# longer timeout (each scenario also checks its own deadline step by step) and run in one xdist
+# group per kind, so `-n 2` never runs two engine-heavy local tests at once: SLURM tests on one
+# worker, local engine tests on the other, light tests wherever there is room.
+SLOW_TIMEOUT_S = 900
 
 
-def none_alive(recs: list[dict]) -> bool:
-    """No process of these `local.json` records still runs (a zombie has ended: it is only unreaped)."""
-    for r in recs:
-        try:
-            p = psutil.Process(r["pid"])
-            if abs(p.create_time() - r["created"]) < 0.05 and p.status() != psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.Error:
-            pass
-    return True
-
-
-def metrics_records(run: Path, role: str) -> list[dict]:
-    """A run's metrics.jsonl records of `role`, read while the run writes it (a torn last line is skipped)."""
-    import json
-
-    path = run / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = item.path.parts
+        tier = parts[parts.index("tests") + 1] if "tests" in parts else "unit"
+        if tier == "slurm":
+            item.add_marker(pytest.mark.slurm)
+        if tier in ("e2e", "slurm"):
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("slow") is None:
             continue
-        if rec.get("role") == role:
-            out.append(rec)
-    return out
-
-
-def job_logs(run: Path, tail: int | None = 2500) -> str:
-    """Every SLURM job log of a run: the last `tail` characters of each (None: whole)."""
-    files = sorted((run / "logs").rglob("*.out"))
-    return "\n".join(f"== {p}\n" + p.read_text(errors="replace")[-(tail or 0) :] for p in files)
-
-
-def wait_on_run(pred, timeout: float, what: str, run: Path) -> None:  # type: ignore[no-untyped-def]
-    """Poll `pred` until it holds; past `timeout`, fail with the run's job logs."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(2)
-    raise AssertionError(f"timed out waiting for {what}\n{job_logs(run)}")
-
-
-def tcp_pair() -> tuple[socket.socket, socket.socket]:
-    """Two connected TCP sockets on loopback (the relay's Conn sets TCP options: no socketpair())."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    a = socket.create_connection(listener.getsockname())
-    b, _ = listener.accept()
-    listener.close()
-    return a, b
-
-
-# Overrides that run the built-in reward on a dataset file written by `shrinking_dataset`.
-SHRINKING = (
-    "task.shuffle=false",
-    "task.reward=streamrl_cli.tasks.rewards:repeat_verifier",
-)
-
-
-def shrinking_dataset(path: Path, long_prompts: int, short_prompts: int = 4000) -> str:
-    """A "repeat <word> <count>:" dataset whose outputs shrink: `long_prompts` asking for 60 copies,
-    then `short_prompts` asking for one (a word and EOS). Trained in file order (task.shuffle=false),
-    a run is generation-bound first and training-bound after: the elastic rule's grow-then-release
-    workload. Returns the `task.dataset=` override."""
-    import json
-
-    from streamrl_cli.tasks.builtin import WORDS
-
-    with path.open("w") as f:
-        for phase, n, count in (("long", long_prompts, 60), ("short", short_prompts, 1)):
-            for k in range(n):
-                word = WORDS[k % len(WORDS)]
-                prompt = f"repeat {word} {count}:"
-                f.write(
-                    json.dumps({"id": f"{phase}/{k}", "prompt": prompt, "word": word, "count": count}) + "\n"
-                )
-    return f"task.dataset={path}"
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+        if item.get_closest_marker("xdist_group") is None:
+            group = "slurm" if item.get_closest_marker("slurm") else "engines"
+            item.add_marker(pytest.mark.xdist_group(group))

@@ -7,7 +7,7 @@ so that the source of the numbers can change without touching the search:
   users with no profile. A decode step streams the weight shard and the KV cache from HBM and
   runs the batch's GEMMs; at small batch it is memory- and latency-bound (launches, TP
   all-reduces: twice per layer), at large batch compute-bound. Calibrated on the StreamRL
-  paper's 7B/H800 PTL(BS) curve (tests/test_planner_costmodel.py). Training is FLOPs at a
+  paper's 7B/H800 PTL(BS) curve (tests/unit/planner/test_planner_costmodel.py). Training is FLOPs at a
   model-FLOP-utilisation, plus a fixed cost per micro-batch.
 - :class:`ProfiledCostModel` — measured curves from `streamrl profile` (decode step time vs
   batch size, training step time vs tokens), interpolated; for hardware/model pairs no profile

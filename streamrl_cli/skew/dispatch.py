@@ -12,7 +12,7 @@ every split N_long + N_regular = N of the instances, keeping the one that minimi
 with the batch size BS (≤ max_batch, ≤ M_inst) chosen per group to minimise it. The sum is the
 paper's objective. The two groups run side by side, so the generation time is rather their max:
 ``objective="max"`` evaluates that alternative (both are checked against brute force in
-tests/test_skew_dispatch.py).
+tests/unit/skew/test_skew_dispatch.py).
 
 One implementation for the real dispatcher (the trainer turns a :class:`DispatchPlan` into each
 request's ``target``, ``batch_limit`` and ``priority``) and for the simulator (planner.dispatch).

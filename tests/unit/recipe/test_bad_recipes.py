@@ -1,0 +1,208 @@
+"""Bad recipes: one clear message listing every problem, exit code 2, no traceback, nothing written."""
+
+from __future__ import annotations
+
+import pytest
+from support.helpers import streamrl
+
+BASE = """defaults:
+  - local
+  - override /cluster@clusters.local: testbed-local
+  - _self_
+roles:
+  trainer: {cluster: local, partition: h800, nodes: 1, gpus_per_node: 1}
+  generator: {cluster: local, partition: h20, instances: 2, gpus_per_instance: 1}
+"""
+
+# (what is wrong, extra recipe text or overrides, fragments the message must contain)
+MISTAKES = [
+    ("unknown key with the closest name", "run: {nmae: x}\n", [], ["run.nmae", "did you mean 'run.name'"]),
+    ("wrong type", "train: {iterations: lots}\n", [], ["train.iterations", "expected an integer", "'lots'"]),
+    ("value outside choices", "algorithm: {name: dpo}\n", [], ["algorithm.name", "not one of ppo, grpo"]),
+    ("missing required value", "", ["model.path=???"], ["model.path", "missing required value"]),
+    (
+        "more GPUs per node than the partition has",
+        "",
+        ["roles.trainer.gpus_per_node=8"],
+        ["roles.trainer.gpus_per_node", "partition 'h800' has 4"],
+    ),
+    (
+        "a trainer layout the trainer does not run (it is ZeRO data parallel only)",
+        "",
+        [
+            "roles.trainer.gpus_per_node=2",
+            "roles.trainer.tensor_parallel=2",
+            "roles.trainer.pipeline_parallel=2",
+        ],
+        ["roles.trainer.tensor_parallel: 2", "roles.trainer.pipeline_parallel: 2", "ZeRO data parallel only"],
+    ),
+    (
+        "a time-limit warning that would come at the job's start",
+        "",
+        ["roles.trainer.time_min=2", "roles.trainer.signal_lead_s=120", "roles.generator.signal_lead_s=5"],
+        [
+            "roles.trainer.signal_lead_s",
+            "less than the time limit (time_min=2: 120 s), got 120",
+            "roles.generator.signal_lead_s",
+            "at least 10 s",
+        ],
+    ),  # fmt: skip
+    (
+        "generator TP does not divide its GPUs",
+        "",
+        ["roles.generator.gpus_per_instance=2", "roles.generator.tensor_parallel=4"],
+        ["roles.generator.tensor_parallel", "does not divide gpus_per_instance=2"],
+    ),
+    (
+        "unknown cluster",
+        "",
+        ["roles.generator.cluster=locl"],
+        ["roles.generator.cluster", "did you mean 'local'"],
+    ),
+    (
+        "unknown partition",
+        "",
+        ["roles.trainer.partition=h100"],
+        ["roles.trainer.partition", "partitions: h800, h20"],
+    ),
+    ("unknown config group option", "", ["model=qwen2.5-8b"], ["model=qwen2.5-8b", "valid:", "qwen2.5-7b"]),
+    (
+        "override of a key that does not exist",
+        "",
+        ["train.itterations=3"],
+        ["train.itterations", "did you mean `train.iterations=3`"],
+    ),
+    ("adding a key that exists", "", ["+train.iterations=3"], ["already exists"]),
+    ("deleting a key that does not exist", "", ["~train.foo"], ["cannot delete", "train.foo"]),
+    ("GRPO with a group of one", "", ["algorithm.group_size=1"], ["algorithm.group_size", "group_size ≥ 2"]),
+    ("negative learning rate", "", ["algorithm.lr=-1e-6"], ["algorithm.lr", "must be ≥ 0"]),
+    (
+        "a generator that runs no sequence",
+        "",
+        ["roles.generator.max_num_seqs=0"],
+        ["roles.generator.max_num_seqs", "at least 1 sequence"],
+    ),
+    (
+        "TLS certificate without its key",
+        "",
+        ["roles.rendezvous.tls_cert=/etc/hostname"],
+        ["roles.rendezvous.tls_key", "set both or neither"],
+    ),
+    (
+        "more nodes than the partition allows",
+        "",
+        ["roles.trainer.nodes=3"],
+        ["roles.trainer.nodes", "allows 1"],
+    ),
+    (
+        "more CPUs per node than the partition has",
+        "",
+        ["roles.trainer.gpus_per_node=2", "roles.trainer.cpus_per_task=2"],
+        ["roles.trainer.cpus_per_task", "× 2 task(s) per node", "has 2 CPUs per node"],
+    ),
+    ("unparsable override", "", ["train.iterations=[1,"], ["cannot parse override"]),
+    (
+        "a mapping where a number goes",
+        "train: {iterations: {a: 1}}\n",
+        [],
+        ["train.iterations", "expected an integer"],
+    ),
+    (
+        "tensor parallel does not divide the heads",
+        "",
+        [
+            "model.num_attention_heads=6",
+            "model.num_kv_heads=6",
+            "roles.generator.gpus_per_instance=4",
+            "roles.generator.tensor_parallel=4",
+        ],
+        ["does not divide the model's 6 attention heads"],
+    ),
+    (
+        "a site option that StreamRL sets from the roles",
+        "",
+        ["+clusters.local.sbatch.ntasks_per_node=3"],
+        ["clusters.local.sbatch.ntasks_per_node", "--ntasks-per-node is set by StreamRL"],
+    ),
+    (
+        "over-sampling beyond double the batch",
+        "",
+        ["rollout.oversample=1.5", "train.reproducible_sampling=false"],
+        ["rollout.oversample", "must be in [0, 1]", "got 1.5"],
+    ),
+    (
+        "over-sampling with reproducible sampling",
+        "",
+        ["rollout.oversample=0.25"],
+        ["rollout.oversample", "set train.reproducible_sampling=false"],
+    ),
+    (
+        "partial rollout resumes over-sampled groups: none without over-sampling",
+        "",
+        ["rollout.partial=true", "train.reproducible_sampling=false"],
+        ["rollout.partial", "set rollout.oversample above 0"],
+    ),
+    (
+        "a site option written with dashes",
+        "clusters: {local: {sbatch: {'--constraint': a100}}}\n",
+        [],
+        ["clusters.local.sbatch", "without dashes"],
+    ),
+]
+
+
+@pytest.mark.parametrize("what,extra,overrides,fragments", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_mistake_is_reported_clearly(tmp_path, runs_root, what, extra, overrides, fragments):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(BASE + extra)
+    out = streamrl("run", str(recipe), *overrides, "--root", str(runs_root), "--dry-run")
+    assert out.returncode == 2, out.stdout + out.stderr
+    text = " ".join((out.stdout + out.stderr).split())  # rich wraps lines
+    for fragment in fragments:
+        assert fragment in text, f"{what}: {fragment!r} not in {text}"
+    assert "Traceback" not in text
+    assert "r.yaml" in text or "command line" in text  # says where the problem is
+    assert not runs_root.exists(), "nothing may be written for a bad recipe"
+
+
+def test_every_problem_is_reported_at_once(tmp_path, runs_root):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(BASE + "run: {nmae: x}\nalgorithm: {name: dpo}\n")
+    out = streamrl(
+        "run",
+        str(recipe),
+        "roles.trainer.gpus_per_node=8",
+        "train.iterations=x",
+        "model=nope",
+        "--root",
+        str(runs_root),
+    )
+    assert out.returncode == 2
+    text = " ".join(out.stderr.split())
+    assert "6 problem(s)" in text  # 8 GPUs per node is also 8 tasks of 1 CPU on 2-CPU nodes
+    for key in (
+        "run.nmae",
+        "algorithm.name",
+        "roles.trainer.gpus_per_node",
+        "train.iterations",
+        "model=nope",
+    ):
+        assert key in text
+
+
+def test_bad_recipe_leaves_existing_runs_alone(tmp_path, runs_root):
+    ok = streamrl("run", "local", "--dry-run", "--root", str(runs_root))
+    assert ok.returncode == 0, ok.stderr
+    before = sorted(p.name for p in runs_root.iterdir())
+    bad = streamrl("run", "local", "train.iterations=x", "--root", str(runs_root))
+    assert bad.returncode == 2
+    assert sorted(p.name for p in runs_root.iterdir()) == before
+
+
+def test_unknown_run_and_recipe_get_clear_errors(runs_root):
+    out = streamrl("cancel", "no-such-run")
+    assert (
+        out.returncode == 2 and "no run matches 'no-such-run'" in out.stderr and "Traceback" not in out.stderr
+    )
+    out = streamrl("run", "no-such-recipe", "--root", str(runs_root))
+    assert out.returncode == 2 and "Shipped:" in out.stderr
