@@ -1,6 +1,6 @@
 # The two commands of the README (run, test) and the fast tier. All set up .venv first (idempotent).
-# `make test` runs the tiers side by side: two xdist workers, SLURM tests on one and local engine
-# tests on the other (xdist groups, tests/conftest.py), light tests wherever there is room.
+# `make test` runs the tiers side by side on two xdist workers: local engine tests on one, unit then
+# SLURM tests on the other (tests/conftest.py, pytest_xdist_make_scheduler).
 .PHONY: run test test-fast venv lint
 
 PYTEST = .venv/bin/python -m pytest
@@ -14,7 +14,7 @@ run: venv
 
 test: venv
 	bash scripts/slurm-test-cluster.sh start
-	$(PYTEST) -q -n 2 --dist loadgroup $(PYTEST_ARGS)
+	$(PYTEST) -q -n 2 $(PYTEST_ARGS)
 
 # No real engines, no SLURM: what to run before each change (README, "Tests").
 test-fast: venv

@@ -73,25 +73,40 @@ def slurm_remote(slurm):
 #   tests/unit/   no SLURM; most need no engine (the fast tier: `make test-fast`, `-m "not slow"`)
 #   tests/e2e/    real vLLM, DeepSpeed and local runs               -> marker slow
 #   tests/slurm/  real runs on the two SLURM test clusters          -> markers slurm, slow
-# A test that starts real engines or processes is `slow` wherever it lives. Slow tests get a
-# longer timeout (each scenario also checks its own deadline step by step) and run in one xdist
-# group per kind, so `-n 2` never runs two engine-heavy local tests at once: SLURM tests on one
-# worker, local engine tests on the other, light tests wherever there is room.
+# A test that starts real engines or processes is `slow` wherever it lives; slow tests get a longer
+# timeout (each scenario also checks its own deadline step by step).
 SLOW_TIMEOUT_S = 900
+TIER_ORDER = {"e2e": 0, "unit": 1, "slurm": 2}
+
+
+def tier(nodeid: str) -> str:
+    parts = nodeid.split("::")[0].split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIER_ORDER else "unit"
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        parts = item.path.parts
-        tier = parts[parts.index("tests") + 1] if "tests" in parts else "unit"
-        if tier == "slurm":
+        t = tier(item.nodeid)
+        if t == "slurm":
             item.add_marker(pytest.mark.slurm)
-        if tier in ("e2e", "slurm"):
+        if t in ("e2e", "slurm"):
             item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("slow") is None:
-            continue
-        if item.get_closest_marker("timeout") is None:
+        if item.get_closest_marker("slow") is not None and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
-        if item.get_closest_marker("xdist_group") is None:
-            group = "slurm" if item.get_closest_marker("slurm") else "engines"
-            item.add_marker(pytest.mark.xdist_group(group))
+    # e2e first, SLURM last: the order xdist hands the tiers out in (pytest_xdist_make_scheduler)
+    items.sort(key=lambda item: TIER_ORDER[tier(item.nodeid)])
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`-n 2` (make test): all of tests/e2e on one worker, one test after another (two local runs
+    of real engines at once would each take twice as long on 2 cores and race their own timeouts),
+    and on the other worker the unit tests one by one, then all of tests/slurm. Scopes are handed
+    out in collection order, and a worker holding a whole tier takes nothing else until it is done."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TierScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            t = tier(nodeid)
+            return t if t in ("e2e", "slurm") else nodeid
+
+    return TierScheduling(config, log)

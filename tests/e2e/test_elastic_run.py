@@ -90,12 +90,14 @@ def changes(run_dir: Path) -> list[dict]:
 PARTIAL = ("rollout.oversample=0.5", "rollout.partial=true", "train.reproducible_sampling=false")
 
 
-@pytest.mark.parametrize("rollout", [(), PARTIAL], ids=["plain", "partial-rollout"])
-def test_scale_by_hand_grows_and_shrinks_a_local_run(runs_root, rollout):
+def test_scale_by_hand_grows_and_shrinks_a_local_run(runs_root):
     # More iterations than the test waits for: the run must outlast the new instance's engine start
     # however fast this machine trains. The test ends it with `streamrl cancel` once the run went
-    # 1 -> 2 -> 1 and trained on after the release. With partial rollout, groups are paused on and
-    # resumed by either instance, and the released one's share is dispatched again whole.
+    # 1 -> 2 -> 1 and trained on after the release. With partial rollout (and over-sampling), groups
+    # are paused on and resumed by either instance, and the released one's share (whole groups in
+    # flight, as without partial rollout, and paused ones) is dispatched again whole. One run covers
+    # both: a run without partial rollout takes the same scale and re-dispatch path, less the pauses.
+    rollout = PARTIAL
     proc, run_dir = start(runs_root, "train.iterations=100000", "roles.generator.instances=1", *rollout)
     try:
         wait_until(lambda: len(iterations(run_dir)) >= 1, 600, "first iteration", proc)

