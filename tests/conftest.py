@@ -53,6 +53,15 @@ def rendezvous_server(tmp_path_factory):
 
 
 @pytest.fixture
+def refused_port():
+    """A port on loopback where nothing listens, held by the test: connections to it are refused."""
+    from support.weights_broadcast import closed_port
+
+    with closed_port() as port:
+        yield port
+
+
+@pytest.fixture
 def slurm():
     """The local test cluster. CI starts it (scripts/slurm-test-cluster.sh start): there it must be up."""
     if not slurm_up():

@@ -269,11 +269,18 @@ def _wait(work: Any, source_gone: Callable[[], str | None] | None) -> None:
 
 
 def _gone_for_sure(source_gone: Callable[[], str | None]) -> str | None:
-    """Why the source is gone, asked as many times as the probe needs to be sure; None if it runs."""
-    for _ in range(SOURCE_GONE_PROBES):
+    """Why the source is gone, asked as many times as the probe needs to be sure; None if it runs.
+
+    The probes are spread over a second: a source that is exiting closes its group's connections
+    and its store's listener one after the other, so a probe right after gloo saw a peer close can
+    still find the listener open (seen on a loaded machine) and would take a dying source for a live
+    one."""
+    for attempt in range(2 * SOURCE_GONE_PROBES):
         why = source_gone()
         if why is not None:
             return why
+        if attempt + 1 < 2 * SOURCE_GONE_PROBES:
+            time.sleep(SOURCE_POLL_S / (2 * SOURCE_GONE_PROBES))
     return None
 
 

@@ -11,7 +11,6 @@ import torch
 from streamrl_cli.generator.engine import (
     WeightSource,
 )
-from support.weights_broadcast import free_port
 
 
 def load_hf(path: Path) -> torch.nn.Module:
@@ -47,7 +46,11 @@ class Trainer:
     """The trainer's end of the weight group (rank 0, the data plane's broadcast) in a thread."""
 
     def __init__(self, world_size: int):
-        self.port = free_port()
+        from streamrl_cli.weights.broadcast import host_weight_store
+
+        # hosted on port 0 now, listening: the engines are told this port before the group forms
+        self.store = host_weight_store("127.0.0.1", world_size, timeout_s=120)
+        self.port = self.store.port
         self.world_size = world_size
         self.group = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1)
@@ -64,7 +67,9 @@ class Trainer:
         from streamrl_cli.weights.broadcast import BroadcastSender, init_weight_group
 
         if self.group is None:  # formed once, kept for every later version
-            self.group = init_weight_group(f"127.0.0.1:{self.port}", 0, self.world_size, timeout_s=120)
+            self.group = init_weight_group(
+                f"127.0.0.1:{self.port}", 0, self.world_size, timeout_s=120, store=self.store
+            )
         return BroadcastSender(self.group, bucket_bytes=64 << 10).send(state, version)
 
     def close(self) -> None:

@@ -12,7 +12,6 @@ import asyncio
 import importlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -52,12 +51,6 @@ class StartingEngine(FakeEngine):
         pass
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed on return: nothing listens there
-
-
 def generator_spec(run_dir: Path) -> GeneratorSpec:
     (run_dir / "model").mkdir(exist_ok=True)
     return GeneratorSpec(
@@ -89,11 +82,13 @@ def rendezvous(tmp_path):
         server.wait(timeout=10)
 
 
-def test_a_generator_that_cannot_reach_the_sample_stream_fails_with_its_reason(rendezvous, monkeypatch):
+def test_a_generator_that_cannot_reach_the_sample_stream_fails_with_its_reason(
+    rendezvous, monkeypatch, refused_port
+):
     run_dir = rendezvous
     trainer = RendezvousClient.from_run_dir(run_dir)
     trainer.register("trainer", 0, cluster="local", site="local",
-                     addresses={"samples": f"tcp://127.0.0.1:{closed_port()}"})  # fmt: skip
+                     addresses={"samples": f"tcp://127.0.0.1:{refused_port}"})  # fmt: skip
     trainer.start_heartbeat()
     spec = generator_spec(run_dir)
     monkeypatch.setattr(generator_main, "WAIT_S", 3.0)  # the bound on reaching the trainer
@@ -244,7 +239,9 @@ async def the_next_version_is_served(trainer: Trainer, role_task: asyncio.Task, 
 
 
 @pytest.mark.parametrize("store", ["refuses", "source never forms the group"])
-def test_a_generator_that_cannot_join_a_versions_group_reports_why_and_takes_the_next(rendezvous, store):
+def test_a_generator_that_cannot_join_a_versions_group_reports_why_and_takes_the_next(
+    rendezvous, store, refused_port
+):
     run_dir = rendezvous
     trainer = Trainer(run_dir, sync_timeout_s=30.0)
     engine = ExtensionEngine()
@@ -258,7 +255,7 @@ def test_a_generator_that_cannot_join_a_versions_group_reports_why_and_takes_the
             task, lambda: trainer.generator().get("reported_state") == "generating", "the generator serving"
         )
         if store == "refuses":
-            address, timeout_s = f"127.0.0.1:{closed_port()}", 30.0
+            address, timeout_s = f"127.0.0.1:{refused_port}", 30.0
             why = f"the weight group's store at {address} is gone: "
         else:  # the store listens, its rank 0 never joins: the layout's group timeout bounds the wait
             hosted = host_weight_store("127.0.0.1", 2, timeout_s=30.0)

@@ -12,7 +12,7 @@ import multiprocessing as mp
 
 import pytest
 import torch
-from support.weights_broadcast import SPAWN, digests, free_port  # noqa: F401
+from support.weights_broadcast import SPAWN, closed_port, digests, form_group, group_port
 
 from streamrl_cli.weights import WeightTransferError
 
@@ -35,10 +35,9 @@ def model_state(seed: int) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _rank_main(rank: int, world: int, port: int, mode: str, out: mp.Queue) -> None:
+def _rank_main(rank: int, world: int, ports: mp.Queue, mode: str, out: mp.Queue) -> None:
     from streamrl_cli.weights.broadcast import (
         BroadcastSender,
-        init_weight_group,
         iter_received,
         receive_weights,
     )
@@ -47,12 +46,13 @@ def _rank_main(rank: int, world: int, port: int, mode: str, out: mp.Queue) -> No
         if mode == "vllm":  # a vLLM worker joins with vLLM's own helper, as the worker extension does
             from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
+            port, _ = group_port(rank, world, ports)
             group = stateless_init_torch_distributed_process_group(
                 "127.0.0.1", port, rank, world, backend="gloo"
             )
             mode = "dict"
         else:
-            group = init_weight_group(f"127.0.0.1:{port}", rank, world, timeout_s=60)
+            group = form_group(rank, world, ports)
         results = []
         for version in (1, 2):
             if rank == 0:
@@ -89,10 +89,10 @@ def _rank_main(rank: int, world: int, port: int, mode: str, out: mp.Queue) -> No
 
 
 def run_group(modes: list[str]) -> dict[int, object]:
-    port, world = free_port(), len(modes) + 1
-    q = SPAWN.Queue()
+    world, ports, q = len(modes) + 1, SPAWN.Queue(), SPAWN.Queue()
     procs = [
-        SPAWN.Process(target=_rank_main, args=(r, world, port, (["src"] + modes)[r], q)) for r in range(world)
+        SPAWN.Process(target=_rank_main, args=(r, world, ports, (["src"] + modes)[r], q))
+        for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -122,19 +122,18 @@ def test_a_vllm_stateless_group_member_receives_from_our_group():
     assert results[1] == [(v, digests(model_state(v))) for v in (1, 2)], results[1]
 
 
-def _dying_source_main(rank: int, world: int, port: int, out: mp.Queue) -> None:
+def _dying_source_main(rank: int, world: int, ports: mp.Queue, out: mp.Queue) -> None:
     import os
     import time
 
     from streamrl_cli.weights.broadcast import (
         MAGIC,
         _broadcast,
-        init_weight_group,
         receive_weights,
         store_probe,
     )
 
-    group = init_weight_group(f"127.0.0.1:{port}", rank, world, timeout_s=300)
+    group = form_group(rank, world, ports, timeout_s=300)
     if rank == 0:  # the header of a transfer announcing 16 MiB of plan, then death before sending it
         # (It used to start sending 16 MiB of zeros and die 10 ms later; on a loaded machine the
         # zeros sometimes all arrived first, and the receivers failed decoding them instead.)
@@ -153,9 +152,8 @@ def _dying_source_main(rank: int, world: int, port: int, out: mp.Queue) -> None:
 def test_receivers_fail_soon_when_the_source_dies_mid_transfer():
     # gloo leaves the receivers waiting until the group's timeout (here 300 s); the store probe
     # sees the source gone within a few polls.
-    port, world = free_port(), 3
-    q = SPAWN.Queue()
-    procs = [SPAWN.Process(target=_dying_source_main, args=(r, world, port, q)) for r in range(world)]
+    world, ports, q = 3, SPAWN.Queue(), SPAWN.Queue()
+    procs = [SPAWN.Process(target=_dying_source_main, args=(r, world, ports, q)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -180,4 +178,5 @@ def test_group_address_errors_are_clear():
     with pytest.raises(
         WeightTransferError, match=r"cannot form the weight group at 127.0.0.1:\d+ as rank 1/2"
     ):
-        init_weight_group(f"127.0.0.1:{free_port()}", 1, 2, timeout_s=0.5)  # nobody hosts it
+        with closed_port() as port:
+            init_weight_group(f"127.0.0.1:{port}", 1, 2, timeout_s=0.5)  # nobody hosts it

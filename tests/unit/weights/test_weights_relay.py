@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import torch
 from support.netproxy import Proxy, cut_after
-from support.weights_broadcast import SPAWN, digests, free_port
+from support.weights_broadcast import SPAWN, digests, form_group
 from support.weights_relay import CHUNK, TOKEN, weights  # noqa: F401
 
 from streamrl_cli.weights import WeightTransferError
@@ -193,12 +193,12 @@ def test_compression_only_where_it_pays():
         WeightServer(TOKEN, host="127.0.0.1", checksum="md5")
 
 
-def _far_site(rank: int, relay_address: str, group_port: int, out) -> None:
+def _far_site(rank: int, relay_address: str, ports, out) -> None:
     """Rank 0: the relay (fetch across sites, then broadcast); rank 1: a generator worker there."""
-    from streamrl_cli.weights.broadcast import BroadcastSender, init_weight_group, receive_weights
+    from streamrl_cli.weights.broadcast import BroadcastSender, receive_weights
 
     try:
-        group = init_weight_group(f"127.0.0.1:{group_port}", rank, 2, timeout_s=60)
+        group = form_group(rank, 2, ports)
         if rank == 0:
             fetched = fetch_weights(relay_address, TOKEN, streams=2)
             BroadcastSender(group, bucket_bytes=128 << 10).send(fetched.tensors, fetched.version)
@@ -215,9 +215,8 @@ def _far_site(rank: int, relay_address: str, group_port: int, out) -> None:
 def test_relay_then_local_broadcast_delivers_the_trainers_tensors(server):
     w = weights(9)
     server.publish(9, w)
-    port = free_port()
-    q = SPAWN.Queue()
-    procs = [SPAWN.Process(target=_far_site, args=(r, server.address, port, q)) for r in (0, 1)]
+    ports, q = SPAWN.Queue(), SPAWN.Queue()
+    procs = [SPAWN.Process(target=_far_site, args=(r, server.address, ports, q)) for r in (0, 1)]
     for p in procs:
         p.start()
     results = dict(q.get(timeout=120) for _ in procs)
