@@ -152,16 +152,20 @@ def cancel(
     """
     from streamrl_cli import rundir
     from streamrl_cli import status as st
-    from streamrl_cli.launch import local
+    from streamrl_cli.launch import local, slurm
     from streamrl_cli.launch import run as launcher
 
     r = rundir.find(run_name)
-    state = st.current_state(r)
-    # Live processes of the run always get stopped, whatever its (possibly damaged) run.json says.
-    if state not in st.ACTIVE_STATES and not any(p.running() for p in local.procs(r)):
+    jobs = slurm.run_job_states(r.jobs()) if r.jobs() else []
+    state = st.current_state(r, jobs)
+    # Live processes and unfinished jobs (jobs.json) of the run always get stopped, whatever its
+    # (possibly damaged or missing) run.json says.
+    running = any(p.running() for p in local.procs(r)) or slurm.unfinished(jobs, unknown=state == "unknown")
+    if state not in st.ACTIVE_STATES and not running:
         how = {
             "dry-run": "was a dry run",
             "ended": "has already ended (its processes are gone)",
+            "unknown": "has no readable record of its state, and no process or job of it runs",
         }.get(state, f"has already ended ({state})")
         console.print(f"run {r.name} {how}: nothing to cancel, left as it is", markup=False, highlight=False)
         return

@@ -34,7 +34,8 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,66 @@ def read_json_checked(path: Path, default: Any = None) -> tuple[Any, str | None]
         return json.loads(data), None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         return default, f"{path}: damaged (not JSON: {e}; {len(data)} bytes)"
+
+
+@dataclass
+class JsonLines:
+    """What :func:`read_jsonl` read: the valid records, and the lines it had to skip."""
+
+    path: Path
+    records: list[dict] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)  # 1-based numbers of the lines skipped
+    lines: int = 0  # lines in the file, blank ones included
+    error: str | None = None  # the file exists but could not be read at all
+
+    def problem(self) -> str | None:
+        """What is wrong with the file, in one line (None: nothing)."""
+        if self.error:
+            return f"{self.path}: cannot read: {self.error}"
+        if not self.skipped:
+            return None
+        n, s = len(self.skipped), "" if len(self.skipped) == 1 else "s"
+        lines = ", ".join(map(str, self.skipped[:10])) + (", ..." if n > 10 else "")
+        return f"{self.path}: {n} damaged line{s} skipped (line{s} {lines})"
+
+
+def read_jsonl(path: Path, valid: Callable[[dict], bool] = lambda rec: True) -> JsonLines:
+    """The records of a JSON-lines file that decode (UTF-8, a JSON object) and pass ``valid``; the
+    others are skipped and counted, never fatal: one torn or hand-damaged line must not hide the rest."""
+    out = JsonLines(Path(path))
+    try:
+        data = out.path.read_bytes()
+    except FileNotFoundError:
+        return out
+    except OSError as e:
+        out.error = e.strerror or str(e)
+        return out
+    lines = data.splitlines()
+    out.lines = len(lines)
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
+            rec = None
+        if isinstance(rec, dict) and valid(rec):
+            out.records.append(rec)
+        else:
+            out.skipped.append(n)
+    return out
+
+
+def is_event(rec: dict) -> bool:
+    """An events.jsonl record as :meth:`RunDir.event` writes it: its kind and its time."""
+    t = rec.get("time")
+    return isinstance(rec.get("event"), str) and isinstance(t, int | float) and not isinstance(t, bool)
+
+
+# What marks a directory as a run directory when its run.json is gone: files only `streamrl run`
+# writes there. config.yaml alone is too common a name, so it counts only beside the secret.
+RUN_MARKERS = ("run.json", "local.json", "jobs.json", "events.jsonl", "rendezvous.json")
+ROLE_NAMES = ("trainer", "generator", "rendezvous")
 
 
 @dataclass
@@ -204,6 +265,18 @@ class RunDir:
 
     # ---- records ----
 
+    def evidence(self) -> list[str]:
+        """The files that say this directory is a run directory (empty: it is none), so that a run
+        whose run.json was lost can still be found, shown and cancelled."""
+        found = [name for name in RUN_MARKERS if (self.path / name).is_file()]
+        found += [f"roles/{r}.yaml" for r in ROLE_NAMES if self.role_spec(r).is_file()]
+        if self.config.is_file() and self.secret.is_file():
+            found += ["config.yaml", "secret"]
+        return found
+
+    def is_run(self) -> bool:
+        return self.run_json.is_file() or bool(self.evidence())
+
     def info(self) -> dict:
         info, problem = read_json_checked(self.run_json, {})
         if problem:
@@ -219,6 +292,11 @@ class RunDir:
                 problem = f"{self.path / name}: damaged (a {type(value).__name__}, not a {typ.__name__})"
             if problem:
                 out.append(problem)
+        if not self.run_json.exists() and self.path.is_dir():
+            out.append(f"{self.run_json}: missing; the run's name, recipe and recorded state are unknown")
+        events = self.events_checked().problem()
+        if events:
+            out.append(events)
         return out
 
     def update_info(self, **changes: Any) -> dict:
@@ -238,17 +316,23 @@ class RunDir:
         with open(self.events_jsonl, "a") as f:
             f.write(json.dumps(rec, sort_keys=True) + "\n")
 
+    def events_checked(self) -> JsonLines:
+        """The lifecycle events, with the lines that were not one (torn, hand-damaged) counted."""
+        return read_jsonl(self.events_jsonl, is_event)
+
     def events(self) -> list[dict]:
-        try:
-            lines = self.events_jsonl.read_text().splitlines()
-        except OSError:
-            return []
-        return [json.loads(line) for line in lines if line.strip()]
+        """The lifecycle events that can be read; damaged lines are skipped with a warning."""
+        read = self.events_checked()
+        problem = read.problem()
+        if problem:
+            warn_once(problem)
+        return read.records
 
     def jobs(self, replaced: bool = False) -> list[dict]:
         """The run's SLURM jobs; those ``replace_job`` replaced (an ended trainer job submitted
-        again) only with ``replaced``."""
+        again) only with ``replaced``. A damaged jobs.json reads as none (``damage`` names it)."""
         jobs = read_json(self.jobs_json, [])
+        jobs = [j for j in jobs if isinstance(j, dict) and "job_id" in j] if isinstance(jobs, list) else []
         return jobs if replaced else [j for j in jobs if not j.get("replaced")]
 
     def add_job(self, record: dict) -> None:
@@ -291,25 +375,15 @@ def catalog_add(run: RunDir) -> None:
 
 def catalog() -> list[RunDir]:
     """Known runs whose directory still exists, oldest first (no duplicates)."""
-    where = streamrl_home() / "catalog.jsonl"
-    try:
-        lines = where.read_bytes().splitlines()
-    except OSError:
-        return []
+    read = read_jsonl(streamrl_home() / "catalog.jsonl", lambda r: isinstance(r.get("path"), str))
     seen: dict[str, RunDir] = {}
-    skipped = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            path = Path(json.loads(line.decode("utf-8"))["path"])
-        except (ValueError, UnicodeDecodeError, KeyError, TypeError):
-            skipped.append(n)  # a torn or damaged line must not hide every other run
-            continue
-        if RunDir(path).run_json.exists():
-            seen[str(path)] = RunDir(path)
-    if skipped and skipped != [len(lines)]:  # a torn last line is a crash mid-append: not worth a word
-        warn_once(f"{where}: skipped unreadable line(s) {', '.join(map(str, skipped[:10]))}")
+    for rec in read.records:
+        run = RunDir(Path(rec["path"]))
+        if run.is_run():  # one that lost its run.json still is: status and cancel must find it
+            seen[str(run.path)] = run
+    # A torn last line is a crash mid-append: not worth a word; any other damage is said.
+    if read.skipped and read.skipped != [read.lines]:
+        warn_once(f"{read.path}: skipped unreadable line(s) {', '.join(map(str, read.skipped[:10]))}")
     return list(seen.values())
 
 
@@ -324,10 +398,23 @@ def warn_once(message: str) -> None:
 
 
 def find(query: str) -> RunDir:
-    """A run by directory path, full run id, unique id prefix, or run name (the newest of that name)."""
+    """A run by directory path, full run id, unique id prefix, or run name (the newest of that name).
+
+    A directory that lost its run.json but holds what `streamrl run` writes (local.json, jobs.json,
+    roles/...) is still that run: its processes and jobs must stay reachable by status and cancel.
+    """
     p = Path(query).expanduser()
-    if RunDir(p).run_json.exists():
-        return RunDir(p.resolve())
+    if p.is_dir():
+        run = RunDir(p.resolve())
+        if run.run_json.exists():
+            return run
+        evidence = run.evidence()
+        if evidence:
+            warn_once(
+                f"{run.run_json} is missing; {run.path} is taken as a run directory because it holds "
+                f"{', '.join(evidence)}; the run's name, recipe and recorded state are unknown"
+            )
+            return run
     runs = catalog()
     exact = [r for r in runs if r.name == query]
     if exact:
@@ -342,6 +429,27 @@ def find(query: str) -> RunDir:
         listing = ", ".join(r.name for r in prefixed[-10:])
         raise RunNotFoundError(f"{query!r} matches {len(prefixed)} runs: {listing}; give more of the run id")
     known = ", ".join(r.name for r in runs[-5:]) or "none yet"
+    if p.is_dir():
+        raise RunNotFoundError(_not_a_run(p, known))
     raise RunNotFoundError(
         f"no run matches {query!r} (by path, run id, prefix or name); latest runs: {known}"
+    )
+
+
+def _not_a_run(path: Path, known: str) -> str:
+    """Why a directory given as a run is none, and where runs are."""
+    try:
+        inside = sorted(c.name for c in path.iterdir() if c.is_dir() and RunDir(c).run_json.is_file())
+    except OSError:
+        inside = []
+    where = (
+        f"; it holds run directories: {', '.join(inside[:5])}{', ...' if len(inside) > 5 else ''}"
+        if inside
+        else ""
+    )
+    return (
+        f"{path} is not a run directory: it has no run.json (nor local.json, jobs.json, events.jsonl or "
+        f"roles/*.yaml){where}. A run directory is made by `streamrl run` under run.root, as "
+        f"<root>/<name>-<YYYYmmdd-HHMMSS>; give one, or a run id, prefix or name (`streamrl status` "
+        f"lists them); latest runs: {known}"
     )

@@ -43,10 +43,22 @@ class LocalProc:
     def alive(self) -> bool:
         return self.process() is not None
 
+    def successor(self) -> psutil.Process | None:
+        """The process that holds this pid now if it is another one (the pid was reused), else None."""
+        try:
+            p = psutil.Process(self.pid)
+            return p if abs(p.create_time() - self.created) >= 0.05 else None
+        except psutil.Error:
+            return None
+
     def leftovers(self) -> list[psutil.Process]:
         """Processes of this role's group still running after its leader died (a `kill -9` leaves
         vLLM's EngineCore and worker running: they are in the group, not children we wait for).
-        Only processes started after the leader count: a group id is a pid, and pids are reused."""
+        Only processes started after the leader count: a group id is a pid, and pids are reused.
+        A pid that another process holds now has no group of ours: Linux hands out no pid that is
+        still a live group's id, so that group is the newcomer's."""
+        if self.successor() is not None:
+            return []
         out = []
         for p in psutil.process_iter(["pid", "create_time"]):
             try:
@@ -161,23 +173,77 @@ def started_here(rec: LocalProc) -> bool:
     return rec.pid in _PROCS
 
 
-def stop(recs: list[LocalProc], grace_s: float = 10.0) -> None:
+@dataclass
+class Stopped:
+    """What :func:`stop` did to one process, so that nobody reports a signal that was never sent."""
+
+    rec: LocalProc
+    sent: str | None  # the last signal sent: "SIGTERM", "SIGKILL", or None (nothing was sent)
+    ended: bool  # nothing of it runs any more
+    leader: bool = True  # its own process ran (else only what it left in its group)
+    why: str = ""  # why nothing was sent
+
+    def describe(self) -> str:
+        what = f"local {self.rec.role} rank {self.rec.rank} (pid {self.rec.pid})"
+        if self.sent is None:
+            return f"{what}: not signalled, {self.why}"
+        if not self.ended:
+            return f"{what}: still running after {self.sent}"
+        left = "" if self.leader else " (only what it left in its group was running)"
+        if self.sent == "SIGKILL":
+            return f"killed {what}{left}: still running after SIGTERM and the grace period"
+        return f"stopped {what}{left}"
+
+
+def gone_reason(rec: LocalProc) -> str:
+    """Why a recorded process is not there to signal: it exited, or its pid is another's now."""
+    other = rec.successor()
+    if other is None:
+        return "it had already exited"
+    try:
+        name = other.name()
+    except psutil.Error:
+        name = "?"
+    started = time.strftime("%H:%M:%S", time.localtime(other.create_time()))
+    return f"its pid now belongs to another process ({name}, started {started}), left alone"
+
+
+def stop(recs: list[LocalProc], grace_s: float = 10.0) -> list[Stopped]:
     """SIGTERM each process group, wait up to ``grace_s``, then SIGKILL what is left. A group whose
-    leader is gone is still signalled while processes of it run (a killed role's engine processes)."""
-    live = [r for r in recs if r.running()]
-    for r in live:
-        _signal_group(r.pid, signal.SIGTERM)
+    leader is gone is still signalled while processes of it run (a killed role's engine processes).
+    Returns what happened to each process, in the order of ``recs``."""
+    results = []
+    for r in recs:
+        leader = r.alive()
+        if not (leader or r.leftovers()):
+            results.append(Stopped(r, None, ended=True, why=gone_reason(r)))
+            continue
+        why = _signal_group(r.pid, signal.SIGTERM)
+        sent = "SIGTERM" if why is None else None
+        results.append(Stopped(r, sent, ended=False, leader=leader, why=why or ""))
+    live = [s for s in results if s.sent is not None]
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(r.running() for r in live):
-        for r in live:
-            exit_code(r)  # reap our own children so they stop being zombies
+    while time.monotonic() < deadline and any(s.rec.running() for s in live):
+        for s in live:
+            exit_code(s.rec)  # reap our own children so they stop being zombies
         time.sleep(0.1)
-    for r in live:
-        if r.running():
-            _signal_group(r.pid, signal.SIGKILL)
-    for r in live:
-        if r.pid in _PROCS:
-            _PROCS[r.pid].wait(timeout=5)
+    for s in live:
+        if s.rec.running() and _signal_group(s.rec.pid, signal.SIGKILL) is None:
+            s.sent = "SIGKILL"
+    deadline = time.monotonic() + 5.0  # SIGKILL cannot be caught: only a process stuck in the kernel stays
+    while time.monotonic() < deadline and any(s.rec.running() for s in live if s.sent == "SIGKILL"):
+        for s in live:
+            exit_code(s.rec)
+        time.sleep(0.05)
+    for s in live:
+        if s.rec.pid in _PROCS:
+            try:
+                _PROCS[s.rec.pid].wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+    for s in results:
+        s.ended = not s.rec.running()
+    return results
 
 
 def reap(rec: LocalProc, grace_s: float = 5.0) -> list[int]:
@@ -189,13 +255,23 @@ def reap(rec: LocalProc, grace_s: float = 5.0) -> list[int]:
     return left
 
 
-def _signal_group(pid: int, sig: int) -> None:
+def _signal_group(pid: int, sig: int) -> str | None:
+    """Send ``sig`` to the process group ``pid`` leads (its session: spawn starts one per process);
+    None once sent, else why it could not be."""
     try:
-        os.killpg(pid, sig)  # each process leads its own session: its group id is its pid
+        os.killpg(pid, sig)
+        return None
     except ProcessLookupError:
-        pass
+        return "it had already exited"
     except PermissionError:
-        os.kill(pid, sig)
+        pass
+    try:
+        os.kill(pid, sig)  # not allowed to signal its whole group: the process itself, at least
+        return None
+    except ProcessLookupError:
+        return "it had already exited"
+    except PermissionError as e:
+        return f"not permitted ({e.strerror})"
 
 
 def log_tail(path: str | Path, lines: int = 15) -> str:

@@ -484,10 +484,16 @@ def _follow_scale(follower, console: Console) -> bool:  # type: ignore[no-untype
 
 
 def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:
-    """Cancel every job of the run on every cluster and stop its local processes. Returns what was done."""
+    """Cancel every job of the run on every cluster and stop its local processes. Returns what was
+    done: one line per job, and per process what actually happened to it (stopped, killed, or why
+    it was not signalled)."""
     done, errors = [], []
-    if run.info().get("state") in ENDED_STATES and not any(r.running() for r in local.procs(run)):
-        return done  # its record of how it ended stays as it is (unless processes still run)
+    if (
+        run.info().get("state") in ENDED_STATES
+        and not any(r.running() for r in local.procs(run))
+        and not (run.jobs() and slurm.unfinished(slurm.run_job_states(run.jobs())))
+    ):
+        return done  # its record of how it ended stays as it is (unless processes or jobs still run)
     # Said before any signal is sent, so that a `streamrl run` watching the roles reads their
     # exits as a cancel, not as a failure.
     run.update_info(state="cancelling")
@@ -497,19 +503,24 @@ def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:
             f"{damaged}: cannot tell which SLURM jobs to cancel; find them with "
             f"`squeue --name {run.info().get('name') or run.name}` and scancel them"
         )
-    for job in run.jobs():
+    for job in run.jobs():  # jobs.json, not run.json, says which jobs the run has
         try:
             slurm.cancel(job.get("slurm_cluster"), job["job_id"])
             done.append(
-                f"scancel {job['job_id']} ({job['role']} on {job.get('slurm_cluster') or 'default cluster'})"
+                f"scancel {job['job_id']} ({job.get('role', '?')} on "
+                f"{job.get('slurm_cluster') or 'default cluster'})"
             )
         except ClusterError as e:
             errors.append(str(e))
-    live = [r for r in local.procs(run) if r.running()]  # a dead role's leftover engine processes too
+    procs = local.procs(run)
+    live = [r for r in procs if r.running()]  # a dead role's leftover engine processes too
     # Roles first, the rendezvous last: members can still say goodbye while it is up.
-    local.stop([r for r in live if r.role != "rendezvous"])
-    local.stop([r for r in live if r.role == "rendezvous"])
-    done += [f"stopped local {r.role} rank {r.rank} (pid {r.pid})" for r in live]
+    stopped = local.stop([r for r in live if r.role != "rendezvous"])
+    stopped += local.stop([r for r in live if r.role == "rendezvous"])
+    # A recorded pid that another process holds now is named: nothing of ours is there to stop.
+    stopped += local.stop([r for r in procs if r not in live and r.successor() is not None])
+    done += [s.describe() for s in stopped]
+    errors += [s.describe() for s in stopped if not s.ended]
     run.update_info(state="cancelled", ended=time.time())
     run.event("cancelled", reason=reason, actions=done, errors=errors)
     if errors:

@@ -481,3 +481,11 @@ def run_job_states(jobs: list[dict]) -> list[dict]:
 
 def all_ended(jobs_with_tasks: list[dict]) -> bool:
     return all(t["state"] in TERMINAL for j in jobs_with_tasks for t in j["tasks"]) and bool(jobs_with_tasks)
+
+
+def unfinished(jobs_with_tasks: list[dict], unknown: bool = False) -> list[dict]:
+    """The jobs with a task that SLURM does not report ended. With ``unknown`` a job SLURM knows
+    nothing of (forgotten, or SLURM unreachable) counts too: for a run without a readable record of
+    its own state, jobs.json is all there is to tell what may still run."""
+    ended = TERMINAL if unknown else TERMINAL | {"UNKNOWN"}
+    return [j for j in jobs_with_tasks if any(t["state"] not in ended for t in j["tasks"])]

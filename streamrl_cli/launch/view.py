@@ -13,10 +13,14 @@ from streamrl_cli.rundir import RunDir, read_json
 
 
 def local_table(run: RunDir) -> Table:
-    """One row per local process: role, rank, pid, state, what its start record says."""
+    """One row per local process: which one, its pid, state and uptime, what its start record says.
+
+    Sized for an 80-column terminal: the short columns never wrap, the note folds onto more lines.
+    """
     table = Table(title=f"run {run.name}", title_justify="left")
-    for col in ("role", "rank", "pid", "state", "uptime", "note"):
-        table.add_column(col)
+    for col in ("process", "pid", "state", "uptime"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("note", overflow="fold")
     for rec in local.procs(run):
         code = local.exit_code(rec)
         if rec.alive():
@@ -32,7 +36,13 @@ def local_table(run: RunDir) -> Table:
         if member.get("preflight_ok"):
             note = "preflight ok: " + ", ".join(f"{k}={v}" for k, v in member.get("peers", {}).items())
         uptime = f"{time.time() - rec.created:.0f}s" if rec.alive() else ""
-        table.add_row(rec.role, str(rec.rank), str(rec.pid), f"[{style}]{state}[/{style}]", uptime, note)
+        table.add_row(
+            f"{rec.role}-{rec.rank}",
+            str(rec.pid),
+            Text(state, style=style),
+            uptime,
+            Text(note, overflow="fold"),
+        )
     return table
 
 
@@ -54,31 +64,42 @@ def sparkline(values: list[float], width: int = 40) -> str:
 
 
 def training_view(run: RunDir) -> RenderableType | None:
-    """What the trainer reports per iteration (from metrics.jsonl), or None before the first one."""
+    """What the trainer reports per iteration (from metrics.jsonl), or None before the first one.
+
+    Three lines of `label value` pairs rather than one row of nine narrow columns, so that an
+    80-column terminal shows every value whole (a narrower one folds them, never cuts them)."""
     from streamrl_cli.metrics.read import read_iterations
 
     recs = read_iterations(run.path)
     if not recs:
         return None
     last, total = recs[-1], run_total_iterations(run)
-    table = Table(title="training", title_justify="left")
-    for col in ("iter", "mode", "reward", "smp/s", "idle T", "idle G", "stale", "kl", "len 50/90"):
-        table.add_column(col, no_wrap=True)
-    table.add_row(
-        f"{last['iteration'] + 1}/{total or '?'}",
-        str(last.get("mode", "")),
-        f"{_num(recs[0]['reward_mean'], 2)}→{_num(last['reward_mean'], 2)}",
-        f"{last.get('samples_per_s', 0):.1f}",
-        f"{100 * last.get('idle/trainer', 0):.0f}%",
-        f"{100 * last.get('idle/generator', 0):.0f}%",
-        f"{last.get('staleness/max', 0)}",
-        f"{last.get('loss/kl', 0):.3f}",
-        f"{last.get('len/p50', 0)}/{last.get('len/p90', 0)}",
+
+    def pair(label: str, value: str) -> Text:
+        return Text.assemble((label + " ", "dim"), value, overflow="fold")
+
+    grid = Table.grid(padding=(0, 3))
+    for _ in range(3):
+        grid.add_column(overflow="fold")
+    grid.add_row(
+        pair("iteration", f"{last['iteration'] + 1}/{total or '?'}"),
+        pair("mode", str(last.get("mode", "?"))),
+        pair("reward", f"{_num(recs[0]['reward_mean'], 2)} → {_num(last['reward_mean'], 2)}"),
+    )
+    grid.add_row(
+        pair("samples/s", f"{last.get('samples_per_s', 0):.1f}"),
+        pair("idle trainer", f"{100 * last.get('idle/trainer', 0):.0f}%"),
+        pair("idle generator", f"{100 * last.get('idle/generator', 0):.0f}%"),
+    )
+    grid.add_row(
+        pair("staleness", f"{last.get('staleness/max', 0)}"),
+        pair("kl", f"{last.get('loss/kl', 0):.3f}"),
+        pair("length p50/p90", f"{last.get('len/p50', 0)}/{last.get('len/p90', 0)}"),
     )
     spark = Text(
         "reward " + sparkline([r["reward_mean"] for r in recs if r["reward_mean"] is not None]), style="green"
     )
-    return Group(table, spark)
+    return Group(Text("training", style="italic"), grid, spark)
 
 
 def run_total_iterations(run: RunDir) -> int | None:

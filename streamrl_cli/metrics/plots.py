@@ -324,11 +324,12 @@ def _scale_events(run_dir: Path, iters: list[Record]) -> list[tuple[float, str]]
         if (e := _num(r["timeline"].get("end"))) is not None
     )  # fmt: skip
     out = []
-    for ev in RunDir(run_dir).events():
-        if ev.get("event") != "scaled" or ev.get("before") == ev.get("after") or not ends:
+    for ev in RunDir(run_dir).events():  # damaged lines skipped, with a warning
+        if ev["event"] != "scaled" or ev.get("before") == ev.get("after") or not ends:
             continue
         it = next((i for end, i in ends if end >= ev["time"]), ends[-1][1] + 0.5)
-        out.append((float(it), f"{ev['before']}→{ev['after']} gen ({ev.get('source', '?')})"))
+        before, after = ev.get("before", "?"), ev.get("after", "?")
+        out.append((float(it), f"{before}→{after} gen ({ev.get('source', '?')})"))
     return out
 
 

@@ -277,7 +277,8 @@ def _proc(p: local.LocalProc) -> dict[str, Any]:
 
 
 def _derive_state(recorded: str, jobs: list[dict], procs: list[local.LocalProc]) -> tuple[str, list[str]]:
-    """The run's state now; ``recorded`` is what run.json says (it may lag what SLURM knows)."""
+    """The run's state now; ``recorded`` is what run.json says (it may lag what SLURM knows, or be
+    "unknown" when run.json is damaged or gone: then the jobs and processes tell what they can)."""
     problems = []
     for j in jobs:
         for t in j["tasks"]:
@@ -285,7 +286,7 @@ def _derive_state(recorded: str, jobs: list[dict], procs: list[local.LocalProc])
                 task = f"[{t['task']}]" if t["task"] is not None else ""
                 where = j.get("slurm_cluster") or "default cluster"
                 problems.append(f"{j['role']} job {j['job_id']}{task} on {where}: {t['state']}")
-    if recorded not in ("running", "created"):
+    if recorded not in ("running", "created", "unknown"):
         return recorded, problems
     role_procs = [p for p in procs if p.role != "rendezvous"]
     local_alive = any(p.alive() for p in role_procs)
@@ -302,9 +303,11 @@ def _derive_state(recorded: str, jobs: list[dict], procs: list[local.LocalProc])
 ACTIVE_STATES = ("created", "pending", "running", "stalled", "cancelling")
 
 
-def current_state(run: RunDir) -> str:
-    """The run's state now, from run.json, SLURM and its local processes (no server is asked)."""
-    jobs = slurm.run_job_states(run.jobs()) if run.jobs() else []
+def current_state(run: RunDir, jobs: list[dict] | None = None) -> str:
+    """The run's state now, from run.json, SLURM and its local processes (no server is asked);
+    ``jobs``: the run's jobs with their tasks' states, when the caller already asked SLURM."""
+    if jobs is None:
+        jobs = slurm.run_job_states(run.jobs()) if run.jobs() else []
     state, _ = _derive_state(run.info().get("state", "unknown"), jobs, local.procs(run))
     return state
 
@@ -375,10 +378,7 @@ def outcome(run: RunDir) -> dict[str, Any]:
     info = run.info()
     ended = info.get("ended")
     out: dict[str, Any] = {"ended": ended if isinstance(ended, int | float) else None}
-    try:
-        events = run.events()
-    except (ValueError, OSError):
-        events = []
+    events = run.events_checked().records  # damaged lines are skipped (collect names them)
     final = next((e for e in reversed(events) if e.get("event") in ("finished", "failed", "cancelled")), None)
     if final:
         out["event"] = final["event"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich import box
-from rich.console import Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.table import Table
 from rich.text import Text
 
@@ -131,9 +131,8 @@ def run_view(doc: dict[str, Any]) -> RenderableType:
         "step", "reward", "eval_reward", "samples_per_s", "trainer_idle", "generator_idle", "tail_s",
         "aborted_groups", "paused_groups", "resumed_samples", "token_staleness", "ranker_recall20",
     )  # fmt: skip
-    pline = Text(
-        "progress: " + ("  ".join(f"{k} {p[k]}" for k in keys if k in p) or "no progress reported yet")
-    )
+    shown = [f"{k} {p[k]}" for k in keys if k in p]
+    pline = Pairs("progress:", shown) if shown else Text("progress: no progress reported yet")
     parts: list[RenderableType] = [head, rline, pline]
     if doc.get("outcome"):
         parts.append(outcome_line(doc["state"], doc["outcome"]))
@@ -145,6 +144,23 @@ def run_view(doc: dict[str, Any]) -> RenderableType:
     errors = [m for role in doc["roles"] for m in role["members"] if m.get("last_error")]
     parts += [Text(f"{m['member_id']} last error: {m['last_error']}", style="yellow") for m in errors]
     return Group(*parts)
+
+
+class Pairs:
+    """`label k v  k v ...` wrapped between its `k v` pairs, never inside one, at any width."""
+
+    def __init__(self, label: str, pairs: list[str]):
+        self.label, self.pairs = label, pairs
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        line, sep = Text(self.label), " "
+        for n, pair in enumerate(self.pairs):
+            if n and line.cell_len + len(sep) + len(pair) > options.max_width:
+                yield line  # the next pair starts a line of its own, under the first
+                line, sep = Text(" " * len(self.label)), " "
+            line.append(sep + pair)
+            sep = "  "
+        yield line
 
 
 def outcome_line(state: str, out: dict[str, Any]) -> Text:
@@ -197,32 +213,45 @@ def _transfer(t: dict[str, Any] | None, time: Any) -> str:
 
 
 def role_table(role: dict[str, Any]) -> Table:
-    """One row per job task (SLURM), or per local process, joined with the member of that rank."""
+    """One row per job task (SLURM), or per local process, joined with the member of that rank.
+
+    Six columns sized for an 80-column terminal: the job and its task in one cell (SLURM's
+    `JOB_TASK`), where it runs (its nodes, or why it waits) in one, the member's state and its last
+    heartbeat in one. Short columns never wrap; the long ones fold, none is cut."""
     table = Table(title=f"{role['role']} (cluster {role['cluster'] or '-'})", title_justify="left")
-    for col in ("job", "task", "state", "nodes/reason", "member", "beat", "host", "ver"):
-        table.add_column(col, overflow="fold")
+    table.add_column("rank", no_wrap=True)
+    table.add_column("job", overflow="fold")
+    table.add_column("state", no_wrap=True)
+    table.add_column("where", overflow="fold")
+    table.add_column("member", no_wrap=True)
+    table.add_column("ver", no_wrap=True)
     members = {m["rank"]: m for m in role["members"]}
     rows = 0
     for job in role["jobs"]:
         for t in job["tasks"]:
             rank = _rank(role["role"], t)
             m = members.pop(rank, None) if rank is not None else None
-            detail = t.get("reason") if t["state"] == "PENDING" else t.get("nodes") or t.get("reason") or ""
-            where = job.get("slurm_cluster") or "default"
+            if t["state"] == "PENDING":
+                where = Text(t.get("reason") or "waiting", style="yellow")
+            else:
+                where = Text(t.get("nodes") or (m or {}).get("host") or t.get("reason") or "-")
+            cluster = f"{job['slurm_cluster']}:" if job.get("slurm_cluster") else ""
+            task = "" if t["task"] is None else f"_{t['task']}"
             table.add_row(
-                f"{where}:{job['job_id']}",
-                "-" if t["task"] is None else str(t["task"]),
+                "-" if rank is None else str(rank),
+                f"{cluster}{job['job_id']}{task}",
                 styled(t["state"]),
-                detail,
+                where,
                 *_member(m),
             )
             rows += 1
     for proc in role["processes"]:
         m = members.pop(proc["rank"], None)
-        table.add_row(f"pid {proc['pid']}", str(proc["rank"]), styled(proc["state"]), "", *_member(m))
+        host = Text((m or {}).get("host") or "-")
+        table.add_row(str(proc["rank"]), f"pid {proc['pid']}", styled(proc["state"]), host, *_member(m))
         rows += 1
     for m in members.values():
-        table.add_row("-", str(m["rank"]), "-", "", *_member(m))
+        table.add_row(str(m["rank"]), "-", "-", Text(m["host"] or "-"), *_member(m))
         rows += 1
     if not rows:
         table.caption = "nothing launched for this role"
@@ -235,9 +264,11 @@ def _rank(role: str, task: dict[str, Any]) -> int | None:
     return 0 if task["task"] is None and role != "generator" else None
 
 
-def _member(m: dict[str, Any] | None) -> tuple[RenderableType, str, str, str]:
+def _member(m: dict[str, Any] | None) -> tuple[RenderableType, str]:
+    """(its state and how long ago its last heartbeat came, its weight version)."""
     if m is None:
-        return Text("-"), "-", "-", "-"
-    hb = age(m["last_heartbeat_s"]) if m["last_heartbeat_s"] is not None else "-"
-    wv = str(m["weight_version"]) if m["weight_version"] is not None else "-"
-    return styled(m["state"]), hb, m["host"] or "-", wv
+        return Text("-"), "-"
+    state = styled(m["state"])
+    if m["last_heartbeat_s"] is not None:
+        state.append(f" {age(m['last_heartbeat_s'])}")
+    return state, str(m["weight_version"]) if m["weight_version"] is not None else "-"
