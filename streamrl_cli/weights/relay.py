@@ -11,13 +11,16 @@ A fetched version is complete only when every chunk is verified: :func:`fetch_we
 returns the tensors (views of one buffer) then, and raises otherwise — nothing half-received
 is ever returned. The relay then broadcasts locally (``broadcast.BroadcastSender``), and each
 member confirms the version through the rendezvous, which announces it once all did.
+
+Who may connect is :mod:`relay_gate`'s concern: connections still in their handshake take no
+thread and are bounded apart from the authenticated ones, so strangers holding idle connections
+cannot make a fetch fail.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-import socketserver
 import threading
 import time
 from collections import deque
@@ -30,10 +33,9 @@ import torch
 from streamrl_cli.weights import WeightTransferError
 from streamrl_cli.weights import relay_wire as rw
 from streamrl_cli.weights.plan import ChunkPlanner, chunk_count, chunk_range, stream_layout
+from streamrl_cli.weights.relay_gate import Gate
 
 log = logging.getLogger("streamrl.weights.relay")
-MAX_CONNECTIONS = 256  # served at once; beyond, a connection is closed at once
-HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class VersionSuperseded(WeightTransferError):
@@ -76,26 +78,13 @@ class WeightServer:
             rw.compress(compression, b"probe")
         self.min_saving, self.timeout_s = min_saving, timeout_s
         self.stats = {"connections": 0, "rejected": 0, "chunks": 0, "bytes": 0, "turned_away": 0}
-        # Connections being served at once (one thread each): a stranger opening thousands and
-        # sitting on them must not make thousands of threads. Relays need a few streams each.
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._current: _Snapshot | None = None
         self._lock = threading.Lock()
-        outer = self
-
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                outer._serve(self.request)
-
-        class Server(socketserver.ThreadingTCPServer):
-            allow_reuse_address = True
-            request_queue_size = 128  # relays open several streams at once, and reconnect together
-
-        self._tcp = Server((host, port), Handler)
-        self._tcp.daemon_threads = True
-        bound = self._tcp.server_address[1]
-        self.address = f"{advertise_host or (socket.gethostname() if host == '0.0.0.0' else host)}:{bound}"
-        threading.Thread(target=self._tcp.serve_forever, name="weight-server", daemon=True).start()
+        # Strangers without the token get no thread and cannot crowd out the run's relays: relay_gate.
+        self._gate = Gate(token, host, port, self._serve, timeout_s=timeout_s, stats=self.stats)
+        self.address = (
+            f"{advertise_host or (socket.gethostname() if host == '0.0.0.0' else host)}:{self._gate.port}"
+        )
 
     def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> rw.Manifest:
         """Snapshot `tensors` as `version`; from now on relays get this one (older fetches are told so)."""
@@ -118,35 +107,17 @@ class WeightServer:
         return manifest
 
     def close(self) -> None:
-        self._tcp.shutdown()
-        self._tcp.server_close()
+        """Stop listening and end every connection (their threads exit)."""
+        self._gate.close()
 
-    # ---- one connection ----
+    def connections(self) -> dict[str, int]:
+        """Open now: pending (handshake not done) and members (authenticated)."""
+        return self._gate.counts()
 
-    def _serve(self, sock: socket.socket) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.stats["turned_away"] += 1
-            sock.close()
-            return
+    # ---- one authenticated connection ----
+
+    def _serve(self, conn: rw.Conn) -> None:
         try:
-            self._serve_conn(sock)
-        finally:
-            self._slots.release()
-
-    def _serve_conn(self, sock: socket.socket) -> None:
-        # Strangers get HANDSHAKE_TIMEOUT_S to prove themselves, members the full timeout after.
-        conn = rw.Conn(sock, min(self.timeout_s, HANDSHAKE_TIMEOUT_S))
-        self.stats["connections"] += 1
-        try:
-            ok = rw.server_handshake(conn, self.token)
-            sock.settimeout(self.timeout_s)
-            if not ok:
-                self.stats["rejected"] += 1
-                conn.send(rw.Error("unauthorized", "the relay client does not hold this run's token"))
-                log.warning(
-                    "weight relay: refused a client without the run's token from %s", sock.getpeername()
-                )
-                return
             while True:
                 msg = conn.recv()
                 with self._lock:
@@ -168,8 +139,6 @@ class WeightServer:
                     return
         except (OSError, rw.ProtocolError) as e:  # the client went away, or spoke garbage
             log.debug("weight relay: connection ended: %s", e)
-        finally:
-            conn.close()
 
     def _send_chunk(self, conn: rw.Conn, snap: _Snapshot, i: int) -> None:
         m = snap.manifest
@@ -223,6 +192,14 @@ def fetch_weights(
     return fetch.run(version, out)
 
 
+def _backoff(tries: int) -> float:
+    """Seconds before the next connection after `tries` in a row broke before their handshake ended
+    (0: one broke mid-transfer): 0.05 s, doubling up to 1 s. So a fetch's reconnect budget lasts
+    longer than the server's handshake deadline (relay_gate): strangers crowding the server's
+    pending connections are outlasted, not raced."""
+    return min(1.0, 0.05 * 2 ** max(0, tries - 1))
+
+
 class _Fetch:
     def __init__(
         self,
@@ -261,9 +238,10 @@ class _Fetch:
     def open(self, version: int) -> tuple[rw.Conn, Any]:
         """The first connection and the server's answer to GetManifest.
 
-        A connection that breaks here (refused, reset, or closed at once by a server whose
-        connection slots are full) is tried again from the same reconnect budget as the streams;
-        a refusal or a frame that fails authentication raises at once.
+        A connection that breaks here (refused, reset, closed by a server whose member slots are
+        full, or pushed out of its pending handshakes by strangers) is tried again, with backoff,
+        from the same reconnect budget as the streams; a refusal or a frame that fails
+        authentication raises at once.
         """
         while True:
             conn = None
@@ -282,7 +260,7 @@ class _Fetch:
                         f"after {self.stats['reconnects']} tries (last: {e})"
                     ) from e
                 log.warning("relay: connecting to %s:%d broke (%s); trying again", *self.target, e)
-                time.sleep(0.2)
+                time.sleep(_backoff(self.stats["reconnects"]))
 
     def run(self, version: int, out: torch.Tensor | None) -> Fetched:
         start = time.perf_counter()
@@ -329,13 +307,16 @@ class _Fetch:
         return Fetched(m.version, tensors, m, self.stats, self.buf)
 
     def worker(self, stream: int, conn: rw.Conn | None) -> None:
+        refused = 0  # connections in a row that broke before the handshake ended
         while True:
             with self.cond:
                 if self.planner.done:
                     break
             try:
                 if conn is None:
+                    refused += 1
                     conn = self.connect()
+                    refused = 0
                 self.pump(stream, conn)
             except (OSError, rw.ProtocolError) as e:
                 with self.cond:
@@ -351,7 +332,7 @@ class _Fetch:
                 if conn is not None:
                     conn.close()
                 conn = None
-                time.sleep(0.05)
+                time.sleep(_backoff(refused))
             except WeightTransferError as e:  # superseded, refused: final
                 with self.cond:
                     if isinstance(e, VersionSuperseded):

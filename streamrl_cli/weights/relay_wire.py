@@ -148,7 +148,7 @@ class Conn:
 
     def _frame(self, body: bytes) -> bytes:
         if self._tx is None:
-            return struct.pack(">I", len(body)) + body
+            return _plain(body)
         head = struct.pack(">I", len(body) + TAG)
         return head + self._tx.encrypt(self._next_tx_nonce(), body, head)
 
@@ -267,22 +267,57 @@ def _mac(token: str, label: bytes, *parts: bytes) -> bytes:
     ).digest()
 
 
-def server_handshake(conn: Conn, token: str) -> bool:
-    """Challenge the client; True if it proved it holds the token (we then prove it back).
+def _plain(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
 
-    On False the caller answers ``Error("unauthorized", ...)``, after counting the refusal.
+
+class ServerHandshake:
+    """The server's half of the handshake, without I/O: the relay server runs the handshakes of
+    every connection not yet authenticated on one thread (``relay_gate``), so a stranger who
+    connects and says nothing costs a socket, not a thread.
+
+    ``challenge()`` is sent at once; the client's bytes go to ``feed()`` until it returns its
+    first frame; ``answer()`` then gives the Welcome and the session keys, or None when the
+    client did not prove it holds the token (answer ``refusal()``).
     """
-    nonce_s = os.urandom(16)
-    conn.send(Challenge(PROTOCOL, nonce_s))
-    msg = conn.recv()
-    if not isinstance(msg, Hello) or not hmac.compare_digest(
-        msg.mac, _mac(token, b"client", nonce_s, msg.nonce)
-    ):
-        return False
-    conn.send(Welcome(_mac(token, b"server", msg.nonce, nonce_s)))
-    c2s, s2c = session_keys(token, nonce_s, msg.nonce)
-    conn.secure(tx_key=s2c, rx_key=c2s)
-    return True
+
+    def __init__(self, token: str):
+        self.token, self.nonce = token, os.urandom(16)
+        self._buf = bytearray()
+
+    def challenge(self) -> bytes:
+        return _plain(_enc.encode(Challenge(PROTOCOL, self.nonce)))
+
+    def feed(self, data: bytes) -> Message | None:
+        """The client's first frame once it is whole; ProtocolError when the bytes are not our protocol."""
+        self._buf += data
+        if len(self._buf) < 4:
+            return None
+        (n,) = struct.unpack_from(">I", self._buf)
+        if n > PREAUTH_MAX_FRAME:
+            raise ProtocolError(f"frame of {n} bytes announced before authentication")
+        if len(self._buf) > 4 + n:  # an honest client waits for the Welcome before saying more
+            raise ProtocolError("bytes after the first frame, before the handshake ended")
+        if len(self._buf) < 4 + n:
+            return None
+        try:
+            return _dec.decode(bytes(self._buf[4:]))
+        except msgspec.DecodeError as e:
+            raise ProtocolError(f"undecodable frame: {e}") from None
+
+    def answer(self, msg: Message) -> tuple[bytes, bytes, bytes] | None:
+        """(Welcome frame, server-to-client key, client-to-server key) if `msg` proves the token."""
+        if not isinstance(msg, Hello) or not hmac.compare_digest(
+            msg.mac, _mac(self.token, b"client", self.nonce, msg.nonce)
+        ):
+            return None
+        c2s, s2c = session_keys(self.token, self.nonce, msg.nonce)
+        welcome = _plain(_enc.encode(Welcome(_mac(self.token, b"server", msg.nonce, self.nonce))))
+        return welcome, s2c, c2s
+
+    @staticmethod
+    def refusal() -> bytes:
+        return _plain(_enc.encode(Error("unauthorized", "the relay client does not hold this run's token")))
 
 
 def client_handshake(conn: Conn, token: str) -> None:
