@@ -1,6 +1,6 @@
 # The two commands of the README (run, test) and the fast tier. All set up .venv first (idempotent).
-# `make test` runs the tiers side by side on two xdist workers: local engine tests on one, unit then
-# SLURM tests on the other (tests/conftest.py, pytest_xdist_make_scheduler).
+# `make test` runs the tiers side by side on two xdist workers: e2e then SLURM tests on one, unit
+# tests on the other (tests/conftest.py, pytest_xdist_make_scheduler).
 .PHONY: run test test-fast venv lint
 
 PYTEST = .venv/bin/python -m pytest

@@ -85,7 +85,7 @@ def slurm_remote(slurm):
 # A test that starts real engines or processes is `slow` wherever it lives; slow tests get a longer
 # timeout (each scenario also checks its own deadline step by step).
 SLOW_TIMEOUT_S = 900
-TIER_ORDER = {"e2e": 0, "unit": 1, "slurm": 2}
+TIER_ORDER = {"e2e": 0, "slurm": 1, "unit": 2}
 
 
 def tier(nodeid: str) -> str:
@@ -102,20 +102,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("slow") is not None and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
-    # e2e first, SLURM last: the order xdist hands the tiers out in (pytest_xdist_make_scheduler)
+    # e2e, then SLURM, then unit: the heavy tiers go out first, as one scope (pytest_xdist_make_scheduler)
     items.sort(key=lambda item: TIER_ORDER[tier(item.nodeid)])
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """`-n 2` (make test): all of tests/e2e on one worker, one test after another (two local runs
-    of real engines at once would each take twice as long on 2 cores and race their own timeouts),
-    and on the other worker the unit tests one by one, then all of tests/slurm. Scopes are handed
-    out in collection order, and a worker holding a whole tier takes nothing else until it is done."""
+    """`-n 2` (make test): every e2e and SLURM test on one worker, one after another, and the unit
+    tests one by one on the other. Two real runs at once (engines, trainers, SLURM jobs on the test
+    clusters' two CPUs) each took about twice as long on 2 cores, and SLURM jobs of one waited for
+    the other's to leave the node: nothing was gained and timeouts were raced. Unit tests, light,
+    fit beside them. Scopes go out in collection order (the heavy one first, see the sort above);
+    a worker holding a scope takes nothing else until it is done."""
     from xdist.scheduler import LoadScopeScheduling
 
     class TierScheduling(LoadScopeScheduling):
+        def __init__(self, config, log=None):  # type: ignore[no-untyped-def]
+            config.option.loadscopereorder = False  # keep collection order: the heavy scope first
+            super().__init__(config, log)
+
         def _split_scope(self, nodeid: str) -> str:
-            t = tier(nodeid)
-            return t if t in ("e2e", "slurm") else nodeid
+            return "heavy" if tier(nodeid) in ("e2e", "slurm") else nodeid
 
     return TierScheduling(config, log)

@@ -87,58 +87,6 @@ def changes(run_dir: Path) -> list[dict]:
     return [e for e in scaled_events(run_dir) if e["event"] == "scaled" and e["before"] != e["after"]]
 
 
-PARTIAL = ("rollout.oversample=0.5", "rollout.partial=true", "train.reproducible_sampling=false")
-
-
-def test_scale_by_hand_grows_and_shrinks_a_local_run(runs_root):
-    # More iterations than the test waits for: the run must outlast the new instance's engine start
-    # however fast this machine trains. The test ends it with `streamrl cancel` once the run went
-    # 1 -> 2 -> 1 and trained on after the release. With partial rollout (and over-sampling), groups
-    # are paused on and resumed by either instance, and the released one's share (whole groups in
-    # flight, as without partial rollout, and paused ones) is dispatched again whole. One run covers
-    # both: a run without partial rollout takes the same scale and re-dispatch path, less the pauses.
-    rollout = PARTIAL
-    proc, run_dir = start(runs_root, "train.iterations=100000", "roles.generator.instances=1", *rollout)
-    try:
-        wait_until(lambda: len(iterations(run_dir)) >= 1, 600, "first iteration", proc)
-        out = streamrl("scale", run_dir.name, "--generators", "+1", timeout=200)
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert "generators 1 -> 2" in out.stdout and "generator-1" in out.stdout
-
-        # The newcomer gets the current weights, then serves and takes work.
-        def newcomer_worked() -> bool:
-            return any(r.get("total_samples", 0) > 0 for r in records(run_dir, "generator") if r["rank"] == 1)
-
-        wait_until(newcomer_worked, 900, "samples from the new generator", proc)
-        log = (run_dir / "logs" / "generator" / "generator-1.log").read_text()
-        assert "waiting for weights" in log and "serving weight version" in log
-        out = streamrl("scale", run_dir.name, "--generators", "-1", timeout=200)
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert "generators 2 -> 1" in out.stdout and "released generator-1" in out.stdout
-        after_release = len(iterations(run_dir))
-        wait_until(
-            lambda: len(iterations(run_dir)) >= after_release + 2, 600, "iterations after the release", proc
-        )
-        out = streamrl("cancel", run_dir.name, timeout=200)
-        assert out.returncode == 0, out.stdout + out.stderr
-        code = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    output = proc.communicate()[0]
-    assert code == 130, output[-3000:]  # cancelled from another terminal
-    every_sample_trained_once(run_dir, len(iterations(run_dir)))
-    if rollout:
-        recs = iterations(run_dir)
-        assert sum(r["rollout/paused_groups"] for r in recs) > 0
-        assert max(r["staleness/token_max"] for r in recs) <= 1
-    evs = scaled_events(run_dir)
-    assert [(e["before"], e["after"], e["source"]) for e in evs] == [(1, 2, "user"), (2, 1, "user")]
-    assert evs[0]["added"] == [1] and evs[1]["released"] == [1]
-    # Every process of the run is gone, and nothing it started stayed behind.
-    assert none_alive(json.loads((run_dir / "local.json").read_text()))
-
-
 def test_the_rule_grows_then_releases_as_outputs_shorten(runs_root, tmp_path):
     """1 -> 2 -> 1 by the rule alone. Long outputs first: one instance running one group at a time
     cannot keep up (Δ > Δ′), so the trainer asks for a second. Then one-word answers: training (one

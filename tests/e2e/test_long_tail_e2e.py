@@ -10,9 +10,7 @@ keeps the handed-back prompts.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
@@ -120,41 +118,3 @@ def test_partial_rollout_resumes_paused_samples_in_the_next_iteration(runs_root,
     # Samples begun under one version were finished under the next, and trained with both (in about
     # half the iterations here: a paused group may also have finished all but its unstarted samples).
     assert sum(r["rollout/resumed_samples"] for r in recs + again) > 0
-
-
-def test_partial_rollout_with_skewness_aware_dispatch_and_a_generator_killed(runs_root):
-    # Partial rollout with the rest of the pipeline: two generators under skewness-aware dispatch and
-    # LPT order (the history ranker), and one of them killed mid-run. Its share of running, paused or
-    # resumed groups is dispatched again whole to the other; every iteration still trains its batch of
-    # whole groups, and no prompt is trained twice (48 draws from 4,096 prompts: none drawn twice).
-    from support.member_runs import generator_pid, run_dir_of, serving, start_run, wait_for
-
-    n = 8
-    proc = start_run(
-        runs_root, *RUN[1:], f"train.iterations={n}", "rollout.partial=true", "train.checkpoint_every=0",
-        "skewness.dispatch=skewness-aware", "skewness.schedule=lpt", "skewness.ranker=history",
-    )  # fmt: skip
-    try:
-        run_dir = wait_for(lambda: run_dir_of(runs_root), 60, "the run directory", proc)
-        wait_for(lambda: serving(run_dir), 900, "the first trained iteration", proc)
-        pid, _ = generator_pid(run_dir, 1)
-        os.kill(pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out[-5000:]
-    assert "generator rank 1 exited with -9" in out, out[-5000:]
-    recs = [r for r in records(run_dir, "trainer") if "iteration" in r]
-    assert [r["iteration"] for r in recs] == list(range(n))
-    trained = []
-    for r in recs:
-        assert r["samples"] == BATCH * GROUP and len(r["lengths/by_prompt"]) == BATCH
-        assert all(len(v) == GROUP for v in r["lengths/by_prompt"].values())
-        assert r["staleness/token_max"] <= 1
-        trained += [k.removesuffix("~c") for k in r["lengths/by_prompt"]]
-    assert len(trained) == len(set(trained)) == n * BATCH
-    for prev, nxt in zip(recs, recs[1:], strict=False):
-        went_on = set(trained) | set(nxt["rollout/paused_prompts"]) | set(nxt["rollout/aborted_prompts"])
-        assert set(prev["rollout/paused_prompts"]) <= went_on
-    assert sum(r["rollout/paused_groups"] for r in recs) > 0
