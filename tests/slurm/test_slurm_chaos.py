@@ -16,15 +16,6 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 
-def live_trainer(run_dir: Path) -> tuple[int, float] | None:
-    """The newest trainer process of the run, once started."""
-    recs = [r for r in json.loads((run_dir / "local.json").read_text()) if r["role"] == "trainer"]
-    if not recs:
-        return None
-    rec = max(recs, key=lambda r: r["created"])
-    return rec["pid"], rec["created"]
-
-
 def events(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
 
