@@ -127,7 +127,7 @@ def attack_relay(rng: random.Random) -> dict:
 
 
 def stream_server(q, stats_q) -> None:  # noqa: ANN001
-    from streamrl_cli.transport.dispatch import DispatchService
+    from streamrl_cli.transport.routing import DispatchService
     from streamrl_cli.transport.samples import StreamConfig
 
     svc = DispatchService(StreamConfig(bind="tcp://127.0.0.1:0", max_delay_s=0.001), TOKEN)

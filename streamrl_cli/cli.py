@@ -104,7 +104,7 @@ def run(
         raise typer.Exit(launcher.launch(prepared, console))
     if recipe is None:
         raise UsageError("missing RECIPE (see `streamrl recipes`), or --resume RUN")
-    from streamrl_cli.launch.checks import before_submit
+    from streamrl_cli.launch.presubmit import before_submit
 
     composed = before_submit(load(recipe, _overrides(overrides)))  # nothing is written if this fails
     prepared = launcher.prepare(composed, root=root, dry_run=dry_run)
@@ -185,7 +185,7 @@ def scale(
 ) -> None:
     """Grow or shrink RUN's generator instances while it trains (local processes or SLURM array jobs)."""
     from streamrl_cli import rundir
-    from streamrl_cli.elastic.request import request
+    from streamrl_cli.launch.scale_request import request
 
     r = rundir.find(run_name)
     ev = request(r, generators, wait_s=wait)

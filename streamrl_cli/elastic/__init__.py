@@ -1,7 +1,9 @@
-"""Elastic generators: how many generator instances a run should have, and making it so.
+"""Elastic generators: how many generator instances a run should have (the decision, not its execution).
 
 - ``policy``: the paper's rule as a pure function of what each iteration measured.
-- ``executor``: applies a target instance count to a run (local processes or SLURM array jobs).
-- ``follow``: the loop, run by the process that watches the run, that takes scale requests from
-  the rendezvous (``streamrl scale`` or the trainer's policy) and hands them to the executor.
+- ``control``: the trainer's side: feeds the rule each iteration and posts the wanted count to the
+  rendezvous.
+
+Making it so is the launcher's part (:mod:`streamrl_cli.launch.scale_executor`, ``scale_follow``,
+``scale_request``), so the trainer and the recipe checks import this package without the launcher.
 """

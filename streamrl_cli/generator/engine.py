@@ -91,10 +91,6 @@ class GenerationResult:
     def aborted(self) -> bool:
         return any(c.finish_reason == "abort" for c in self.completions)
 
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.completions)
-
 
 @dataclass(kw_only=True)
 class WeightSource:

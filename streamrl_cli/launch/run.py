@@ -268,7 +268,7 @@ def watch_local(
     """
     from rich.live import Live
 
-    from streamrl_cli.launch.view import live_view, summary_line
+    from streamrl_cli.launch.live_view import live_view, summary_line
 
     stop = {"signal": None}
 
@@ -449,13 +449,13 @@ def _wait_exit(recs: list[local.LocalProc], timeout: float) -> None:
 
 def _scale_follower(run: RunDir, console: Console):  # type: ignore[no-untyped-def]
     """The follower of scale requests when this process is the one that applies them (local generators)."""
-    from streamrl_cli.elastic import executor
-    from streamrl_cli.elastic.follow import ScaleFollower
+    from streamrl_cli.launch import scale_executor
+    from streamrl_cli.launch.scale_follow import ScaleFollower
     from streamrl_cli.rendezvous import RendezvousClient
     from streamrl_cli.roles.spec import load_spec
 
     try:
-        if executor.launcher_of(run) != "local":
+        if scale_executor.launcher_of(run) != "local":
             return None  # the rendezvous role's job watcher applies them
         ca = load_spec(run.role_spec("rendezvous")).rendezvous_ca
         # Short retries: the watch loop must stay responsive while the server restarts or stops.

@@ -117,8 +117,8 @@ def _restart_trainer(run: RunDir, states: list[dict]) -> bool:
     """A SLURM trainer job that died (a rank killed or crashed, its node lost) is submitted again
     while roles.trainer.restarts allows; the new job resumes from the newest checkpoint. True when
     it was. A cancelled run, or a trainer job SLURM requeues itself, is left alone."""
-    from streamrl_cli.elastic.executor import role_job
     from streamrl_cli.errors import StreamRLError
+    from streamrl_cli.launch.scale_executor import role_job
     from streamrl_cli.roles.entry import run_role
     from streamrl_cli.roles.restart import mark_trainer_start, trainer_restarts_left
 
@@ -151,15 +151,15 @@ def _restart_trainer(run: RunDir, states: list[dict]) -> bool:
 
 
 def _apply_scale_requests(run: RunDir, spec: RendezvousSpec) -> None:
-    """For a run whose generators are SLURM jobs, this process applies scale requests (elastic.follow)."""
-    from streamrl_cli.elastic import executor
-    from streamrl_cli.elastic.follow import ScaleFollower
+    """For a run whose generators are SLURM jobs, this process applies scale requests (scale_follow)."""
     from streamrl_cli.errors import StreamRLError
+    from streamrl_cli.launch import scale_executor
+    from streamrl_cli.launch.scale_follow import ScaleFollower
     from streamrl_cli.rendezvous import RendezvousClient
     from streamrl_cli.roles.preflight import wait_for_file
 
     try:
-        if executor.launcher_of(run) != "slurm":
+        if scale_executor.launcher_of(run) != "slurm":
             return  # local generators: `streamrl run` applies them
         wait_for_file(Path(spec.rendezvous_file), 60.0)
         follower = ScaleFollower(run, RendezvousClient.from_run_dir(run.path, tls_ca=spec.rendezvous_ca))

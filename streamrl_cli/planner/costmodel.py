@@ -27,7 +27,7 @@ from streamrl_cli.curves import interpolate, monotone
 from streamrl_cli.planner.hardware import GPUSpec
 from streamrl_cli.planner.profile import Profile
 from streamrl_cli.planner.workload import ModelShape
-from streamrl_cli.skew.dispatch import PTL, ptl_from_points
+from streamrl_cli.skew.dispatch_plan import PTL, ptl_from_points
 
 
 class CostModel(ABC):
@@ -177,10 +177,3 @@ def ptl_from_profile(profile: Profile) -> PTL:
     if not profile.decode:
         raise ValueError(f"profile of {profile.model} on {profile.hardware} has no decode curve")
     return ptl_from_points(profile.decode)
-
-
-def ptl_from_cost_model(
-    cm: CostModel, hw: GPUSpec, model: ModelShape, *, tp: int = 1, ctx: float = 0.0
-) -> PTL:
-    """Algorithm 2's PTL from the cost model (analytic roofline, or profiled) for one generator instance."""
-    return lambda bs: cm.decode_step_s(hw, model, tp, bs, ctx)

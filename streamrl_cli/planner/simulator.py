@@ -33,9 +33,9 @@ import random
 from dataclasses import dataclass
 
 from streamrl_cli.curves import empirical_quantile, interpolate
-from streamrl_cli.planner.dispatch import POLICIES, dispatch_random, dispatch_skewness, predict
 from streamrl_cli.planner.lengths import LengthDist
-from streamrl_cli.skew.dispatch import PAPER_PTL_7B_H800 as PAPER_PTL_7B_H800  # re-exported
+from streamrl_cli.planner.sim_dispatch import POLICIES, dispatch_random, dispatch_skewness, predict
+from streamrl_cli.skew.dispatch_plan import PAPER_PTL_7B_H800 as PAPER_PTL_7B_H800  # re-exported
 
 SIM_MODES = ("colocated", "baseline", "sync-stream", "async")
 

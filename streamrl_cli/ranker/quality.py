@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from streamrl_cli.planner.dispatch import recall
+from streamrl_cli.planner.sim_dispatch import recall
 
 TAILS = {"recall@20": 0.20, "recall@10": 0.10, "recall@5": 0.05}
 

@@ -364,15 +364,6 @@ def _progress_of(rec: dict[str, Any], iterations: Any) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def step_text(progress: dict[str, Any]) -> str:
-    """`40/40`, `12` or `-`: how far a run got."""
-    step = progress.get("step")
-    if step is None:
-        return "-"
-    total = progress.get("iterations")
-    return f"{step}/{total}" if total else str(step)
-
-
 def outcome(run: RunDir) -> dict[str, Any]:
     """How a run ended, from its records: when, and what the last lifecycle event says."""
     info = run.info()

@@ -177,7 +177,7 @@ class TrainerRole:
 
     def _data_plane(self, backend: str) -> tuple[Any, Any]:
         from streamrl_cli.trainer.publish import WeightPublisher
-        from streamrl_cli.transport.dispatch import DispatchService
+        from streamrl_cli.transport.routing import DispatchService
         from streamrl_cli.transport.samples import StreamConfig
 
         gen = self.spec.generator

@@ -221,7 +221,7 @@ class Pipeline:
         self.sync_spans: list[tuple[int, float, float]] = []  # (version, start, end) of weight transfers
         self.ranker = ranker
         # Algorithm 2's decode-step time vs batch size: the profiled curve (planner.profile_file)
-        # when the run has one, else the paper's 7B/H800 shape (skew.dispatch.default_ptl).
+        # when the run has one, else the paper's 7B/H800 shape (skew.dispatch_plan.default_ptl).
         self.ptl = ptl
         self.recent_lengths: deque[int] = deque(maxlen=4096)  # for Algorithm 2's P90 / P50
         self.priority_base = 0  # LPT priorities of later batches come after earlier ones'
@@ -353,7 +353,12 @@ class Pipeline:
         self, batch: Batch, prompts: list[Prompt], rids: list[str]
     ) -> list[tuple[int, str, int]] | None:
         """(priority, target generator, batch limit) per prompt, or None: the data plane's own policy."""
-        from streamrl_cli.skew.dispatch import default_ptl, lpt_priorities, plan_dispatch, random_dispatch
+        from streamrl_cli.skew.dispatch_plan import (
+            default_ptl,
+            lpt_priorities,
+            plan_dispatch,
+            random_dispatch,
+        )
 
         cfg = self.cfg
         predicted = [float(x) for x in self.ranker.rank(prompts)] if self.ranker is not None else None

@@ -4,7 +4,7 @@ A generator holds a :class:`SampleSender` (take requests, send samples); the tra
 :class:`SampleReceiver` (dispatch requests, take samples). The engine and the trainer code see
 only these, so that another transport (shared memory on one node, say) plugs in without
 touching them. The receiver calls back into the trainer's logic through :class:`ReceiverHooks`
-(the :class:`~streamrl_cli.transport.dispatch.Dispatcher` implements it); :class:`SeenSet` is
+(the :class:`~streamrl_cli.transport.routing.Dispatcher` implements it); :class:`SeenSet` is
 the stand-alone default that only drops duplicates.
 """
 

@@ -10,7 +10,7 @@ from streamrl_cli.generator.engine import Completion, EngineHealth, GenerationRe
 from streamrl_cli.generator.main import GeneratorRole
 from streamrl_cli.recipe.schema import GeneratorConfig, ModelConfig, TaskConfig, TrainConfig
 from streamrl_cli.roles.spec import GeneratorSpec
-from streamrl_cli.skew.dispatch import lpt_priorities
+from streamrl_cli.skew.dispatch_plan import lpt_priorities
 from streamrl_cli.transport.samples import SampleSender
 from streamrl_cli.transport.wire import Request
 

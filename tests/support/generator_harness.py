@@ -13,7 +13,7 @@ from streamrl_cli.models.tiny import build_tiny_model
 from streamrl_cli.recipe.schema import GeneratorConfig, ModelConfig, TaskConfig, TrainConfig
 from streamrl_cli.rendezvous import RendezvousClient, create_secret
 from streamrl_cli.roles.spec import GeneratorSpec, spec_yaml
-from streamrl_cli.transport.dispatch import DispatchService
+from streamrl_cli.transport.routing import DispatchService
 from streamrl_cli.transport.samples import StreamConfig
 from streamrl_cli.transport.wire import Request
 from support.engine import Trainer, load_hf

@@ -73,3 +73,113 @@ def test_the_key_check_finds_a_key_nobody_reads(tmp_path):
     src = tmp_path / "m.py"
     src.write_text("def f(cfg):\n    cfg.used = 1\n    return cfg.other\n")  # `used` is only written
     assert unread([("S", "used"), ("S", "other")], attribute_reads([src])) == ["S.used"]
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement anywhere in `tree` (functions included), but not under `if TYPE_CHECKING:`."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def package_graph(root: Path = PACKAGE, name: str = "streamrl_cli") -> dict[str, set[str]]:
+    """Top-level package (or module) of `name` -> those it imports, counting imports inside functions.
+
+    `streamrl_cli.a.b` counts as `a`; relative imports are resolved against the importing module.
+    """
+    graph: dict[str, set[str]] = {}
+    # `from streamrl_cli import __version__` names an attribute, not a package
+    known = {f.stem for f in root.glob("*.py")} | {
+        d.name for d in root.glob("*/") if (d / "__init__.py").exists()
+    }
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root).with_suffix("").parts
+        if rel[-1] == "__init__":
+            rel = rel[:-1]
+        if not rel:
+            continue  # the root __init__ is no package of its own
+        src = rel[0]
+        module = (name, *rel)
+        is_pkg = f.name == "__init__.py"
+        deps = graph.setdefault(src, set())
+        for node in _imports(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif node.level:
+                base = module if is_pkg else module[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                stem = ".".join(base + ((node.module,) if node.module else ()))
+                targets = [stem] if node.module else [f"{stem}.{a.name}" for a in node.names]
+            else:
+                targets = [node.module or ""]
+                if node.module == name:  # `from streamrl_cli import x`
+                    targets = [f"{name}.{a.name}" for a in node.names]
+            for t in targets:
+                parts = t.split(".")
+                if parts[0] == name and len(parts) > 1 and parts[1] != src and parts[1] in known:
+                    deps.add(parts[1])
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_package_imports_another_that_imports_it_back_even_inside_functions():
+    # import-linter sees modules; a circle between packages can hide behind imports in function
+    # bodies that no module-level chain joins up (elastic -> launch -> recipe -> elastic did).
+    graph = package_graph()
+    cycle = find_cycle(graph)
+    assert cycle is None, "packages import each other: " + " -> ".join(cycle or [])
+
+
+def test_the_graph_sees_imports_in_functions_and_relative_ones(tmp_path):
+    pkg = tmp_path / "p"
+    for sub, text in {
+        "a/__init__.py": "",
+        "a/m.py": "def f():\n    from p.b import x\n",
+        "b/__init__.py": "from ..c import y\n",
+        "c/__init__.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p import a\n",
+    }.items():
+        (pkg / sub).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / sub).write_text(text)
+    graph = package_graph(pkg, "p")
+    assert graph == {"a": {"b"}, "b": {"c"}, "c": set()}
+    assert find_cycle(graph) is None
+    assert find_cycle({**graph, "c": {"a"}}) == ["a", "b", "c", "a"]

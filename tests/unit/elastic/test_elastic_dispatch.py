@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from streamrl_cli.transport.dispatch import DispatchService
+from streamrl_cli.transport.routing import DispatchService
 from streamrl_cli.transport.samples import StreamConfig, make_sender
 from streamrl_cli.transport.wire import Request
 

@@ -15,7 +15,7 @@ import pytest
 from support.admission import FakeEngine, FakeSender, drive_role, requests_for, role_spec  # noqa: F401
 
 from streamrl_cli.generator.admission import Admission
-from streamrl_cli.skew.dispatch import lpt_priorities
+from streamrl_cli.skew.dispatch_plan import lpt_priorities
 
 
 def test_lpt_admits_by_priority_and_the_next_one_whenever_one_finishes():

@@ -11,10 +11,10 @@ import pytest
 
 from streamrl_cli.planner import scenario
 from streamrl_cli.planner.costmodel import AnalyticCostModel
-from streamrl_cli.planner.dispatch import dispatch_random, dispatch_skewness, predict, recall
 from streamrl_cli.planner.hardware import load_hardware
 from streamrl_cli.planner.lengths import LengthDist
 from streamrl_cli.planner.search import Planner, Pool
+from streamrl_cli.planner.sim_dispatch import dispatch_random, dispatch_skewness, predict, recall
 from streamrl_cli.planner.simulator import PAPER_PTL_7B_H800, SimConfig, simulate
 from streamrl_cli.planner.workload import workload_from_recipe
 from streamrl_cli.recipe.load import load

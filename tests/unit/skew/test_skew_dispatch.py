@@ -1,4 +1,4 @@
-"""Algorithm 2 (skew.dispatch) against brute force, and its edge cases. Pure, fast.
+"""Algorithm 2 (skew.dispatch_plan) against brute force, and its edge cases. Pure, fast.
 
 The brute force tries every assignment of prompts to instances in which no instance mixes long-tail
 and regular prompts, and every batch size of every instance; Algorithm 2 only tries the splits
@@ -17,7 +17,7 @@ import pytest
 
 from streamrl_cli.planner.costmodel import ptl_from_profile
 from streamrl_cli.planner.profile import Profile
-from streamrl_cli.skew.dispatch import (
+from streamrl_cli.skew.dispatch_plan import (
     PAPER_PTL_7B_H800,
     best_batch,
     default_ptl,

@@ -12,7 +12,7 @@ from support.stream import TOKEN, drain, sample
 
 from streamrl_cli.transport import TransportError
 from streamrl_cli.transport import wire as w
-from streamrl_cli.transport.dispatch import DispatchService
+from streamrl_cli.transport.routing import DispatchService
 from streamrl_cli.transport.samples import StreamConfig, make_receiver, make_sender
 from streamrl_cli.transport.wire import Request
 from streamrl_cli.transport.zmq_common import curve_keys, make_client_socket

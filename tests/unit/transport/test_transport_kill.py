@@ -21,7 +21,7 @@ from pathlib import Path
 from support.rendezvous import start_rendezvous  # noqa: F401
 
 from streamrl_cli.rendezvous import RendezvousClient, create_secret
-from streamrl_cli.transport.dispatch import DispatchService
+from streamrl_cli.transport.routing import DispatchService
 from streamrl_cli.transport.samples import StreamConfig
 from streamrl_cli.transport.wire import Request
 

@@ -13,8 +13,8 @@ import msgspec
 import pytest
 
 from streamrl_cli.transport import TransportError
-from streamrl_cli.transport.dispatch import Dispatcher, LeastLoaded, make_policy
 from streamrl_cli.transport.ledger import Ledger, Outcome
+from streamrl_cli.transport.routing import Dispatcher, LeastLoaded, make_policy
 from streamrl_cli.transport.wire import Request, Sample, decode_request, encode
 
 

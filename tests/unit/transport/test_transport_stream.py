@@ -17,7 +17,7 @@ from support.netproxy import Proxy, cut_after
 from support.stream import TOKEN, drain, sample  # noqa: F401
 
 from streamrl_cli.transport import BackpressureTimeout, TransportError
-from streamrl_cli.transport.dispatch import Dispatcher
+from streamrl_cli.transport.routing import Dispatcher
 from streamrl_cli.transport.samples import SeenSet, StreamConfig, make_receiver, make_sender
 from streamrl_cli.transport.wire import Request
 from streamrl_cli.transport.zmq_common import curve_keys

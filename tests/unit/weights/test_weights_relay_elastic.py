@@ -23,7 +23,7 @@ from support.weights_elastic import Run, digest, state
 from streamrl_cli.recipe.schema import GeneratorConfig, ModelConfig, TaskConfig, TrainConfig
 from streamrl_cli.roles.spec import GeneratorSpec, spec_yaml
 from streamrl_cli.trainer.publish import WeightPublisher
-from streamrl_cli.transport.dispatch import DispatchService
+from streamrl_cli.transport.routing import DispatchService
 from streamrl_cli.transport.samples import StreamConfig
 
 SYNC_TIMEOUT_S = 60.0  # the trainer's wait for a version: far above what any test may take

@@ -15,7 +15,7 @@ paper's objective. The two groups run side by side, so the generation time is ra
 tests/unit/skew/test_skew_dispatch.py).
 
 One implementation for the real dispatcher (the trainer turns a :class:`DispatchPlan` into each
-request's ``target``, ``batch_limit`` and ``priority``) and for the simulator (planner.dispatch).
+request's ``target``, ``batch_limit`` and ``priority``) and for the simulator (planner.sim_dispatch).
 Pure functions: no clock; randomness only from the caller's generator.
 """
 

@@ -10,7 +10,7 @@ The wire path is :class:`DispatchService`, the trainer's one object for the stre
 the receiver, sends the dispatcher's assignments through it, and follows the rendezvous
 events so that a generator whose lease expired (``member_lost``) or that left has its
 unacknowledged work re-dispatched to the others. The skewness-aware dispatcher of
-docs/architecture.md (the paper's Algorithm 2, streamrl_cli.skew.dispatch) places a whole batch at once,
+docs/architecture.md (the paper's Algorithm 2, streamrl_cli.skew.dispatch_plan) places a whole batch at once,
 so it does not fit a per-request policy: the trainer writes its choice into each request's
 ``target`` (and ``batch_limit``, ``priority``), which the dispatcher follows while that generator
 is alive; a lost generator's work goes to the policy's choice like any other.

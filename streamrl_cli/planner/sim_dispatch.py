@@ -11,7 +11,7 @@
   Latency = PTL(BS) × L × ceil(M / BS). Within an instance, Longest-Processing-Time first.
 
 Long samples end up on instances with few, small batches (low PTL); regular ones fill the rest.
-Algorithm 2 itself is streamrl_cli.skew.dispatch, shared with the real dispatcher; these are the
+Algorithm 2 itself is streamrl_cli.skew.dispatch_plan, shared with the real dispatcher; these are the
 simulator's views of it (instances are numbered, queues are lists). Pure functions: randomness
 comes from the caller's seeded generator.
 """
@@ -22,7 +22,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 
-from streamrl_cli.skew.dispatch import group_latency, plan_split, random_dispatch
+from streamrl_cli.skew.dispatch_plan import plan_split, random_dispatch
 
 POLICIES = ("random", "skewness")
 
@@ -45,13 +45,6 @@ def dispatch_random(n_prompts: int, instances: int, rng: random.Random) -> list[
     """Prompt indices per instance, in admission order."""
     plan = random_dispatch(n_prompts, _ids(instances), rng)
     return [list(q) for q in plan.queues.values()]
-
-
-def instance_latency(
-    ptl: Callable[[float], float], prompts: int, length: float, n: int, group: int, max_batch: int
-) -> float:
-    """Algorithm 2's estimate for n instances sharing `prompts` prompts of mean output `length`."""
-    return group_latency(ptl, prompts, length, n, group=group, max_batch=max_batch)
 
 
 def dispatch_skewness(
