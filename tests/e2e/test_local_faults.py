@@ -78,8 +78,15 @@ def iteration_records(run_dir: Path) -> list[dict]:
 
 
 def events(run_dir: Path) -> list[dict]:
+    """The run's events, read while it writes them (a line still being written is skipped)."""
     path = run_dir / "events.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
 
 
 def journal(run_dir: Path) -> list[dict]:

@@ -54,9 +54,15 @@ def run_dir_of(root: Path) -> Path | None:
 
 
 def trainer_iterations(run_dir: Path) -> list[int]:
+    """The iterations the trainer recorded, in order, read while the run writes them: none before
+    metrics.jsonl exists, and a line still being written is not one yet."""
+    path = run_dir / "metrics.jsonl"
     out = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
         if rec.get("role") == "trainer" and "iteration" in rec:
             out.append(rec["iteration"])
     return out
