@@ -201,9 +201,11 @@ def scenario(tmp_path_factory) -> tuple[Scenario, Driver]:
         rec["restart"] = d.restarts()[0]
         rec["first_again"] = trainer_iterations(d.run_dir)[rec["seen"]]
         rec["log"] = (d.run_dir / "logs" / "trainer" / "trainer-0.log").read_text()
+        rec["output"] = d.output()
 
     def generator_stopped_past_lease(rec: dict) -> None:
         gen = newest(d.run_dir, "generator", 1)
+        rec["before"] = len(trainer_iterations(d.run_dir))
         os.killpg(gen["pid"], signal.SIGSTOP)  # the role and its engine: its whole process group
         try:
 
@@ -229,6 +231,7 @@ def scenario(tmp_path_factory) -> tuple[Scenario, Driver]:
             e["type"] for e in journal(d.run_dir) if e.get("data", {}).get("member_id") == "generator-1"
         ]
         d.trained(2, len(trainer_iterations(d.run_dir)))
+        rec["iterations"] = trainer_iterations(d.run_dir)
 
     def rendezvous_killed(rec: dict) -> None:
         (server,) = procs_of(d.run_dir, "rendezvous")
@@ -240,6 +243,7 @@ def scenario(tmp_path_factory) -> tuple[Scenario, Driver]:
         rec["restarted"] = [e for e in events(d.run_dir) if e["event"] == "rendezvous_restarted"]
         rec["trainer_after"] = newest(d.run_dir, "trainer")["pid"]
         rec["iterations"] = trainer_iterations(d.run_dir)
+        rec["output"] = d.output()
 
     def trainer_killed_mid_checkpoint(rec: dict) -> None:
         # Stop the trainer the moment a checkpoint is seen being written; if its state.json is there
@@ -308,6 +312,7 @@ def scenario(tmp_path_factory) -> tuple[Scenario, Driver]:
         d.wait(lambda: not group_of(gen["pid"], gen["created"]), "its engine processes to stop", 60)
         rec["failed"] = [e for e in events(d.run_dir) if e["event"] == "member_failed"]
         rec["output"] = d.output()
+        rec["engine_left"] = group_of(gen["pid"], gen["created"])
 
     def last_generator_killed(rec: dict) -> None:
         gen = newest(d.run_dir, "generator", 0)
@@ -349,6 +354,7 @@ def test_a_trainer_killed_before_its_first_checkpoint_is_started_again_and_start
     sc, _ = scenario
     rec = sc.record("trainer killed before its first checkpoint")
     assert rec["restart"]["exit_codes"] == {"trainer-0": -9}
+    assert "starting the trainer again" in rec["output"], rec["output"][-4000:]
     if not rec["checkpoints_before"]:  # killed before iteration CKPT-1 was written, as meant
         assert rec["first_again"] == 0 and "starting over (no checkpoint yet)" in rec["log"]
     else:  # the first checkpoint was faster than the kill: resumed after it
@@ -359,12 +365,16 @@ def test_a_generator_stopped_past_its_lease_is_lost_and_comes_back(scenario):
     rec = scenario[0].record("generator stopped past its lease")
     kinds = rec["kinds"]
     assert "member_lost" in kinds and kinds.index("member_lost") < len(kinds) - 1, kinds
+    # the trainer went on without it and with it again: each iteration once, in order
+    later = rec["iterations"][max(rec["before"] - 1, 0) :]
+    assert later == list(range(later[0], later[0] + len(later))), rec["iterations"]
 
 
 def test_a_killed_rendezvous_server_is_started_again_from_its_journal(scenario):
     rec = scenario[0].record("rendezvous killed")
     (restart,) = rec["restarted"]
     assert restart["exit_code"] == -9
+    assert "the rendezvous server exited with -9; starting it again from its journal" in rec["output"]
     assert rec["trainer_after"] == rec["trainer"]  # the trainer never stopped
     later = rec["iterations"][rec["seen"] - 1 :]
     assert later == list(range(later[0], later[0] + len(later))), rec["iterations"]  # in order, once
@@ -403,6 +413,8 @@ def test_kill_9_of_one_generator_takes_its_engine_along_and_the_run_goes_on(scen
     assert rec["engine"], "the generator's vLLM engine processes are in its process group"
     assert "the run goes on without it" in rec["output"], rec["output"][-4000:]
     assert any(e["rank"] == 1 for e in rec["failed"]), rec["failed"]
+    assert "generator rank 1 exited with -9" in rec["output"]
+    assert rec["engine_left"] == [], "the killed generator's engine processes were stopped"
 
 
 def test_with_every_generator_gone_the_run_fails_with_the_reason_and_leaves_nothing(scenario):
@@ -410,6 +422,8 @@ def test_with_every_generator_gone_the_run_fails_with_the_reason_and_leaves_noth
     assert rec["code"] == 1, rec["output"][-4000:]
     assert "no generator left" in rec["output"], rec["output"][-4000:]
     assert rec["info"]["state"] == "failed" and rec["info"]["trainer_restarts"] == 3, rec["info"]
+    assert rec["info"]["rendezvous_restarts"] == 1, rec["info"]
+    assert [e["exit_codes"]["trainer-0"] for e in rec["restarts"]][:2] == [-9, -9], rec["restarts"]
     assert rec["nothing_left"]
 
 
@@ -435,5 +449,9 @@ def test_every_iteration_trained_its_batch_of_whole_groups_and_none_was_lost(sce
     # Within the last trainer's life no prompt was trained twice (fresh draws from 4,096 prompts).
     trained = [k.removesuffix("~c") for r in lives[-1] for k in r["lengths/by_prompt"]]
     assert len(trained) == len(set(trained)), trained
+    # A paused group goes on: trained later, or paused or aborted again in the next iteration.
+    for prev, nxt in zip(lives[-1], lives[-1][1:], strict=False):
+        went_on = set(trained) | set(nxt["rollout/paused_prompts"]) | set(nxt["rollout/aborted_prompts"])
+        assert set(prev["rollout/paused_prompts"]) <= went_on, (prev["iteration"], nxt["iteration"])
     # Partial rollout paused groups and resumed them under newer weights.
     assert sum(r["rollout/paused_groups"] for r in recs) > 0
