@@ -488,15 +488,17 @@ def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:
     done: one line per job, and per process what actually happened to it (stopped, killed, or why
     it was not signalled)."""
     done, errors = [], []
-    if (
-        run.info().get("state") in ENDED_STATES
-        and not any(r.running() for r in local.procs(run))
-        and not (run.jobs() and slurm.unfinished(slurm.run_job_states(run.jobs())))
+    ended_as = run.info().get("state")
+    if ended_as not in ENDED_STATES:
+        ended_as = None
+    elif not any(r.running() for r in local.procs(run)) and not (
+        run.jobs() and slurm.unfinished(slurm.run_job_states(run.jobs()))
     ):
-        return done  # its record of how it ended stays as it is (unless processes or jobs still run)
-    # Said before any signal is sent, so that a `streamrl run` watching the roles reads their
-    # exits as a cancel, not as a failure.
-    run.update_info(state="cancelling")
+        return done  # nothing of it runs: its record of how it ended stays as it is
+    if ended_as is None:
+        # Said before any signal is sent, so that a `streamrl run` watching the roles reads their
+        # exits as a cancel, not as a failure.
+        run.update_info(state="cancelling")
     _, damaged = rundir.read_json_checked(run.jobs_json)
     if damaged:
         errors.append(
@@ -521,8 +523,11 @@ def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:
     stopped += local.stop([r for r in procs if r not in live and r.successor() is not None])
     done += [s.describe() for s in stopped]
     errors += [s.describe() for s in stopped if not s.ended]
-    run.update_info(state="cancelled", ended=time.time())
-    run.event("cancelled", reason=reason, actions=done, errors=errors)
+    if ended_as is None:
+        run.update_info(state="cancelled", ended=time.time())
+        run.event("cancelled", reason=reason, actions=done, errors=errors)
+    else:  # a run that had ended (its generators still shutting down, say) keeps how it ended
+        run.event("leftovers_stopped", reason=reason, ended_as=ended_as, actions=done, errors=errors)
     if errors:
         raise ClusterError("; ".join(errors))
     return done

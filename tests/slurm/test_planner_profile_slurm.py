@@ -24,7 +24,10 @@ from streamrl_cli.profiling.jobs import JOBS_FILE
 def test_kind_and_out_file_are_for_profiling_here(tmp_path):
     res = streamrl("profile", "slurm-local", "--kind", "h20")
     assert res.returncode == 1 and "--kind names the profile of this machine" in res.stderr
-    res = streamrl("profile", "slurm-local", f"model.path={tmp_path}/m", "--out", str(tmp_path / "p.json"))
+    # (it builds the tiny model at model.path before it reads --out: minutes on a loaded machine)
+    res = streamrl(
+        "profile", "slurm-local", f"model.path={tmp_path}/m", "--out", str(tmp_path / "p.json"), timeout=600
+    )
     assert res.returncode == 1 and "names a directory" in res.stderr
     assert "Traceback" not in res.stderr + res.stdout
     # --local measures this machine even for a SLURM recipe (and then --kind names its profile)
