@@ -108,11 +108,12 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_xdist_make_scheduler(config, log):
     """`-n 2` (make test): every e2e and SLURM test on one worker, one after another, and the unit
-    tests one by one on the other. Two real runs at once (engines, trainers, SLURM jobs on the test
-    clusters' two CPUs) each took about twice as long on 2 cores, and SLURM jobs of one waited for
-    the other's to leave the node: nothing was gained and timeouts were raced. Unit tests, light,
-    fit beside them. Scopes go out in collection order (the heavy one first, see the sort above);
-    a worker holding a scope takes nothing else until it is done."""
+    tests, module by module (some run in order on one module fixture), on the other. Two real runs
+    at once (engines, trainers, SLURM jobs on the test clusters' two CPUs) each took about twice as
+    long on 2 cores, and SLURM jobs of one waited for the other's to leave the node: nothing was
+    gained and timeouts were raced. Unit tests, light, fit beside them. Scopes go out in collection
+    order (the heavy one first, see the sort above); a worker holding a scope takes nothing else
+    until it is done. `make test-fast` (unit tier only) spreads the modules over both workers."""
     from xdist.scheduler import LoadScopeScheduling
 
     class TierScheduling(LoadScopeScheduling):
@@ -121,6 +122,7 @@ def pytest_xdist_make_scheduler(config, log):
             super().__init__(config, log)
 
         def _split_scope(self, nodeid: str) -> str:
-            return "heavy" if tier(nodeid) in ("e2e", "slurm") else nodeid
+            # a unit module stays on one worker: some run their tests in order on one module fixture
+            return "heavy" if tier(nodeid) in ("e2e", "slurm") else nodeid.split("::", 1)[0]
 
     return TierScheduling(config, log)
