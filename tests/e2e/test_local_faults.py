@@ -36,6 +36,8 @@ from support.helpers import REPO, STREAMRL, streamrl
 from support.member_runs import assert_nothing_left, group_of, trainer_iterations
 from support.scenario import Scenario
 
+from streamrl_cli.rundir import read_jsonl
+
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(2100)]
 
 DEADLINE_S = 1800
@@ -60,17 +62,10 @@ def score(prompts, completions, **columns):
 """
 
 
+# The run's JSON-lines files are read while the run appends to them: rundir.read_jsonl reads none
+# from a file not created yet and skips a line still being written.
 def records(run_dir: Path, role: str) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the line being written
-        if rec.get("role") == role:
-            out.append(rec)
-    return out
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl").records if r.get("role") == role]
 
 
 def iteration_records(run_dir: Path) -> list[dict]:
@@ -78,26 +73,11 @@ def iteration_records(run_dir: Path) -> list[dict]:
 
 
 def events(run_dir: Path) -> list[dict]:
-    """The run's events, read while it writes them (a line still being written is skipped)."""
-    path = run_dir / "events.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    return read_jsonl(run_dir / "events.jsonl").records
 
 
 def journal(run_dir: Path) -> list[dict]:
-    path = run_dir / "rendezvous" / "journal.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    return read_jsonl(run_dir / "rendezvous" / "journal.jsonl").records
 
 
 def procs_of(run_dir: Path, role: str) -> list[dict]:

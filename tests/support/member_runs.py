@@ -10,6 +10,7 @@ from pathlib import Path
 
 import psutil
 
+from streamrl_cli.rundir import read_jsonl
 from support.helpers import REPO, STREAMRL
 
 
@@ -56,16 +57,8 @@ def run_dir_of(root: Path) -> Path | None:
 def trainer_iterations(run_dir: Path) -> list[int]:
     """The iterations the trainer recorded, in order, read while the run writes them: none before
     metrics.jsonl exists, and a line still being written is not one yet."""
-    path = run_dir / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if rec.get("role") == "trainer" and "iteration" in rec:
-            out.append(rec["iteration"])
-    return out
+    recs = read_jsonl(run_dir / "metrics.jsonl").records
+    return [r["iteration"] for r in recs if r.get("role") == "trainer" and "iteration" in r]
 
 
 def generator_pid(run_dir: Path, rank: int) -> tuple[int, float]:
