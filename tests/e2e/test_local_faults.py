@@ -32,11 +32,11 @@ import time
 from pathlib import Path
 
 import pytest
-from support.helpers import REPO, STREAMRL, streamrl
+from support.helpers import REPO, STREAMRL, metrics_records, streamrl
 from support.member_runs import assert_nothing_left, group_of, trainer_iterations
 from support.scenario import Scenario
 
-from streamrl_cli.rundir import read_jsonl
+from streamrl_cli.rundir import RunDir, read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(2100)]
 
@@ -62,18 +62,14 @@ def score(prompts, completions, **columns):
 """
 
 
-# The run's JSON-lines files are read while the run appends to them: rundir.read_jsonl reads none
-# from a file not created yet and skips a line still being written.
-def records(run_dir: Path, role: str) -> list[dict]:
-    return [r for r in read_jsonl(run_dir / "metrics.jsonl").records if r.get("role") == role]
-
-
+# The run's JSON-lines files are read while the run appends to them: rundir.read_jsonl (under these)
+# reads none from a file not created yet and skips a line still being written.
 def iteration_records(run_dir: Path) -> list[dict]:
-    return [r for r in records(run_dir, "trainer") if "iteration" in r]
+    return [r for r in metrics_records(run_dir, "trainer") if "iteration" in r]
 
 
 def events(run_dir: Path) -> list[dict]:
-    return read_jsonl(run_dir / "events.jsonl").records
+    return RunDir(run_dir).events_checked().records
 
 
 def journal(run_dir: Path) -> list[dict]:
@@ -282,7 +278,9 @@ def scenario(tmp_path_factory) -> tuple[Scenario, Driver]:
 
         def newcomer_worked() -> bool:
             return any(
-                r.get("total_samples", 0) > 0 for r in records(d.run_dir, "generator") if r["rank"] == 2
+                r.get("total_samples", 0) > 0
+                for r in metrics_records(d.run_dir, "generator")
+                if r["rank"] == 2
             )
 
         d.wait(newcomer_worked, "samples from the new generator")

@@ -106,19 +106,11 @@ def none_alive(recs: list[dict]) -> bool:
 
 
 def metrics_records(run: Path, role: str) -> list[dict]:
-    """A run's metrics.jsonl records of `role`, read while the run writes it (a torn last line is skipped)."""
-    import json
+    """A run's metrics.jsonl records of `role`, read while the run writes it (none before the file
+    exists; a line still being written is skipped)."""
+    from streamrl_cli.rundir import read_jsonl
 
-    path = run / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if rec.get("role") == role:
-            out.append(rec)
-    return out
+    return [r for r in read_jsonl(run / "metrics.jsonl").records if r.get("role") == role]
 
 
 def job_logs(run: Path, tail: int | None = 2500) -> str:

@@ -75,7 +75,4 @@ def assert_nothing_left(run_dir: Path) -> None:
 
 def serving(run_dir: Path) -> bool:
     """Both generators generate and the trainer has trained at least one iteration."""
-    try:
-        return len(trainer_iterations(run_dir)) >= 1
-    except (OSError, json.JSONDecodeError):
-        return False
+    return len(trainer_iterations(run_dir)) >= 1
