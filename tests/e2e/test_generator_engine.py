@@ -9,7 +9,6 @@ engine from starting, CPU-repacked linear weights, a stale tied LM head, a stale
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
 import pytest
@@ -314,12 +313,6 @@ def test_requests_arriving_during_a_swap_start_on_the_new_weights_and_an_abort_r
     assert res["g0"].weight_version == res["g0"].weight_version_end == 10
     assert res["g1"].aborted and res["g1"].completions[0].token_ids == []
     assert not loop.run_until_complete(engine.health()).paused
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -44,10 +44,6 @@ class Scenario:
         else:
             self.records[name] = rec
 
-    @property
-    def alive(self) -> bool:
-        return self.failed is None
-
     def left_s(self) -> float:
         """Seconds left before the scenario's deadline (never below 1: a wait still gets to try)."""
         return max(1.0, self.deadline - time.monotonic())
