@@ -66,6 +66,25 @@ def test_new_weights_change_both_generators_greedy_output(harness):
     assert {"tokens_per_s", "queue_depth", "idle_ratio", "weight_version"} <= set(metrics["record"])
 
 
+def test_a_cancelled_group_is_dropped_by_its_generator_and_nothing_of_it_arrives(harness):
+    # What over-sampling does to the groups it will not train. The long group (4 × 256 tokens) is
+    # cancelled the moment it is dispatched: whether its generator still queues it or already runs
+    # it in the engine, it drops it and counts it; it cannot have finished by then.
+    def cancelled() -> int:
+        metrics = harness.rdv.status()["metrics"]
+        return sum(m["record"].get("cancelled_requests", 0) for m in metrics.values() if "record" in m)
+
+    before = cancelled()
+    (long,) = harness.submit([LONG_PROMPT[:20]], n=4, temperature=1.0, max_tokens=256, ignore_eos=True)
+    harness.svc.cancel([long])
+    short = harness.submit([LONG_PROMPT[:12], LONG_PROMPT[5:15]], n=2, temperature=1.0, max_tokens=8)
+    got = harness.receive(4)
+    assert {s.prompt_id for s in got} == set(short)
+    wait_until(lambda: cancelled() == before + 1, 30, "the cancellation counted by its generator")
+    assert harness.svc.outstanding() == 0
+    assert harness.svc.get(timeout=1.0) is None  # nothing of the cancelled group comes after
+
+
 def test_killed_generator_work_is_redispatched_and_received_once(harness):
     # Outputs of very different lengths, so the victim still owes most of its work when it dies.
     prompts = [[(3 * i + j) % 500 + 1 for j in range(8)] for i in range(24)]

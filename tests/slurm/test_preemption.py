@@ -76,6 +76,10 @@ def status(run: Path, home: Path) -> dict:
     return json.loads(out.stdout)
 
 
+def trainer_logs(run: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted((run / "logs" / "trainer").glob("*.out")))
+
+
 def trained_on(run: Path, after: int, n: int, what: str, timeout: float) -> None:
     wait_on_run(lambda: len(iterations(run)) >= after + n, timeout, what, run)
 
@@ -131,8 +135,10 @@ def scenario(tmp_path_factory) -> Scenario:
         rec["before"] = iterations(run)
         subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
         start_requeued(job, run, 2, min(300, sc.left_s()))
-        last = max(rec["before"])
-        wait_on_run(lambda: max(iterations(run)) >= last + 2, sc.left_s(), "iterations past the requeue", run)
+        # The old process trained on until SIGTERM reached it: wait for the new one to resume, then
+        # for two iterations of its own.
+        wait_on_run(lambda: trainer_logs(run).count("resuming from") >= 2, sc.left_s(), "the resume", run)
+        trained_on(run, len(iterations(run)), 2, "iterations past the requeue", sc.left_s())
         rec["after"] = iterations(run)
         rec["logs"] = job_logs(run, tail=None)
 
