@@ -229,12 +229,20 @@ class Learner:
     def step(self) -> dict[str, float]:
         """Divide the accumulated gradients by the iteration's units, step, and return the stats."""
         out = self.finish_gradients()
+        # Without ZeRO, DeepSpeed leaves the norm unset (its clipping does not report it): taken here,
+        # from the whole gradient, before clipping, as DeepSpeed's ZeRO optimizers report theirs.
+        own = self._grad_norm() if self.opt.zero_stage == 0 else None
         for engine in filter(None, (self.actor, self.critic)):
             engine.step()
         norm = self.actor.get_global_grad_norm()
+        norm = own if norm is None else norm
         out["grad_norm"] = float(norm) if norm is not None else float("nan")
         self._begin()
         return out
+
+    def _grad_norm(self) -> float:
+        grads = [p.grad for p in self.actor.module.parameters() if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
     def finish_gradients(self) -> dict[str, float]:
         """After the last micro-batch: gradients become those of the whole batch's mean loss."""

@@ -230,3 +230,97 @@ def test_packed_forwards_give_each_rows_own_logprobs_entropy_and_values(model_di
         torch.testing.assert_close(
             policy_forward(plain, mb, sampling)[0], logp.detach(), atol=1e-5, rtol=1e-5
         )
+
+
+
+def trl_reference_steps(path: str, batches: list[list[Rollout]], *, lr: float, clip: float, max_norm: float):
+    """TRL's GRPO step written out with plain PyTorch, independent of StreamRL's loss functions: the
+    clipped surrogate at ratio exp(logp - logp.detach()) with the rows' advantages, the "dapo"
+    reduction (token sum over the step's tokens / the step's token count), global-norm clipping,
+    torch AdamW (betas 0.9 and 0.999, eps 1e-8, no weight decay). One optimizer step per batch: the
+    parameters after each, and the gradient each step took (before clipping)."""
+    torch.manual_seed(0)
+    model = load_policy(path, torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    after, grads = [], []
+    for rows in batches:
+        adv = torch.tensor([r.advantage for r in rows])
+        mb = collate(rows)
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
+        ratio = torch.exp(logp - logp.detach())
+        a = adv[:, None]
+        per_token = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip, 1 + clip) * a)
+        loss = (per_token * mb.mask).sum() / mb.mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return after, grads
+
+
+def grpo_rows(n: int, seed: int) -> list[Rollout]:
+    """Rollouts in groups of 4 with the advantages StreamRL's trainer gives them (pipeline's rule),
+    checked against TRL's (scale_rewards="group": (r - mean) / (std + 1e-4), the sample std): the
+    one difference in the step, a factor sqrt(G / (G - 1)) per group (the population std), and
+    std + 1e-6 instead of + 1e-4 (~3e-4 relative at these groups' stds of ~0.3)."""
+    rows = rollouts(n, seed=seed)
+    for g in range(0, n, 4):
+        rewards = torch.tensor([r.reward for r in rows[g : g + 4]])
+        adv = L.grpo_advantages(rewards, std_norm=True)
+        trl = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+        torch.testing.assert_close(adv, trl * (4 / 3) ** 0.5, rtol=2e-3, atol=1e-6)
+        for r, a in zip(rows[g : g + 4], adv.tolist(), strict=True):
+            r.advantage = a
+    return rows
+
+
+@pytest.mark.parametrize(
+    "stage,pieces,max_norm",
+    [(0, 1, 1.6), (1, 3, 1.0), (2, 2, 1.6), (3, 3, 1.0), (1, 1, 0.0)],
+)  # fmt: skip
+def test_two_optimizer_steps_equal_plain_adamw_on_trls_grpo_loss(model_dir, stage, pieces, max_norm):
+    """The parameters after each of two optimizer steps (so Adam's moments and bias correction
+    count) equal TRL's computation on the same batches to 1e-5, for any micro-batch split and ZeRO
+    stage, with clipping and without. The two batches' gradient norms are 1.74 and 1.55: clipping at
+    1.0 cuts both (Adam cancels a scale common to both steps), at 1.6 only the first, which is what
+    shows a clipping that differs. The advantages are StreamRL's in both (how they differ from
+    TRL's: `grpo_rows`).
+
+    Where the comparison cannot hold: an element whose gradient is float32 rounding noise (a sum of
+    terms that nearly cancel) takes Adam's full step, ±lr, in whichever direction the noise points,
+    in either computation; measured, the elements that differ by more than 1e-5 (~0.03%) all have
+    |g| below 2e-5 of the largest. So the elements compared are those with a gradient of at least
+    1e-4 of the largest, or none at all (unused embedding rows), at both steps: they must be 97% of
+    all; the rest stay within Adam's bound."""
+    lr = 1e-3
+    batches = [grpo_rows(12, seed=21), grpo_rows(12, seed=22)]
+    expected, grads = trl_reference_steps(model_dir, batches, lr=lr, clip=0.2, max_norm=max_norm or 1e9)
+    def clear(g: dict, n: str) -> torch.Tensor:
+        return (g[n].abs() >= 1e-4 * max(v.abs().max() for v in g.values())) | (g[n] == 0)
+
+    resolved = {n: clear(grads[0], n) & clear(grads[1], n) for n in grads[0]}
+    elements = sum(m.numel() for m in resolved.values())
+    assert sum(int(m.sum()) for m in resolved.values()) > 0.97 * elements
+    cfg = loss_config(name="grpo", loss_agg="token-mean", kl_coef=0.0, is_correction="off")
+    opt = OptimConfig(zero_stage=stage, lr=lr, max_grad_norm=max_norm)
+    learner = Learner(model_dir, cfg, opt, torch.device("cpu"), torch.float32)
+    start = {n: p.detach().clone() for n, p in load_policy(model_dir, torch.float32).named_parameters()}
+    for step, (rows, want) in enumerate(zip(batches, expected, strict=True)):
+        cuts = [round(k * len(rows) / pieces) for k in range(pieces + 1)]
+        for k in range(pieces):
+            learner.micro_step(collate(rows[cuts[k] : cuts[k + 1]]), last=k == pieces - 1)
+        stats = learner.step()
+        ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads[step].values()])).item()
+        assert stats["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)  # before clipping, as TRL logs it
+        got = learner.full_state()
+        assert set(got) == set(want)
+        worst = max((got[n] - want[n])[resolved[n]].abs().max().item() for n in want)
+        assert worst < 1e-5, f"step {step + 1}: largest parameter difference {worst:.2e}"
+        bound = max((got[n] - want[n]).abs().max().item() for n in want)
+        assert bound <= 2 * lr * (step + 1) + 1e-6  # the noise elements: Adam's step bound, no more
+        if step == 0:  # every compared element with a gradient moved far more than the tolerance
+            moving = {n: resolved[n] & (grads[0][n] != 0) for n in want}
+            assert min((want[n] - start[n])[moving[n]].abs().min().item() for n in want) > lr / 2
