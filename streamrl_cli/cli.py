@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from streamrl_cli import environ
 from streamrl_cli.errors import StreamRLError, UsageError
 
 app = typer.Typer(
@@ -414,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
         err.print(f"{e.strerror or e}{where}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(1)
     except Exception as e:  # a bug: one line here, the traceback in a file for the report
-        if os.environ.get("STREAMRL_TRACEBACK"):
+        if os.environ.get(environ.TRACEBACK):
             raise
         path = _save_traceback()
         err.print("[bold red]internal error:[/bold red] ", end="")

@@ -39,11 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from streamrl_cli import environ
 from streamrl_cli.errors import RunNotFoundError
 
 
 def streamrl_home() -> Path:
-    return Path(os.environ.get("STREAMRL_HOME", Path.home() / ".streamrl")).expanduser()
+    return Path(os.environ.get(environ.HOME) or Path.home() / ".streamrl").expanduser()
 
 
 def write_atomic(path: Path, data: str | bytes, mode: int = 0o644, durable: bool = False) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 
+from streamrl_cli import environ
 from streamrl_cli.launch.plan import JobSpec
 from streamrl_cli.rundir import RunDir, read_json_checked, warn_once, write_json
 
@@ -98,7 +99,7 @@ def spawn(run: RunDir, role: str, rank: int, argv: list[str], env: dict[str, str
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {}), "STREAMRL_RANK": str(rank)},
+            env={**os.environ, **(env or {}), environ.RANK: str(rank)},
             start_new_session=True,
             cwd=run.path,
         )

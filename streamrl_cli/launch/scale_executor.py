@@ -23,13 +23,11 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from streamrl_cli.environ import CPU_SLOT, RANK_BASE
 from streamrl_cli.errors import ClusterError
 from streamrl_cli.launch import local, plan, slurm
 from streamrl_cli.launch.plan import JobSpec
-from streamrl_cli.roles.entry import CPU_SLOT_ENV
 from streamrl_cli.rundir import RunDir, write_atomic, write_json
-
-RANK_BASE_ENV = "STREAMRL_RANK_BASE"
 
 
 @dataclass(kw_only=True)
@@ -134,7 +132,7 @@ def apply(run: RunDir, target: int, *, job: JobSpec | None = None) -> ScaleResul
             for i, rank in enumerate(range(base, base + k)):
                 # Its place among the instances that will share this host, so that its engine gets
                 # cores of its own instead of the first instance's (see generator.main.cpu_binding).
-                env = {**job.env, CPU_SLOT_ENV: f"{len(have) + i}/{target}"}
+                env = {**job.env, CPU_SLOT: f"{len(have) + i}/{target}"}
                 local.spawn(run, "generator", rank, local.role_command(spec_path, rank), env)
         else:
             result.jobs.append(_submit(run, job, base, k, slots=(len(have), target)))
@@ -177,7 +175,7 @@ def _submit(run: RunDir, job: JobSpec, base: int, k: int, slots: tuple[int, int]
 
     # Task t's CPU slot is first + t of the instances sharing a node (see generator.main.cpu_binding).
     first, count = slots
-    env = {**job.env, RANK_BASE_ENV: str(base), CPU_SLOT_ENV: f"{first}/{count}"}
+    env = {**job.env, RANK_BASE: str(base), CPU_SLOT: f"{first}/{count}"}
     scaled = dataclasses.replace(job, array=k, env=env)
     name = run.info().get("name", run.name)
     script = run.job_script(f"{job.key}-from{base}", "slurm")

@@ -12,13 +12,14 @@ import threading
 import time
 from pathlib import Path
 
+from streamrl_cli import environ
 from streamrl_cli.launch import slurm
 from streamrl_cli.roles.spec import RendezvousSpec
 from streamrl_cli.rundir import RunDir
 
 log = logging.getLogger("streamrl.rendezvous")
 
-POLL_S = float(os.environ.get("STREAMRL_JOB_POLL_S", "15"))
+POLL_S = 15.0  # between polls of the run's jobs; $STREAMRL_JOB_POLL_S overrides (environ.JOB_POLL)
 
 
 def main(spec: RendezvousSpec, rank: int) -> int:
@@ -68,7 +69,7 @@ def _requeue(run: RunDir) -> None:
 def _stop_when_jobs_end(run: RunDir) -> None:
     ended_polls = 0
     while True:
-        time.sleep(POLL_S)
+        time.sleep(environ.job_poll_s(POLL_S))
         if not run.run_json.exists():  # the run directory was deleted: nothing to serve
             os.kill(os.getpid(), signal.SIGTERM)
             return
@@ -171,4 +172,4 @@ def _apply_scale_requests(run: RunDir, spec: RendezvousSpec) -> None:
             follower.poll(timeout=10.0)
         except StreamRLError as e:  # the server stopping, or a moment unreachable
             log.warning("scale requests: %s", e)
-            time.sleep(POLL_S)
+            time.sleep(environ.job_poll_s(POLL_S))

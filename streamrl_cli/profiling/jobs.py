@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from streamrl_cli import environ
 from streamrl_cli.errors import ClusterError
 from streamrl_cli.launch import slurm
 from streamrl_cli.launch.plan import JobSpec, job_spec
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 
 JOBS_FILE = "profile-jobs.json"
 TIME_MIN = 60  # wall-clock limit of a profile job (capped by the roles' own limits)
-POLL_S = float(os.environ.get("STREAMRL_JOB_POLL_S", "5"))  # seconds between squeue calls
+POLL_S = 5.0  # seconds between squeue calls; $STREAMRL_JOB_POLL_S overrides (environ.JOB_POLL)
 LOG_LINES = 30  # lines of a failed job's log shown here
 WORKER_LINES = 20  # lines of the worker's log a failed job copies into its own
 
@@ -298,7 +299,7 @@ def watch(
                                 f"{j['kind']}: job {j['job_id']} ended {task['state']}", markup=False
                             )
                     states[j["kind"]] = task
-                next_poll = time.monotonic() + POLL_S
+                next_poll = time.monotonic() + environ.job_poll_s(POLL_S)
             done = {i for i, t in states.items() if t["state"] in slurm.TERMINAL}
             for j in records:
                 i = j["kind"]

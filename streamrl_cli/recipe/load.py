@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from streamrl_cli import environ
 from streamrl_cli.errors import RecipeError
 from streamrl_cli.recipe import checks, paths, safe_yaml
 from streamrl_cli.recipe.schema import Recipe
@@ -30,7 +31,7 @@ def shipped_recipes_dir() -> Path:
     """Shipped recipes: in the installed package, else recipes/ of the checkout ($STREAMRL_RECIPES wins)."""
     from streamrl_cli.resources import data_dir
 
-    env = os.environ.get("STREAMRL_RECIPES")
+    env = os.environ.get(environ.RECIPES)
     return Path(env) if env else data_dir("recipes")
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import socket
 import ssl
@@ -24,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from streamrl_cli import environ
 from streamrl_cli.errors import RendezvousError
 from streamrl_cli.rendezvous import read_secret
 from streamrl_cli.rundir import RunDir
@@ -388,7 +388,8 @@ class RendezvousClient:
     def _refresh_url(self) -> bool:
         """Follow the server to the address rendezvous.json gives (a restarted server may listen on
         another port; it rewrites the file when ready). True while the file says the server is on
-        its way to its requeued SLURM job: calls wait for it past `retry_s` (up to REQUEUE_WAIT_S)."""
+        its way to its requeued SLURM job: calls wait for it past `retry_s` (up to
+        $STREAMRL_RENDEZVOUS_REQUEUE_WAIT_S, environ.requeue_wait_s)."""
         if self._run_dir is None:
             return False
         try:
@@ -400,12 +401,7 @@ class RendezvousClient:
                 log.info("rendezvous server moved: %s -> %s", self._url, doc["url"])
                 self._url = doc["url"]
         requeued = doc.get("requeued")
-        return isinstance(requeued, (int, float)) and time.time() - requeued < REQUEUE_WAIT_S
-
-
-# How long members wait for a rendezvous server whose job requeued itself (SLURM holds a requeued
-# job for a while before it may start, then it queues like any job).
-REQUEUE_WAIT_S = float(os.environ.get("STREAMRL_RENDEZVOUS_REQUEUE_WAIT_S", "1800"))
+        return isinstance(requeued, (int, float)) and time.time() - requeued < environ.requeue_wait_s()
 
 
 def _read_endpoint(run_dir: Path) -> dict[str, Any]:

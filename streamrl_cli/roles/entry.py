@@ -16,29 +16,25 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
+from streamrl_cli import environ
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.roles.spec import RoleSpec, load_spec
 from streamrl_cli.rundir import RunDir, write_atomic
 
 __all__ = ["load_spec", "run_role"]
 
-# "index/count": the place of a generator instance `streamrl scale` added among the instances that
-# will share its host, and their number; an array task adds its task id to the index (the array's
-# first task takes `index`). A launch's instances take their rank of its world.
-CPU_SLOT_ENV = "STREAMRL_CPU_SLOT"
-
 
 def rank_from_env(role: str) -> int:
     """Generator instances are array tasks; trainer ranks are the tasks of one job."""
     if role == "generator" and "SLURM_ARRAY_TASK_ID" in os.environ:
         # An array job added by scaling starts its task ids at 0 again: its ranks start after the run's.
-        return int(os.environ.get("STREAMRL_RANK_BASE", "0")) + int(os.environ["SLURM_ARRAY_TASK_ID"])
-    return int(os.environ.get("SLURM_PROCID", os.environ.get("STREAMRL_RANK", "0")))
+        return environ.rank_base() + int(os.environ["SLURM_ARRAY_TASK_ID"])
+    return int(os.environ["SLURM_PROCID"]) if "SLURM_PROCID" in os.environ else environ.rank()
 
 
 def cpu_slot(rank: int, world: int) -> tuple[int, int]:
     """This instance's place among the local instances sharing the host, and their number."""
-    first, _, count = os.environ.get(CPU_SLOT_ENV, "").partition("/")
+    first, _, count = os.environ.get(environ.CPU_SLOT, "").partition("/")
     task = os.environ.get("SLURM_ARRAY_TASK_ID", "0")
     if first.isdigit() and count.isdigit() and task.isdigit() and int(first) + int(task) < int(count):
         return int(first) + int(task), int(count)

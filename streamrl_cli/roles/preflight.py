@@ -5,8 +5,8 @@ has the number of members the run expects, reports what it saw, and leaves. It i
 trainer and generator roles run until their real programs are chosen in the recipe (and a quick
 check of a cluster set-up at any time: `roles.trainer.program=streamrl_cli.roles.preflight:main`).
 
-`STREAMRL_PREFLIGHT_HOLD_S` (set through a cluster's `env`) keeps the process alive and
-heartbeating for that many seconds after the check, e.g. to watch `streamrl status`.
+`check` is the check itself and returns with the member still registered and heartbeating, for a
+program that goes on from there (the test suite's holds it, to look at a live run); `main` leaves.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 from streamrl_cli.errors import RendezvousError
 from streamrl_cli.roles.entry import update_record
@@ -52,6 +53,17 @@ def wait_all_ok(client, expected: dict[str, int], timeout: float) -> None:  # ty
 
 
 def main(spec: RoleSpec, rank: int) -> int:
+    client = check(spec, rank)
+    try:
+        client.leave()
+    finally:
+        client.close()
+    return 0
+
+
+def check(spec: RoleSpec, rank: int) -> Any:
+    """Register, see every expected member, report OK once all have: the client, still registered
+    and heartbeating (the caller leaves and closes it; on failure it is closed here)."""
     from streamrl_cli.rendezvous.client import RendezvousClient
 
     wait_for_file(Path(spec.rendezvous_file), WAIT_S)
@@ -78,10 +90,7 @@ def main(spec: RoleSpec, rank: int) -> int:
         client.post_metrics({"preflight": 1, **{f"peers_{r}": n for r, n in seen.items()}})
         update_record(spec, rank, preflight_ok=True, peers=seen)
         print(f"preflight: {spec.role} rank {rank} sees {seen} (expected {spec.expected})", flush=True)
-        hold = float(os.environ.get("STREAMRL_PREFLIGHT_HOLD_S", "0") or 0)
-        if hold > 0:
-            time.sleep(hold)
-        client.leave()
-    finally:
+    except BaseException:
         client.close()
-    return 0
+        raise
+    return client

@@ -13,12 +13,13 @@ import subprocess
 import time
 
 import pytest
+from support.held_preflight import held
 from support.helpers import streamrl
 from support.slurm_jobs import FAST, launch, status, tasks, wait_for  # noqa: F401
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-HOLD = "+clusters.local.env.STREAMRL_PREFLIGHT_HOLD_S=300"
+HOLD = held(300)
 
 
 def all_tasks(doc: dict, state: str) -> bool:
@@ -47,7 +48,7 @@ def test_run_on_both_partitions_completes_and_stops_its_rendezvous(slurm, runs_r
 
 
 def test_status_of_a_live_run_then_cancel(slurm, runs_root):
-    run = launch(runs_root, "slurm-local", HOLD)
+    run = launch(runs_root, "slurm-local", *HOLD)
     doc = wait_for(
         run,
         lambda d: (
@@ -69,7 +70,7 @@ def test_status_of_a_live_run_then_cancel(slurm, runs_root):
 
 
 def test_a_job_cancelled_behind_the_runs_back_shows_in_status(slurm, runs_root):
-    run = launch(runs_root, "slurm-local", HOLD, "roles.rendezvous.lease_s=2")
+    run = launch(runs_root, "slurm-local", *HOLD, "roles.rendezvous.lease_s=2")
     wait_for(
         run,
         lambda d: (
@@ -100,7 +101,7 @@ def test_a_job_cancelled_behind_the_runs_back_shows_in_status(slurm, runs_root):
 
 
 def test_two_sites_submit_to_both_clusters_and_cancel_with_cluster(slurm_remote, runs_root):
-    run = launch(runs_root, "two-site-testbed", HOLD, HOLD.replace("local", "remote"))
+    run = launch(runs_root, "two-site-testbed", *held(300, ("local", "remote")))
     jobs = {j["role"]: j for j in json.loads((run / "jobs.json").read_text())}
     assert jobs["generator"]["slurm_cluster"] == "remote" and int(jobs["generator"]["job_id"]) >= 1_000_000
     assert jobs["trainer"]["slurm_cluster"] is None

@@ -8,6 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from support.held_preflight import held
 from support.helpers import PREFLIGHT, REPO, STREAMRL
 
 
@@ -21,7 +22,7 @@ def wait_until(cond, timeout: float = 60, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-HOLD = "+clusters.local.env.STREAMRL_PREFLIGHT_HOLD_S=120"
+HOLD = held(120)  # the roles stay after their check, for a look at a live run
 
 
 TWO = "roles.generator.instances=2"  # the embedded default has one; these tests look at a pair
@@ -45,7 +46,7 @@ def members_ok(run_dir: Path) -> int:
 def start_held_run(runs_root: Path) -> tuple[subprocess.Popen, Path]:
     """`streamrl run local` whose roles hold (heartbeating) after preflight; returns once all passed it."""
     proc = subprocess.Popen(
-        [*STREAMRL, "run", "local", *PREFLIGHT, TWO, HOLD, "--root", str(runs_root)],
+        [*STREAMRL, "run", "local", *PREFLIGHT, TWO, *HOLD, "--root", str(runs_root)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

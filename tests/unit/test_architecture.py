@@ -183,3 +183,19 @@ def test_the_graph_sees_imports_in_functions_and_relative_ones(tmp_path):
     assert graph == {"a": {"b"}, "b": {"c"}, "c": set()}
     assert find_cycle(graph) is None
     assert find_cycle({**graph, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_environment_variables_are_named_in_one_module():
+    """The launcher ↔ role contract and the operator's settings: every STREAMRL_* variable is spelled
+    in streamrl_cli/environ.py only (STREAMRL_STAGED is a shell here-document's delimiter)."""
+    import re
+
+    spelled = re.compile(r"""["']STREAMRL_[A-Z0-9_]+["']""")
+    elsewhere = {
+        f"{path.relative_to(REPO)}: {m.group(0)}"
+        for path in (REPO / "streamrl_cli").rglob("*.py")
+        if path.name != "environ.py"
+        for m in spelled.finditer(path.read_text())
+        if m.group(0).strip("\"'") != "STREAMRL_STAGED"
+    }
+    assert not elsewhere, sorted(elsewhere)

@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from streamrl_cli.environ import CPU_SLOT as CPU_SLOT_ENV
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.generator.engine import Completion, GenerationResult
 from streamrl_cli.generator.main import GeneratorRole, cpu_binding, engine_kwargs
@@ -19,7 +20,7 @@ from streamrl_cli.generator.weights import (
     weight_source,
 )
 from streamrl_cli.recipe.schema import GeneratorConfig, ModelConfig, TaskConfig, TrainConfig
-from streamrl_cli.roles.entry import CPU_SLOT_ENV, cpu_slot
+from streamrl_cli.roles.entry import cpu_slot
 from streamrl_cli.roles.spec import GeneratorSpec
 from streamrl_cli.transport.wire import Request
 from streamrl_cli.weights.broadcast import process_backend

@@ -108,7 +108,8 @@ def test_a_run_without_progress_past_its_bound_shows_as_stalled(runs_root):
     """Preflight roles hold and heartbeat but never train: past train.stall_after_s the run is
     `stalled`, in the JSON and the table, with a problem that says for how long and the errors."""
     proc = subprocess.Popen(
-        [*STREAMRL, "run", "local", *PREFLIGHT, TWO, HOLD, "train.stall_after_s=3", "--root", str(runs_root)],
+        [*STREAMRL, "run", "local", *PREFLIGHT, TWO, *HOLD, "train.stall_after_s=3",
+         "--root", str(runs_root)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
