@@ -23,7 +23,8 @@ def held(seconds: int, clusters: tuple[str, ...] = ("local",)) -> tuple[str, ...
         "roles.generator.program=support.held_preflight:main",
     ]
     for c in clusters:
-        out += [f"+clusters.{c}.env.PYTHONPATH={TESTS}", f"+clusters.{c}.env.HELD_PREFLIGHT_S={seconds}"]
+        path = os.pathsep.join(filter(None, (str(TESTS), os.environ.get("PYTHONPATH"))))
+        out += [f"+clusters.{c}.env.PYTHONPATH={path}", f"+clusters.{c}.env.HELD_PREFLIGHT_S={seconds}"]
     return tuple(out)
 
 
