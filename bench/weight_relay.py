@@ -57,7 +57,9 @@ def model(nbytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def trainer(sizes: list[int], conn, raw_port_q) -> None:
     torch.set_num_threads(1)
-    server = WeightServer(TOKEN, host="127.0.0.1")  # default digest: xxh3_64 (crc32 without xxhash)
+    # Default digest: xxh3_64 (crc32 without xxhash). Whole versions only: what this measures is the
+    # transfer and the snapshot, not delta versions (their cost: docs/data-plane.md).
+    server = WeightServer(TOKEN, host="127.0.0.1", delta=False)
     listener = socket.create_server(("127.0.0.1", 0))
     raw_port_q.put((server.address, listener.getsockname()[1]))
     raw, _ = listener.accept()

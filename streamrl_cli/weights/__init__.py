@@ -14,7 +14,9 @@ of the run (docs/architecture.md). Two paths, one per distance:
   bucketed broadcast over it.
 - ``layout``: who is in a broadcast group at which ranks, re-planned as generators come and go
   (pure; the trainer's ``WeightPublisher`` and the generators' ``WeightPath`` use it).
-- ``relay_wire`` / ``relay``: the cross-site protocol, its server (trainer) and fetcher (relay).
+- ``relay_wire`` / ``relay`` / ``relay_fetch``: the cross-site protocol, its server (trainer) and
+  fetcher (relay); ``relay_gate``: who may connect; ``relay_delta``: a version as its difference
+  from the one before (pure), so that only what changed crosses sites.
 
 Nothing here imports torch at package import time; the modules do.
 """

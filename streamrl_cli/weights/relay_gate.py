@@ -20,7 +20,7 @@ connections have two budgets that cannot eat into each other:
 What remains: a stranger can make one handshake fail by opening ``MAX_PENDING_PER_SOURCE``
 connections from the client's own address (behind the same NAT), or ``MAX_PENDING`` from as many
 addresses as it takes to outnumber the client's, within that handshake's round trip. The fetch
-client retries with backoff for longer than the deadline (``relay._backoff``), so such a
+client retries with backoff for longer than the deadline (``relay_fetch._backoff``), so such a
 stranger must keep that rate up for the whole time: a flood, which is a firewall's job.
 
 Nothing here blocks the accept loop: pending sockets are non-blocking and the frames written to

@@ -11,10 +11,16 @@ can be received straight into the destination buffer.
                  ◄─────────── Challenge(nonce_s)
         Hello(nonce_c, HMAC(token, "client"|nonce_s|nonce_c)) ─►   (wrong MAC: Error, close)
                  ◄─────────── Welcome(HMAC(token, "server"|nonce_c|nonce_s))
-        GetManifest(version) ──────────────►
-                 ◄─────────── Manifest(version, tensors, total, chunk_bytes, checksum)
-        GetChunks(version, [ids]) ─────────►
-                 ◄─────────── ChunkHeader(id, codec, raw_len, wire_len, digest) + wire_len bytes, ...
+        GetManifest(version, base, server) ►   (base: the version the relay holds, -1: none)
+                 ◄─────────── Manifest(version, tensors, total, chunk_bytes, checksum, server,
+                                       base, delta, full_reason)
+        GetChunks(version, [ids], base) ───►
+                 ◄─────────── ChunkHeader(id, codec, raw_len, wire_len, digest, base) + wire_len bytes, ...
+
+A relay that holds a version bit for bit (``base``, from the server instance ``server``) may be
+answered with the delta against it (``relay_delta``): the manifest then says ``base`` and how to
+rebuild each tensor (``delta``), and the chunks are those of the delta stream. Otherwise it is
+the whole version, and ``full_reason`` says why when a delta was asked for.
 
 The MACs prove both ends hold the run's token. Until they are checked, a frame may be at most
 ``PREAUTH_MAX_FRAME`` bytes: a stranger cannot make the server allocate anything large. From
@@ -49,12 +55,25 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from streamrl_cli.weights import WeightTransferError
 from streamrl_cli.weights.plan import TensorSpec
+from streamrl_cli.weights.relay_delta import TensorDelta
 
-PROTOCOL = 2  # 2: sealed frames (AES-GCM) after the handshake
+PROTOCOL = 3  # 2: sealed frames (AES-GCM) after the handshake; 3: delta versions (relay_delta)
 MAX_FRAME = 64 << 20  # a manifest of a huge model is a few MB; anything larger is garbage
 PREAUTH_MAX_FRAME = 1024  # Challenge, Hello, Welcome, Error are < 200 bytes
 TAG = 16  # AES-GCM tag bytes
 SEAL_SLICE = 1 << 20  # chunk payloads are sealed and opened this many bytes at a time
+
+
+# Why a relay that asked for a delta got the whole version (Manifest.full_reason; the fetcher adds
+# the ones it decides itself, and its stats["reason"] carries them all).
+FULL_REASONS = {
+    "no_base": "the relay holds no version yet (it just started, or just took over as relay)",
+    "off": "deltas are off (roles.generator.relay_sync: full)",
+    "new_server": "the relay's version came from an earlier trainer process",
+    "base_gone": "the server has no delta from the relay's version (it keeps one: from the version before)",
+    "not_smaller": "the delta was not smaller than the whole version",
+    "checksum": "a tensor rebuilt from the delta failed its digest: fetched whole instead",
+}
 
 
 class ProtocolError(WeightTransferError):
@@ -77,19 +96,26 @@ class Welcome(msgspec.Struct, tag=True):
 
 class GetManifest(msgspec.Struct, tag=True):
     version: int = -1  # -1: the latest published
+    base: int = -1  # the version the client holds bit for bit, to be sent a delta against (-1: none)
+    server: bytes = b""  # the server instance `base` came from (Manifest.server)
 
 
 class Manifest(msgspec.Struct, tag=True):
     version: int
-    total: int  # bytes in the stream
+    total: int  # bytes in the stream the chunks cut: the whole version, or its delta against `base`
     chunk_bytes: int
     checksum: str  # algorithm of ChunkHeader.digest
-    tensors: list[TensorSpec]
+    tensors: list[TensorSpec]  # where each tensor lies in the whole version
+    server: bytes = b""  # this server instance (a restarted trainer's is another)
+    base: int = -1  # -1: the stream is the whole version; else its delta against this version
+    delta: list[TensorDelta] = []  # with `base`: per tensor, how to rebuild it and its digest
+    full_reason: str = ""  # a delta was asked for, and this is the whole version: why
 
 
 class GetChunks(msgspec.Struct, tag=True):
     version: int
     ids: list[int]
+    base: int = -1  # the stream: the whole version (-1), or the delta against this version
 
 
 class ChunkHeader(msgspec.Struct, tag=True):
@@ -99,6 +125,7 @@ class ChunkHeader(msgspec.Struct, tag=True):
     raw_len: int
     wire_len: int
     digest: bytes  # checksum of the raw (decoded) bytes
+    base: int = -1  # GetChunks.base: which stream the chunk is of
 
 
 class Error(msgspec.Struct, tag=True):
