@@ -125,9 +125,15 @@ def transfer_metrics(version: int, seconds: float, stats: dict[str, Any]) -> dic
         "weights/bytes": int(loaded or relay.get("bytes_received", 0)),
         "weights/relay": 1 if relay else 0,
     }
-    if relay:
-        out["weights/wan_bytes"] = int(relay.get("bytes_received", 0))
+    if relay:  # what crossed sites for this version: bytes, seconds, delta or full (and why full)
+        wan = int(relay.get("bytes_received", 0))
+        whole = int(relay.get("full_bytes", wan))
+        out["weights/wan_bytes"] = wan
         out["weights/wan_s"] = round(float(relay.get("seconds", 0.0)), 3)
+        out["weights/wan_mode"] = relay.get("mode", "full")
+        out["weights/wan_reason"] = relay.get("reason", "")  # FULL_REASONS key; "" for a delta
+        out["weights/wan_full_bytes"] = whole  # the whole version's size
+        out["weights/wan_ratio"] = round(whole / wan, 2) if wan else None  # whole / what crossed
     return out
 
 

@@ -21,11 +21,15 @@ version from the trainer's weight server (``addresses["relay"]``; chunked, check
 ``weights.relay``) and is then the source of its site's elastic group (``weights.elastic``, the
 trainer's own logic): it re-proposes the trainer's pending version with its site's layout, and the
 other instances follow that layout exactly as above; its own engine's workers are ranks of the
-group it hosts. A member dying mid-transfer: the relay re-plans and sends once more; a late joiner
-is in the next version's group. When the relay is lost or leaves, the next lowest-ranked generator
-takes over: on that event (or at its own start) it delivers the newest pending version, unless a
-live relay already proposed it (``source`` in the proposal's transfer document); a version pending
-when the relay died goes only to the members that have not confirmed it.
+group it hosts. The relay keeps the last version it fetched (bit for bit, in CPU memory: one copy
+of the model, and a second while the next one is received) so that the next fetch brings only the
+difference (``roles.generator.relay_sync: delta``; ``weights.relay_fetch``). A member dying
+mid-transfer: the relay re-plans and sends once more; a late joiner is in the next version's
+group. When the relay is lost or leaves, the next lowest-ranked generator takes over: on that event
+(or at its own start) it delivers the newest pending version, unless a live relay already proposed
+it (``source`` in the proposal's transfer document); a version pending when the relay died goes
+only to the members that have not confirmed it. A relay that takes over holds no version to
+start from: its first fetch is whole.
 """
 
 from __future__ import annotations
@@ -154,6 +158,9 @@ class RelayPath(WeightPath):
         # follows what this process has (CUDA or not), whatever the recipe's GPU count says.
         self.source = source or ElasticSource(rdv, backend=process_backend(), host=socket.gethostname())
         self._own: set[str] = set()  # groups we proposed: those proposals come back to us as events
+        self.deltas = spec.settings.relay_sync == "delta"
+        self._held: Any = None  # the last version fetched (relay_fetch.Fetched): the next delta's base
+        self._spare: Any = None  # the buffer of the version before it, received into next
 
     def relay_id(self, members: list[dict[str, Any]]) -> str | None:
         """The site's relay: its lowest-ranked generator past start-up (every member computes the same)."""
@@ -195,7 +202,8 @@ class RelayPath(WeightPath):
 
     async def update(self, version: int, proposal: dict[str, Any] | None = None) -> dict[str, Any]:
         if GroupLayout.from_proposal(proposal or {}) is not None:
-            return await super().update(version, proposal)  # a member of the relay's group
+            self._held = self._spare = None  # a member of another relay's group: not the relay now
+            return await super().update(version, proposal)
         trainer = await asyncio.to_thread(self._trainer)
         fetched = await asyncio.to_thread(self._fetch, trainer["addresses"]["relay"], version)
         loop = asyncio.get_running_loop()
@@ -248,7 +256,9 @@ class RelayPath(WeightPath):
         deadline = time.monotonic() + NOT_PUBLISHED_WAIT_S
         while True:
             try:
-                return fetch_weights(address, self.token, version=version)
+                fetched = fetch_weights(
+                    address, self.token, version=version, base=self._held, delta=self.deltas, out=self._spare
+                )
             except VersionSuperseded as e:
                 if e.current > version:  # the trainer moved on: relay the newer one (members accept it)
                     log.info("relay: version %d superseded by %d", version, e.current)
@@ -260,6 +270,11 @@ class RelayPath(WeightPath):
                     ) from None
                 else:
                     time.sleep(0.2)  # proposed before published: it comes
+                continue
+            if self.deltas:  # the tensors it broadcasts next are only read: it stays the next base
+                self._spare = self._held.buffer if self._held is not None else None
+                self._held = fetched
+            return fetched
 
 
 def make_weight_path(

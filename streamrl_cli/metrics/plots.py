@@ -4,7 +4,8 @@ Five figures, each answering one question: ``reward`` (is it learning: training 
 held-out ``eval/reward_mean`` when the run evaluates), ``training`` (is the update healthy: KL,
 grad norm, clip fraction, entropy, and the value loss of PPO), ``throughput`` (samples/s,
 tokens/s, how idle each stage is), ``timeline`` (a Gantt chart of the pipeline, so the bubbles
-that stream generation and async mode remove are visible) and ``lengths`` (response lengths,
+that stream generation and async mode remove are visible; with a far site, its relay's fetch of
+each version, as a delta or whole) and ``lengths`` (response lengths,
 whose long tail makes those bubbles). Per-iteration values are noisy: they are drawn faint, with
 a smoothed line over them. Older records may lack keys; a figure or panel whose data is missing
 is skipped with the reason, never drawn empty.
@@ -14,18 +15,19 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from streamrl_cli.metrics import MetricsError
-from streamrl_cli.metrics.read import read_iterations
+from streamrl_cli.metrics.read import read_iterations, read_relay_fetches
 from streamrl_cli.rundir import RunDir
 
 Record = dict[str, Any]
 PARITY = ("tab:blue", "tab:cyan")  # even, odd iteration: neighbouring bars stay distinguishable
 STEP = ("tab:red", "tab:orange")
 SYNC = ("tab:purple", "tab:pink")
+ACROSS = ("tab:green", "tab:olive")  # a relay's fetch across sites: as a delta, whole
 
 
 class PlotFiles(list[Path]):
@@ -58,7 +60,7 @@ def plot_run(run_dir: Path, out_dir: Path) -> PlotFiles:
         "reward": _reward,
         "training": _training,
         "throughput": _throughput,
-        "timeline": _timeline,
+        "timeline": lambda fig, it: _timeline(fig, it, read_relay_fetches(run_dir)),
         "lengths": _lengths,
     }
     for plot, draw in drawers.items():
@@ -242,13 +244,17 @@ def _bars(ax: Any, spans: list[Any], y: float, colour: str, t0: float) -> None:
         ax.broken_barh(got, (y - 0.35, 0.7), facecolors=colour, edgecolor="none")
 
 
-def _timeline(fig: Any, iters: list[Record]) -> str | None:
+def _timeline(fig: Any, iters: list[Record], fetches: Sequence[Record] = ()) -> str | None:
+    """The pipeline's Gantt chart; with a far site, a row of its relay's fetches (`fetches`,
+    metrics.read.read_relay_fetches): each version as a delta or whole."""
     lines = [(r["iteration"], r["timeline"]) for r in iters if isinstance(r.get("timeline"), dict)]
     starts = [s for _, tl in lines if (s := _num(tl.get("start"))) is not None]
     if not starts:
         return "no timeline recorded"
     t0 = min(starts)
     rows = {"generation": 2, "training": 1, "weight sync": 0}
+    if fetches:
+        rows = {name: y + 1 for name, y in rows.items()} | {"across sites": 0}
     ax = fig.subplots()
     every = max(1, len(lines) // 40)  # label at most ~40 bars
     for n, (it, tl) in enumerate(lines):
@@ -261,8 +267,11 @@ def _timeline(fig: Any, iters: list[Record]) -> str | None:
         _bars(ax, train if isinstance(train, list) else [], rows["training"], PARITY[parity], t0)
         _bars(ax, [tl.get("step")], rows["training"], STEP[parity], t0)
         _bars(ax, [tl.get("weight_sync")], rows["weight sync"], SYNC[parity], t0)
+    for f in fetches:
+        whole = f.get("mode") != "delta"
+        _bars(ax, [[f["start"], f["start"] + f["seconds"]]], 0, ACROSS[whole], t0)
     ax.set_yticks(list(rows.values()), list(rows))
-    ax.set_ylim(-0.6, 2.6)
+    ax.set_ylim(-0.6, max(rows.values()) + 0.6)
     ax.set_xlabel("seconds since the first iteration started")
     ax.grid(axis="x", alpha=0.3)
     from matplotlib.legend_handler import HandlerTuple
@@ -274,9 +283,14 @@ def _timeline(fig: Any, iters: list[Record]) -> str | None:
         (STEP, "optimizer step"),
         (SYNC, "weight sync"),
     ]
+    handles: list[Any] = [(Patch(color=even), Patch(color=odd)) for (even, odd), _ in pairs]
+    labels = [f"{label} (even | odd iteration)" for _, label in pairs]
+    if fetches:
+        handles += [Patch(color=ACROSS[0]), Patch(color=ACROSS[1])]
+        labels += ["relay fetch across sites: delta", "relay fetch across sites: whole"]
     ax.legend(
-        handles=[(Patch(color=even), Patch(color=odd)) for (even, odd), _ in pairs],
-        labels=[f"{label} (even | odd iteration)" for _, label in pairs],
+        handles=handles,
+        labels=labels,
         handler_map={tuple: HandlerTuple(ndivide=None, pad=0)},
         loc="upper center",
         bbox_to_anchor=(0.5, -0.18),

@@ -83,3 +83,36 @@ def read_iterations(run_dir: Path) -> list[dict[str, Any]]:
         if i in latest:
             latest[i] = {**latest[i], **ev}
     return [latest[i] for i in sorted(latest)]
+
+
+def read_relay_fetches(run_dir: Path) -> list[dict[str, Any]]:
+    """Each weight version a far site's relay fetched across sites, as its generator reported it: a
+    generator repeats its last transfer's ``weights/*`` keys in every metrics record, so one per
+    (member, version, time), in the order they came. ``start`` (unix time) and ``seconds`` are the
+    fetch's (it comes first in the transfer), ``mode`` delta or full (null before delta versions),
+    ``reason`` why full, ``bytes`` what crossed."""
+    try:
+        f = open(RunDir(Path(run_dir)).metrics, "rb")
+    except FileNotFoundError:
+        return []
+    out, seen = [], set()
+    with f:
+        for line in f:
+            if b'"weights/wan_s"' not in line:
+                continue
+            try:
+                rec = json.loads(line)
+                key = (rec.get("member_id"), rec["weights/version"], rec["weights/at"])
+                start = float(rec["weights/at"]) - float(rec.get("weights/transfer_s") or 0.0)
+                seconds = float(rec["weights/wan_s"])
+            except (ValueError, KeyError, TypeError):  # torn, or not a relay's transfer
+                continue
+            if key in seen or not rec.get("weights/relay"):
+                continue
+            seen.add(key)
+            out.append({
+                "version": rec["weights/version"], "start": start, "seconds": seconds,
+                "mode": rec.get("weights/wan_mode"), "reason": rec.get("weights/wan_reason") or None,
+                "bytes": rec.get("weights/wan_bytes"),
+            })  # fmt: skip
+    return out

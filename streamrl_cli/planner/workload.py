@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from streamrl_cli.planner import PlannerError
 from streamrl_cli.planner.lengths import LengthDist
+from streamrl_cli.recipe.presets import uses_critic
 from streamrl_cli.recipe.schema import Recipe
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -52,7 +53,8 @@ class Workload:
     """One iteration's work: `prompts × group_size` samples, lengths drawn from `lengths`."""
 
     model: ModelShape
-    algorithm: str  # ppo (actor + critic trained, reference) | grpo (actor trained, reference)
+    # ppo: actor and critic trained, a reference; any other name (grpo, dapo, ...): no critic.
+    algorithm: str
     mode: str  # baseline | sync-stream | async
     prompts: int  # prompts per iteration (train.global_batch)
     group_size: int  # samples per prompt
@@ -96,6 +98,11 @@ class Workload:
         return 2 if self.algorithm == "ppo" else 1
 
 
+def _without_critic(name: str) -> str:
+    """The algorithm's name for the cost model when it trains no critic (`ppo` means one)."""
+    return "grpo" if name == "ppo" else name
+
+
 def model_from_recipe(r: Recipe) -> ModelShape:
     m = r.model
     if m.params_b <= 0:
@@ -137,7 +144,7 @@ def workload_from_recipe(r: Recipe, mode: str | None = None) -> Workload:
         raise PlannerError("the recipe's workload cannot be modelled:\n  - " + "\n  - ".join(problems))
     return Workload(
         model=model_from_recipe(r),
-        algorithm=r.algorithm.name,
+        algorithm="ppo" if uses_critic(r.algorithm) else _without_critic(r.algorithm.name),
         mode=mode or r.algorithm.mode,
         prompts=r.train.global_batch,
         group_size=r.algorithm.group_size,

@@ -6,12 +6,22 @@ problem of a recipe at once. Pure functions over the dataclasses: no files, no c
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Iterator
 from pathlib import Path
 
+from streamrl_cli.recipe import presets
 from streamrl_cli.recipe.paths import is_reward_file
-from streamrl_cli.recipe.schema import LOGGERS, RESERVED_SBATCH, ClusterConfig, Recipe, RoleJobConfig
+from streamrl_cli.recipe.schema import (
+    ALGORITHMS,
+    LOGGERS,
+    RESERVED_SBATCH,
+    AlgorithmConfig,
+    ClusterConfig,
+    Recipe,
+    RoleJobConfig,
+)
 
 Problem = tuple[str, str]
 
@@ -37,10 +47,20 @@ def check(r: Recipe) -> list[Problem]:
 def resolve(r: Recipe) -> Recipe:
     """Settings whose value follows from others, made explicit once (after ``check`` found nothing):
     the roles read what runs, and the run's config.yaml shows it."""
-    a = r.algorithm
+    a = presets.fill(r.algorithm, r.task.max_output_len)  # the algorithm's defaults for keys left unset
     if a.is_correction == "auto":  # truncated IS corrects the lag of async or resumed samples
-        a.is_correction = "on" if a.mode == "async" or r.rollout.partial else "off"
+        lags = a.mode == "async" or r.rollout.partial
+        # With old_policy=behaviour the loss's own ratio is already against the generators' policy.
+        a.is_correction = "on" if lags and a.old_policy == "trainer" else "off"
     return r
+
+
+def _algorithm_of(r: Recipe) -> AlgorithmConfig:
+    """The recipe's algorithm section as it will run (its preset's defaults filled in), for checks."""
+    a = r.algorithm
+    if a.name not in ALGORITHMS:  # reported by the schema walk; the rest checked as the default's
+        a = dataclasses.replace(a, name=AlgorithmConfig().name)
+    return presets.filled(a, r.task.max_output_len)
 
 
 def _clusters(r: Recipe) -> Iterator[Problem]:
@@ -301,11 +321,20 @@ def _rendezvous(r: Recipe) -> Iterator[Problem]:
 
 
 def _workload(r: Recipe) -> Iterator[Problem]:
-    a, t, task = r.algorithm, r.train, r.task
+    a, t, task = _algorithm_of(r), r.train, r.task
     if a.group_size < 1:
         yield "algorithm.group_size", f"must be at least 1, got {a.group_size}"
-    elif a.name == "grpo" and a.group_size < 2:
-        yield "algorithm.group_size", "GRPO normalises rewards within a group: needs group_size ≥ 2"
+    elif a.advantage in GROUP_BASELINES and a.group_size < 2:
+        yield (
+            "algorithm.group_size",
+            f"advantage={a.advantage} takes its baseline from the other samples of a prompt: "
+            "needs group_size ≥ 2",
+        )
+    elif a.dynamic_sampling and a.group_size < 2:
+        yield (
+            "algorithm.dynamic_sampling",
+            "drops groups whose rewards are all equal, which a group of one always is: needs group_size ≥ 2",
+        )
     if a.max_staleness < 0:
         yield "algorithm.max_staleness", f"must be 0 or more, got {a.max_staleness}"
     elif a.mode == "async" and a.max_staleness < 1:
@@ -319,12 +348,12 @@ def _workload(r: Recipe) -> Iterator[Problem]:
 
 
 def _training(r: Recipe) -> Iterator[Problem]:
-    a, t = r.algorithm, r.train
+    a, t = _algorithm_of(r), r.train
     if a.lr < 0:
         yield "algorithm.lr", f"must be ≥ 0 (0 keeps the policy fixed), got {a.lr}"
     if a.critic_lr <= 0:
         yield "algorithm.critic_lr", f"must be positive, got {a.critic_lr}"
-    if a.clip_ratio <= 0 or (a.clip_ratio_high is not None and a.clip_ratio_high <= 0):
+    if a.clip_ratio <= 0 or a.clip_ratio_high <= 0:
         yield "algorithm.clip_ratio", "clip ratios must be positive"
     if a.temperature <= 0:
         yield "algorithm.temperature", f"must be positive (logits are divided by it), got {a.temperature}"
@@ -338,8 +367,7 @@ def _training(r: Recipe) -> Iterator[Problem]:
         yield "algorithm.stop", f"stop strings must be non-empty strings, got {a.stop!r}"
     if a.is_cap < 1:
         yield "algorithm.is_cap", f"importance weights are truncated at is_cap: must be ≥ 1, got {a.is_cap}"
-    if a.name == "ppo" and a.kl_mode == "loss":
-        yield "algorithm.kl_mode", "PPO puts the KL into the reward: use penalty (or none); loss is GRPO's"
+    yield from _algorithm(r, a)
     if not 0 <= a.lam <= 1 or not 0 <= a.gamma <= 1:
         yield "algorithm.lam", f"gamma and lam must be in [0, 1], got {a.gamma} and {a.lam}"
     unknown = [x for x in t.loggers if x not in LOGGERS]
@@ -386,6 +414,64 @@ def _training(r: Recipe) -> Iterator[Problem]:
             "model.num_kv_heads",
             (f"{r.model.num_kv_heads} KV heads do not divide {r.model.num_attention_heads} attention heads"),
         )
+
+
+# Advantage estimators whose baseline is the other samples of the same prompt.
+GROUP_BASELINES = ("grpo", "rloo", "reinforce++-baseline")
+
+
+def _algorithm(r: Recipe, a: AlgorithmConfig) -> Iterator[Problem]:
+    """The algorithm's keys go together (`a` is filled with its preset's defaults)."""
+    defaults = AlgorithmConfig()
+    if a.advantage == "gae" and a.kl_mode == "loss":
+        yield (
+            "algorithm.kl_mode",
+            "advantage=gae (PPO) puts the KL into the per-token reward: use penalty (or none); "
+            "loss is for the other estimators",
+        )
+    if a.advantage != "gae" and a.kl_mode == "penalty":
+        yield (
+            "algorithm.kl_mode",
+            f"penalty puts the KL into the per-token reward, which only advantage=gae reads; with "
+            f"advantage={a.advantage} use loss (or none)",
+        )
+    if a.policy_loss == "gspo" and a.advantage == "gae":
+        yield (
+            "algorithm.policy_loss",
+            "gspo weighs whole sequences and needs one advantage per sequence; advantage=gae gives one "
+            "per token: use grpo, rloo, reinforce++ or reinforce++-baseline",
+        )
+    if a.old_policy == "behaviour" and a.is_correction == "on":
+        yield (
+            "algorithm.is_correction",
+            "with old_policy=behaviour the loss's ratio is already against the generators' policy: the "
+            "importance weights would correct it twice; set is_correction=off or auto "
+            "(is_mask still applies)",
+        )
+    if not 0 <= a.is_mask_low <= 1 <= a.is_mask_high:
+        yield (
+            "algorithm.is_mask_low",
+            f"the kept ratios [is_mask_low, is_mask_high] must contain 1 (an on-policy token's ratio), "
+            f"got [{a.is_mask_low}, {a.is_mask_high}]",
+        )
+    bounds = (a.is_mask_low, a.is_mask_high)
+    if a.is_mask == "off" and bounds != (defaults.is_mask_low, defaults.is_mask_high):
+        yield "algorithm.is_mask_low", "has no effect with is_mask=off; pick token, sequence or geometric"
+    max_len = r.task.max_output_len
+    if not 0 <= a.overlong_buffer <= max_len:
+        yield (
+            "algorithm.overlong_buffer",
+            f"tokens before task.max_output_len={max_len}: must be in [0, {max_len}] (0: off), "
+            f"got {a.overlong_buffer}",
+        )
+    if a.overlong_penalty < 0:
+        yield "algorithm.overlong_penalty", f"a penalty's size: must be ≥ 0, got {a.overlong_penalty}"
+    elif a.overlong_buffer == 0 and a.overlong_penalty != defaults.overlong_penalty:
+        yield "algorithm.overlong_penalty", "has no effect with overlong_buffer=0 (the shaping is off)"
+    if a.max_refill < 0:
+        yield "algorithm.max_refill", f"a fraction of train.global_batch: must be ≥ 0, got {a.max_refill}"
+    elif not a.dynamic_sampling and a.max_refill != defaults.max_refill:
+        yield "algorithm.max_refill", "has no effect without dynamic_sampling=true"
 
 
 def _task(r: Recipe) -> Iterator[Problem]:

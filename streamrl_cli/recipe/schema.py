@@ -13,10 +13,20 @@ from typing import Any
 
 LAUNCHERS = ("slurm", "local")
 RENDEZVOUS_PLACEMENTS = ("submit-host", "job")
-ALGORITHMS = ("ppo", "grpo")
+# Algorithm presets (recipe.presets): each sets the defaults of the keys below marked "null: the
+# algorithm's"; the trainer's registry (trainer.algorithms) holds the estimators and losses by name.
+ALGORITHMS = (
+    "ppo", "grpo", "dr-grpo", "dapo", "gspo", "cispo", "rloo", "reinforce++", "reinforce++-baseline",
+)  # fmt: skip
+ADVANTAGES = ("gae", "grpo", "rloo", "reinforce++", "reinforce++-baseline")
+POLICY_LOSSES = ("clip", "gspo", "cispo")
+OLD_POLICIES = ("trainer", "behaviour")
+IS_LEVELS = ("token", "sequence", "geometric")
+IS_MASKS = ("off", "token", "sequence", "geometric")
 MODES = ("sync-stream", "async", "baseline")
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("vllm",)
+RELAY_SYNC = ("delta", "full")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_MODES = ("loss", "penalty", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -34,7 +44,7 @@ RESERVED_SBATCH = frozenset(
 )  # fmt: skip
 
 
-def choices(*values: str, default: str) -> str:
+def choices(*values: str, default: str | None) -> Any:
     """A string field restricted to ``values`` (checked by the validator)."""
     return field(default=default, metadata={"choices": values})
 
@@ -147,6 +157,11 @@ class GeneratorConfig(RoleJobConfig):
     # every dispatch (random + FIFO runs exactly this many; Algorithm 2 picks batch sizes up to it).
     max_num_seqs: int = 64
     engine: str = choices(*ENGINES, default="vllm")  # inference engine
+    # Generators at another site than the trainer: how their relay fetches each weight version
+    # across sites. delta: only what changed since the version it holds (bit-exact, checked per
+    # tensor; whole when it cannot be); full: every byte, every version, and the trainer computes
+    # no deltas (for links fast enough that computing them costs more than it saves).
+    relay_sync: str = choices(*RELAY_SYNC, default="delta")
     program: str = "streamrl_cli.generator.main:main"  # `module:function` each instance runs
     elastic: ElasticSection = field(default_factory=ElasticSection)  # grow/shrink instances while training
 
@@ -194,31 +209,62 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class AlgorithmConfig:
-    name: str = choices(*ALGORITHMS, default="grpo")  # RL algorithm
+    """The RL algorithm. `name` picks a preset (recipe.presets, docs/algorithms.md) that fills every key
+    marked "null: the algorithm's" which the recipe, its config groups and the command line left unset;
+    a key set anywhere wins over the preset."""
+
+    name: str = choices(*ALGORITHMS, default="grpo")  # RL algorithm (a preset of the keys below)
     mode: str = choices(*MODES, default="sync-stream")  # pipelining between generation and training
     group_size: int = 8  # samples per prompt
     max_staleness: int = 1  # async, partial rollout: max versions a sample (its oldest token) may lag
-    kl_coef: float = 0.001  # KL penalty against the reference model
-    clip_ratio: float = 0.2  # PPO-style ratio clipping (both sides unless clip_ratio_high is set)
-    clip_ratio_high: float | None = None  # upper clip (DAPO's clip-higher); null: clip_ratio
+    # Advantage estimator: gae (critic), grpo, rloo, reinforce++, reinforce++-baseline; null: the algorithm's.
+    advantage: str | None = choices(*ADVANTAGES, default=None)
+    # Policy loss: clip (PPO/GRPO/DAPO), gspo, cispo; null: the algorithm's.
+    policy_loss: str | None = choices(*POLICY_LOSSES, default=None)
+    # The policy of the loss's ratio π/π_old: the trainer's own log-probs before the step (value 1 in
+    # one step: behaviour lag is corrected by is_correction/is_mask), or the generators' (behaviour).
+    old_policy: str = choices(*OLD_POLICIES, default="trainer")
+    kl_coef: float | None = None  # KL penalty against the reference model; null: the algorithm's
+    # Ratio clipping, both sides unless clip_ratio_high is set (DAPO's clip-higher); null: the
+    # algorithm's (clip_ratio_high: else clip_ratio).
+    clip_ratio: float | None = None
+    clip_ratio_high: float | None = None
     lr: float = 1e-6  # actor learning rate (0: the policy stays fixed, for generation benchmarks)
     critic_lr: float = 1e-5  # PPO: critic learning rate
     weight_decay: float = 0.0  # AdamW weight decay of actor and critic
     max_grad_norm: float = 1.0  # gradient clipping (0: off)
-    loss_agg: str = choices(*LOSS_AGGS, default="token-mean")  # how per-token losses become one number
+    # How per-token losses become one number; null: the algorithm's.
+    loss_agg: str | None = choices(*LOSS_AGGS, default=None)
     entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
-    kl_mode: str = choices(
-        *KL_MODES, default="loss"
-    )  # KL to the reference: a loss term, a reward penalty, off
-    kl_estimator: str = choices(*KL_ESTIMATORS, default="k3")  # estimator of KL(policy || reference)
+    # KL to the reference: a loss term, a per-token reward penalty (GAE only), off; null: the algorithm's.
+    kl_mode: str | None = choices(*KL_MODES, default=None)
+    kl_estimator: str | None = choices(*KL_ESTIMATORS, default=None)  # k1, k2, k3; null: the algorithm's
     gamma: float = 1.0  # PPO: GAE discount
     lam: float = 0.95  # PPO: GAE lambda
     value_clip: float = 0.2  # PPO: critic value clipping around the old values (0: off)
-    grpo_std_norm: bool = True  # GRPO: divide advantages by the group's std (Dr. GRPO: false)
-    # Importance-sampling correction with the behaviour log-probs (auto: on in async mode only),
-    # per-token weights truncated at is_cap (truncated IS).
+    grpo_std_norm: bool | None = None  # advantage=grpo: divide by the group's std; null: the algorithm's
+    # DAPO's soft overlong punishment: the last overlong_buffer tokens before task.max_output_len cost a
+    # reward penalty rising linearly to overlong_penalty (0: off); null: the algorithm's.
+    overlong_buffer: int | None = None
+    overlong_penalty: float = 1.0  # the penalty at task.max_output_len tokens
+    # DAPO's dynamic sampling: a group whose rewards are all equal does not count toward the batch;
+    # the iteration draws more groups instead; null: the algorithm's.
+    dynamic_sampling: bool | None = None
+    # Dynamic sampling: groups an iteration may draw to replace dropped ones, as a fraction of
+    # train.global_batch; past it the iteration trains fewer groups (with a warning and a metric).
+    max_refill: float = 1.0
+    # Importance-sampling correction with the behaviour log-probs (auto: on in async mode and with
+    # partial rollout, when old_policy is trainer), weights truncated at is_cap (truncated IS).
     is_correction: str = choices(*IS_MODES, default="auto")
     is_cap: float = 2.0  # truncation of the importance weights
+    # The weight's level: per token, per sequence (product of the token ratios) or the sequence's
+    # geometric mean (length-normalised); null: the algorithm's.
+    is_level: str | None = choices(*IS_LEVELS, default=None)
+    # Masking: tokens (or whole sequences, by product or geometric mean) whose trainer/behaviour ratio
+    # lies outside [is_mask_low, is_mask_high] leave the loss (off, token, sequence, geometric).
+    is_mask: str = choices(*IS_MASKS, default="off")
+    is_mask_low: float = 0.5  # lower bound of the kept ratios
+    is_mask_high: float = 2.0  # upper bound of the kept ratios
     temperature: float = 1.0  # sampling temperature (the trainer's log-probs use the same)
     # Truncated sampling, passed to vLLM; the trainer's and the reference's log-probs apply the same
     # truncation (vLLM's order: temperature, min_p, top_k, top_p), so they are of the distribution

@@ -104,6 +104,18 @@ def _transfer(rec: dict[str, Any] | None, seconds: str, size: str) -> dict[str, 
             "seconds": rec.get(seconds), "bytes": rec.get(size)}  # fmt: skip
 
 
+def _wan_transfer(rec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What crossed to a site for one version (the relay's fetch): a transfer, plus whether it came as a
+    delta or whole (`mode`), why whole (`reason`), the whole version's size and the ratio of the two."""
+    out = _transfer(rec, "weights/wan_s", "weights/wan_bytes")
+    if rec is not None and out is not None:
+        out["mode"] = rec.get("weights/wan_mode")  # null from generators before delta versions
+        out["reason"] = rec.get("weights/wan_reason") or None
+        out["full_bytes"] = rec.get("weights/wan_full_bytes")
+        out["ratio"] = rec.get("weights/wan_ratio")
+    return out
+
+
 def sites(members: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per site: its members, its relay (at a site without the trainer: the lowest-ranked generator
     past start-up, the rule the generators follow), the weight version its generators serve, and
@@ -140,7 +152,7 @@ def sites(members: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "weight_version": min(served) if served else None,
                 "last_transfer": _transfer(last, "weights/transfer_s", "weights/bytes"),
                 # What crossed the inter-site link last (the relay's fetch from the trainer).
-                "last_wan_transfer": _transfer(last_wan, "weights/wan_s", "weights/wan_bytes"),
+                "last_wan_transfer": _wan_transfer(last_wan),
             }
         )
     return out

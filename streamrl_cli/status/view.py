@@ -205,11 +205,17 @@ def sites_table(sites: list[dict[str, Any]]) -> Table:
 
 
 def _transfer(t: dict[str, Any] | None, time: Any) -> str:
+    """`v5: 3.00 MiB in 0.25s, 3s ago`; across sites `v5 delta: 0.12 MiB (25×) in ...` or
+    `v5 full: 3.00 MiB in 0.25s, 3s ago (no_base)` (relay_wire.FULL_REASONS: what each reason means)."""
     if not t:
         return "-"
     size = f"{t['bytes'] / 2**20:.2f} MiB" if t.get("bytes") is not None else "? bytes"
     took = f" in {t['seconds']:.2f}s" if t.get("seconds") is not None else ""
-    return f"v{t['version']}: {size}{took}, {age(time.time() - t['at'])} ago"
+    how = f" {t['mode']}" if t.get("mode") else ""  # absent from generators before delta versions
+    if t.get("mode") == "delta" and t.get("ratio"):
+        size += f" ({t['ratio']:.3g}×)"
+    why = f" ({t['reason']})" if t.get("reason") else ""
+    return f"v{t['version']}{how}: {size}{took}, {age(time.time() - t['at'])} ago{why}"
 
 
 def role_table(role: dict[str, Any]) -> Table:

@@ -28,7 +28,8 @@ class Rollout:
     # False: the reward function returned None ("cannot score"); the sample is kept in its group
     # (the group stays whole) but takes no part in the loss: its tokens are masked out.
     scored: bool = True
-    advantage: float = 0.0  # GRPO: the group-normalised reward (PPO: computed per token later)
+    advantage: float = 0.0  # the estimator's, from the group and batch (GAE: computed per token later)
+    shaping: float = 0.0  # reward shaping (DAPO's overlong penalty): the loss's reward is reward + shaping
     staleness: int = 0  # trainer's version - the sample's weight version
     iteration: int = 0  # the iteration whose batch it belongs to
 
@@ -44,8 +45,8 @@ class MicroBatch:
     targets: torch.Tensor  # [B, L-1] = input_ids[:, 1:]
     mask: torch.Tensor  # [B, L-1] float: 1 where the target is a response token
     behaviour_logp: torch.Tensor  # [B, L-1] the generator's log-probs at response positions (0 elsewhere)
-    rewards: torch.Tensor  # [B] sequence rewards
-    advantages: torch.Tensor  # [B] GRPO sequence advantages
+    rewards: torch.Tensor  # [B] sequence rewards, shaping included (GAE's)
+    advantages: torch.Tensor  # [B] sequence advantages (every estimator but GAE)
     rollouts: list[Rollout] = field(default_factory=list)
 
     @property
@@ -83,7 +84,7 @@ def collate(rollouts: Sequence[Rollout], device: torch.device | str = "cpu") -> 
         targets=ids[:, 1:].to(device),
         mask=mask.to(device),
         behaviour_logp=blp.to(device),
-        rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32, device=device),
+        rewards=torch.tensor([r.reward + r.shaping for r in rows], dtype=torch.float32, device=device),
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=device),
         rollouts=rows,
     )

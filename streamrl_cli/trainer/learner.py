@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from streamrl_cli.recipe import presets
+from streamrl_cli.trainer import algorithms as A
 from streamrl_cli.trainer import losses as L
 from streamrl_cli.trainer.batch import MicroBatch
 from streamrl_cli.trainer.models import Critic, critic_forward, load_policy, load_reference, policy_forward
@@ -36,6 +38,9 @@ class LossConfig:
     ``recipe.schema.AlgorithmConfig``; build it with :meth:`from_recipe`)."""
 
     name: str
+    advantage: str  # trainer.algorithms.ADVANTAGES: gae trains a critic
+    policy_loss: str  # trainer.algorithms.POLICY_LOSSES
+    old_policy: str  # the ratio's π_old: "trainer" (logp.detach()) or "behaviour" (the generators')
     kl_mode: str
     kl_estimator: str
     kl_coef: float
@@ -48,6 +53,10 @@ class LossConfig:
     value_clip: float
     importance_sampling: bool
     is_cap: float
+    is_level: str  # token, sequence, geometric
+    is_mask: str  # off, token, sequence, geometric
+    is_mask_low: float
+    is_mask_high: float
     temperature: float
     top_k: int  # the generators' truncation, applied to the trainer's log-probs too
     top_p: float
@@ -56,30 +65,45 @@ class LossConfig:
 
     @classmethod
     def from_recipe(cls, algorithm: AlgorithmConfig, max_len: int) -> LossConfig:
-        """``algorithm`` as resolved by ``recipe.checks.resolve`` (is_correction is on or off)."""
-        a = algorithm
-        if a.is_correction not in ("on", "off"):
-            raise ValueError(f"algorithm.is_correction={a.is_correction!r} not resolved (checks.resolve)")
+        """``algorithm`` as resolved by ``recipe.checks.resolve`` (is_correction is on or off); keys
+        left null take their algorithm's preset (``recipe.presets``)."""
+        if algorithm.is_correction not in ("on", "off"):
+            raise ValueError(
+                f"algorithm.is_correction={algorithm.is_correction!r} not resolved (checks.resolve)"
+            )
+        a = presets.filled(algorithm, max_len)
         return cls(
             name=a.name,
+            advantage=a.advantage,
+            policy_loss=a.policy_loss,
+            old_policy=a.old_policy,
             kl_mode="none" if a.kl_coef == 0 else a.kl_mode,  # a zero coefficient needs no reference
             kl_estimator=a.kl_estimator,
             kl_coef=a.kl_coef,
             loss_agg=a.loss_agg,
             clip_low=a.clip_ratio,
-            clip_high=a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high,
+            clip_high=a.clip_ratio_high,
             entropy_coef=a.entropy_coef,
             gamma=a.gamma,
             lam=a.lam,
             value_clip=a.value_clip,
             importance_sampling=a.is_correction == "on",
             is_cap=a.is_cap,
+            is_level=a.is_level,
+            is_mask=a.is_mask,
+            is_mask_low=a.is_mask_low,
+            is_mask_high=a.is_mask_high,
             temperature=a.temperature,
             top_k=a.top_k,
             top_p=a.top_p,
             min_p=a.min_p,
             max_len=max_len,
         )
+
+    @property
+    def critic(self) -> bool:
+        """Whether the advantages are GAE's, from a critic trained alongside the actor."""
+        return A.estimator(self.advantage).critic
 
     @property
     def sampling(self) -> L.SamplingTransform:
@@ -160,7 +184,7 @@ class Learner:
         self.loss, self.opt, self.device = loss, opt, device
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.actor = _engine(load_policy(path, dtype), opt.lr, opt)
-        self.critic = _engine(Critic(path, dtype), opt.critic_lr, opt) if loss.name == "ppo" else None
+        self.critic = _engine(Critic(path, dtype), opt.critic_lr, opt) if loss.critic else None
         self.ref = load_reference(path, dtype, device) if loss.kl_mode != "none" else None
         self._begin()
 
@@ -177,25 +201,41 @@ class Learner:
         c = self.loss
         self.actor.train()
         logp, ent = policy_forward(self.actor, mb, c.sampling, entropy=True)
-        old_logp, mask = logp.detach(), mb.mask
+        # The trainer's log-probs before this step, and the response tokens. Off-policy masking takes
+        # tokens out of the actor's loss (and its denominator), never out of the critic's.
+        trainer_logp, valid = logp.detach(), mb.mask
+        mask = valid
+        if c.is_mask != "off":
+            mask = A.keep_mask(
+                trainer_logp, mb.behaviour_logp, valid, c.is_mask, c.is_mask_low, c.is_mask_high
+            )
+            self._add("offpolicy/masked", (valid - mask).sum())
+            self._add("offpolicy/tokens", valid.sum())
+        if c.old_policy == "behaviour":
+            # Bounded below so that a behaviour log-prob far under the trainer's (-inf at worst)
+            # gives a large finite ratio, not an infinite one.
+            old_logp = torch.maximum(mb.behaviour_logp, trainer_logp - A.LOG_RATIO_BOUND)
+        else:
+            old_logp = trainer_logp
         kl = None
         if self.ref is not None:
             with torch.no_grad():
                 ref_logp, _ = policy_forward(self.ref, mb, c.sampling)
             kl = L.kl_estimate(logp, ref_logp, c.kl_estimator)
-        if c.name == "ppo":
+        if c.critic:
             values = critic_forward(self.critic, mb)
             score_kl = kl.detach() if (kl is not None and c.kl_mode == "penalty") else None
-            tok_r = L.token_rewards(mb.rewards, score_kl, c.kl_coef, mask)
-            adv, ret = L.gae(tok_r, values.detach(), mask, c.gamma, c.lam)
+            tok_r = L.token_rewards(mb.rewards, score_kl, c.kl_coef, valid)
+            adv, ret = L.gae(tok_r, values.detach(), valid, c.gamma, c.lam)
         else:
-            adv = mb.advantages[:, None].expand_as(mask) * mask
+            adv = mb.advantages[:, None].expand_as(valid) * valid
         is_w = (
-            L.importance_weights(old_logp, mb.behaviour_logp, mask, c.is_cap)
+            A.is_weights(trainer_logp, mb.behaviour_logp, mask, c.is_cap, c.is_level)
             if c.importance_sampling
             else None
         )
-        pg, stats = L.policy_loss(logp, old_logp, adv, mask, c.clip_low, c.clip_high, is_w)
+        loss_fn = A.policy_loss(c.policy_loss)
+        pg, stats = loss_fn(logp, old_logp, adv, mask, c.clip_low, c.clip_high, is_w)
         per_token = pg
         if kl is not None and c.kl_mode == "loss":
             per_token = per_token + c.kl_coef * kl
@@ -217,11 +257,11 @@ class Learner:
             self._add(f"pg/{key}", v)
         if is_w is not None:
             self._add("pg/is_weight", (is_w * mask).sum())
-        for key, v in L.rollout_mismatch(old_logp, mb.behaviour_logp, mask).items():
+        for key, v in L.rollout_mismatch(trainer_logp, mb.behaviour_logp, valid).items():
             self._add(f"rollout/{key}", v)
-        if c.name == "ppo":
-            vl = L.value_loss(values, values.detach(), ret, mask, c.value_clip)
-            vnum, _ = L.aggregate(vl, mask, c.loss_agg, c.max_len)
+        if c.critic:
+            vl = L.value_loss(values, values.detach(), ret, valid, c.value_clip)
+            vnum, _ = L.aggregate(vl, valid, c.loss_agg, c.max_len)
             self.critic.set_gradient_accumulation_boundary(last)
             self.critic.backward(vnum, scale_wrt_gas=False)
             self._add("loss/value", vnum.detach())
@@ -268,6 +308,8 @@ class Learner:
         out["approx_kl"] = sums.get("pg/approx_kl", 0.0) / tokens
         if "pg/is_weight" in sums:
             out["is_weight/mean"] = sums["pg/is_weight"] / tokens
+        if "offpolicy/tokens" in sums:  # is_mask: the share of response tokens taken out of the loss
+            out["offpolicy/masked_frac"] = sums["offpolicy/masked"] / max(sums["offpolicy/tokens"], 1.0)
         # How far the generators' log-probs are from the trainer's for the same tokens, before this
         # step's update (sync modes: the same weights, so only the engines differ; async: plus one step).
         for key in ("logp_abs_diff", "kl"):

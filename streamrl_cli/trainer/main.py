@@ -186,7 +186,7 @@ class TrainerRole:
         workers = gen.instances * gen.tensor_parallel
         publisher = WeightPublisher(
             self.rdv, self.token, transport=self.spec.generator_transport, generator_workers=workers,
-            backend=backend,
+            backend=backend, relay_deltas=gen.relay_sync == "delta",
         )  # fmt: skip
         self.closers.append(publisher)
         self.generators = gen.instances

@@ -36,10 +36,12 @@ import msgspec
 import xxhash
 
 from streamrl_cli.errors import StreamRLError
+from streamrl_cli.recipe import presets
 from streamrl_cli.tasks import Prompt, Task
+from streamrl_cli.trainer.algorithms import batch_whiten, estimator, informative, overlong_penalty
 from streamrl_cli.trainer.batch import GroupCollector, Rollout
+from streamrl_cli.trainer.dynamic_sampling import Refill
 from streamrl_cli.trainer.evaluation import Evaluator
-from streamrl_cli.trainer.losses import grpo_advantages
 from streamrl_cli.trainer.seeds import sample_seed
 from streamrl_cli.transport.wire import Request, Sample
 from streamrl_cli.weights.layout import eligible
@@ -65,7 +67,7 @@ class Stopped(Exception):
 @dataclass(kw_only=True)
 class PipelineConfig:
     mode: str = "sync-stream"
-    algorithm: str = "grpo"
+    advantage: str = "grpo"  # the estimator (trainer.algorithms.ADVANTAGES)
     group_size: int = 4
     global_batch: int = 8  # prompts per iteration
     micro_batch: int = 4  # samples per micro-batch (per rank)
@@ -77,6 +79,10 @@ class PipelineConfig:
     # {"top_p": 0.9, "stop": ["\n\n"]}; only what differs from vLLM's defaults.
     sampling: dict[str, Any] = field(default_factory=dict)
     grpo_std_norm: bool = True
+    overlong_buffer: int = 0  # DAPO's soft overlong punishment over this many last tokens (0: off)
+    overlong_penalty: float = 1.0
+    dynamic_sampling: bool = False  # DAPO: groups with all-equal rewards do not count; more are drawn
+    max_refill: float = 1.0  # dynamic sampling: groups drawn per iteration at most, × global_batch
     seed: int = 0
     sample_timeout_s: float = 1800.0  # no sample at all for this long: something is wrong
     # No generator connected for this long: every one failed or left, the run cannot go on. Not at
@@ -91,6 +97,11 @@ class PipelineConfig:
     partial: bool = False  # over-sampled groups running at the close are paused and resumed, not aborted
 
     @property
+    def refill_budget(self) -> int:
+        """Groups an iteration may draw to replace dropped ones (algorithm.max_refill)."""
+        return math.floor(self.global_batch * self.max_refill + 1e-9)
+
+    @property
     def extra_groups(self) -> int:
         """Groups dispatched beyond global_batch per iteration (rollout.oversample)."""
         return math.ceil(self.global_batch * self.oversample - 1e-9) if self.oversample > 0 else 0
@@ -98,11 +109,13 @@ class PipelineConfig:
     @classmethod
     def from_spec(cls, spec: TrainerSpec) -> PipelineConfig:
         """The pipeline of the trainer's typed sections (the defaults above serve tests only)."""
-        a, t, skew = spec.algorithm, spec.train, spec.skewness
+        a, t, skew = presets.filled(spec.algorithm, spec.task.max_output_len), spec.train, spec.skewness
         return cls(
-            mode=a.mode, algorithm=a.name, group_size=a.group_size, global_batch=t.global_batch,
+            mode=a.mode, advantage=a.advantage, group_size=a.group_size, global_batch=t.global_batch,
             micro_batch=t.micro_batch, world=spec.world, max_staleness=a.max_staleness,
             max_output_len=spec.task.max_output_len, temperature=a.temperature, grpo_std_norm=a.grpo_std_norm,
+            overlong_buffer=a.overlong_buffer, overlong_penalty=a.overlong_penalty,
+            dynamic_sampling=a.dynamic_sampling, max_refill=a.max_refill,
             seed=t.seed, dispatch=skew.dispatch, schedule=skew.schedule, long_tail=skew.long_tail,
             engine_max_seqs=spec.generator.max_num_seqs, reproducible=t.reproducible_sampling,
             sample_timeout_s=t.stall_after_s, no_generator_s=t.stall_after_s, sampling=sampling_keys(a),
@@ -149,6 +162,9 @@ class Batch:
     order: list[str] = field(default_factory=list)  # group keys in the batch's order
     released: int = 0  # groups of `order` moved to `ready`
     trained: list[Rollout] = field(default_factory=list)
+    # Dynamic sampling: the iteration's bookkeeping, and the groups dropped (all rewards equal) by key.
+    refill: Refill | None = None
+    dropped: dict[str, list[Rollout]] = field(default_factory=dict)
     n_groups: int = 0  # groups dispatched
     needed: int = 0  # groups the iteration trains on (n_groups less the over-sampled ones)
     done_groups: int = 0
@@ -342,6 +358,9 @@ class Pipeline:
             requests.append(req)
         batch.n_groups = len(prompts)
         batch.needed = self.cfg.global_batch
+        if self.cfg.dynamic_sampling:
+            budget = self.cfg.refill_budget
+            batch.refill = Refill(needed=batch.needed, budget=budget, outstanding=len(prompts))
         batch.order = rids
         batch.dispatched_at = self.clock()
         self.batches[j] = batch
@@ -416,7 +435,8 @@ class Pipeline:
         batch = self.batches[i]
         per_round = self.cfg.micro_batch * self.cfg.world
         train_spans: list[list[float]] = []
-        stream = self.cfg.mode != "baseline"
+        # An estimator that normalises over the whole batch (REINFORCE++) trains after its last group.
+        stream = self.cfg.mode != "baseline" and not estimator(self.cfg.advantage).whiten
         while True:
             done = batch.done_groups == batch.needed
             if not done and batch.needed < batch.n_groups:
@@ -519,28 +539,86 @@ class Pipeline:
         batch.done_at[(GroupCollector.key(sample), sample.sample_index)] = done_at
         if sample.first_token_at and sample.finished_at:
             batch.longest_s = max(batch.longest_s, sample.finished_at - sample.first_token_at)
+        key = GroupCollector.key(sample)
         group = batch.collector.add(sample)
         for r in group:
             r.staleness, r.iteration = j + self.offset - r.sample.weight_version, j
-        if group:
-            batch.carried.pop(GroupCollector.key(sample), None)
+        finished = bool(group) or key in batch.dropped  # the group is whole (trained, or dropped)
+        if finished:
+            batch.carried.pop(key, None)
         if not self.cfg.reproducible:
             batch.ready += group
-        elif group:
+        elif finished:
             # The same micro-batches, summed in the same order, run after run: the gradients, hence
             # the weights, are the same bit for bit (the order the groups finished in varies).
-            batch.held[GroupCollector.key(sample)] = group
+            batch.held[key] = group
             while batch.released < len(batch.order) and batch.order[batch.released] in batch.held:
                 batch.ready += batch.held.pop(batch.order[batch.released])
                 batch.released += 1
+        if finished and batch.refill is not None and batch.done_groups < batch.needed:
+            self._refill(batch)
         if batch.done_groups == batch.needed:
             self.gen_spans.append([batch.dispatched_at, batch.generated_at])
-            if batch.needed < batch.n_groups:
+            if estimator(self.cfg.advantage).whiten:
+                self._whiten(batch)
+            if batch.needed < batch.n_groups and _unfinished(batch):
                 # The last iteration's extra groups have no next batch to go on in: aborted.
                 if self.cfg.partial and batch.index + 1 < self.end:
                     self._pause_rest(batch)
                 else:
                     self._abort_rest(batch)
+
+    # ---- dynamic sampling, batch normalisation ----
+
+    def _refill(self, batch: Batch) -> None:
+        """Dynamic sampling, after a group of `batch` finished: draw the groups that those still out
+        cannot make up for, or, with none out and the budget spent, close the batch with fewer."""
+        r = batch.refill
+        assert r is not None
+        n = r.to_draw()
+        if n:
+            self._draw_more(batch, n)
+        elif r.complete:
+            log.warning(
+                "iteration %d: only %d of %d groups had rewards that differ after drawing %d more "
+                "(algorithm.max_refill=%g); it trains on %s",
+                batch.index, r.kept, r.needed, r.drawn, self.cfg.max_refill,
+                f"{r.kept} groups" if r.kept else "the dropped groups (no group had a reward spread)",
+            )  # fmt: skip
+            if not r.kept:  # nothing informative at all: the dropped groups, rather than an empty batch
+                batch.ready += [x for k in batch.order if k in batch.dropped for x in batch.dropped[k]]
+                batch.done_groups = len(batch.dropped)
+            batch.needed = batch.done_groups
+
+    def _draw_more(self, batch: Batch, n: int) -> None:
+        """Dynamic sampling: `n` more groups for `batch`, in place of dropped ones (admitted first)."""
+        assert batch.refill is not None
+        prompts = self.sampler.next_batch(n)
+        requests = []
+        for p in prompts:
+            rid, k = f"it{batch.index}/{p.prompt_id}", 1
+            while rid in batch.prompts:  # drawn by this batch already
+                k += 1
+                rid = f"it{batch.index}/{p.prompt_id}~{k}"
+            tokens = self.tokenize(p.text)
+            batch.prompts[rid] = (p, tokens)
+            batch.order.append(rid)
+            req = self._request(rid, tokens, list(range(self.cfg.group_size)), seed_key=_draw(rid))
+            req.priority = -1
+            requests.append(req)
+        batch.n_groups += len(prompts)
+        batch.refill.drew(len(prompts))
+        self.svc.submit(requests)
+
+    def _whiten(self, batch: Batch) -> None:
+        """REINFORCE++: the batch's advantages normalised over all its scored tokens, once it is whole."""
+        import torch
+
+        rows = batch.ready
+        lengths = torch.tensor([float(r.response_len) if r.scored else 0.0 for r in rows])
+        adv = batch_whiten(torch.tensor([r.advantage for r in rows]), lengths)
+        for r, a in zip(rows, adv.tolist(), strict=True):
+            r.advantage = a
 
     def _abort_rest(self, batch: Batch) -> None:
         """Over-sampling: the iteration has its groups; the others are cancelled on their generators
@@ -617,6 +695,8 @@ class Pipeline:
         batch.prompts[key] = (c.prompt, c.tokens)
         batch.order.append(key)
         batch.n_groups += 1
+        if batch.refill is not None:
+            batch.refill.outstanding += 1
         batch.carried[key] = c
         for i in sorted({*c.have, *c.prefix}):
             self._go_on(c, i)
@@ -653,22 +733,36 @@ class Pipeline:
         batch.lengths[_draw(key)] = [len(s.token_ids) for s in sorted(samples, key=lambda s: s.sample_index)]
         texts = [self.detokenize(s.token_ids) for s in samples]
         scores = self.task.reward([prompt] * len(samples), texts)
-        batch.done_groups += 1
         import torch
 
-        # None ("cannot score"): the sample is not learnt from (masked out of the loss), and GRPO
-        # normalises the group over the samples that were scored.
+        # None ("cannot score"): the sample is not learnt from (masked out of the loss), and the
+        # group's advantages are over the samples that were scored.
         scored = [k for k, r in enumerate(scores) if r is not None]
         rewards = [float(r) if r is not None else 0.0 for r in scores]
-        adv = [0.0] * len(rewards)
-        if self.cfg.algorithm == "grpo" and scored:
-            group = grpo_advantages(torch.tensor([rewards[k] for k in scored]), self.cfg.grpo_std_norm)
-            for k, a in zip(scored, group.tolist(), strict=True):
-                adv[k] = a
-        return [
-            Rollout(prompt_tokens=tokens, sample=s, reward=r, advantage=a, scored=sc is not None)
-            for s, r, a, sc in zip(samples, rewards, adv, scores, strict=True)
+        c = self.cfg
+        shaping = [  # DAPO's overlong penalty: part of the reward the loss sees, not of reward_mean
+            overlong_penalty(len(s.token_ids), c.max_output_len, c.overlong_buffer, c.overlong_penalty)
+            if sc is not None
+            else 0.0
+            for s, sc in zip(samples, scores, strict=True)
         ]
+        trained = [rewards[k] + shaping[k] for k in scored]
+        adv = [0.0] * len(rewards)
+        group_fn = estimator(c.advantage).group
+        if group_fn is not None and scored:
+            for k, a in zip(scored, group_fn(torch.tensor(trained), c.grpo_std_norm).tolist(), strict=True):
+                adv[k] = a
+        rollouts = [
+            Rollout(prompt_tokens=tokens, sample=s, reward=r, advantage=a, scored=sc is not None, shaping=sh)
+            for s, r, a, sc, sh in zip(samples, rewards, adv, scores, shaping, strict=True)
+        ]
+        if batch.refill is not None:
+            batch.refill.finished(informative(trained))
+            if not informative(trained):  # every advantage 0: it does not count toward the batch
+                batch.dropped[key] = rollouts
+                return []
+        batch.done_groups += 1
+        return rollouts
 
     # ---- weights ----
 
@@ -821,7 +915,11 @@ class Pipeline:
             },
             **stats,
             **self._skew_record(batch),
+            **(batch.refill.record() if batch.refill is not None else {}),
         }
+        if self.cfg.overlong_buffer:  # mean shaping of the scored samples trained (≤ 0)
+            shaped = [r.shaping for r in rows if r.scored]
+            rec["reward/overlong_penalty"] = statistics.fmean(shaped) if shaped else 0.0
         self.batches.pop(i, None)
         self.discarded_tokens = 0
         return rec
@@ -851,7 +949,7 @@ def _draw(rid: str) -> str:
 
 def _unfinished(batch: Batch) -> list[str]:
     """The groups of a closed batch that it does not train (over-sampled ones still out), in order."""
-    done = {GroupCollector.key(r.sample) for r in [*batch.trained, *batch.ready]}
+    done = {GroupCollector.key(r.sample) for r in [*batch.trained, *batch.ready]} | set(batch.dropped)
     return [rid for rid in batch.order if rid not in done]
 
 

@@ -52,7 +52,10 @@ class WeightPublisher(ElasticSource):
         transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
         sync_timeout_s: float = SYNC_TIMEOUT_S,
         retries: int = 1,
+        relay_deltas: bool = True,
     ):
+        """`relay_deltas` (transport relay): serve each version as a delta to a relay holding the one
+        before (roles.generator.relay_sync); off, no delta is computed."""
         super().__init__(
             rdv, backend=backend, host=host or socket.gethostname(),
             transfer_timeout_s=transfer_timeout_s, sync_timeout_s=sync_timeout_s, retries=retries,
@@ -63,7 +66,7 @@ class WeightPublisher(ElasticSource):
         if transport == "relay":
             from streamrl_cli.weights.relay import WeightServer
 
-            self.server = WeightServer(token, host="0.0.0.0")
+            self.server = WeightServer(token, host="0.0.0.0", delta=relay_deltas)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weights")
 
     def addresses(self) -> dict[str, str]:

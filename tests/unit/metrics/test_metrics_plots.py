@@ -315,3 +315,48 @@ def _legend_patches(legend):  # type: ignore[no-untyped-def]
     from matplotlib.patches import Rectangle
 
     return [a for a in legend.findobj(Rectangle) if a is not legend.legendPatch]
+
+
+def relay_line(
+    version: int, at: float, mode: str | None, *, reason: str = "", member: str = "generator-2"
+) -> dict:
+    """What a far site's relay posts (every few seconds, its last transfer's keys repeated)."""
+    line = {
+        "time": at + 3, "member_id": member, "role": "generator", "rank": 2, "weights/version": version,
+        "weights/at": at, "weights/transfer_s": 0.5, "weights/relay": 1, "weights/wan_bytes": 1000,
+        "weights/wan_s": 0.3,
+    }  # fmt: skip
+    if mode is not None:  # older generators do not say
+        line |= {"weights/wan_mode": mode, "weights/wan_reason": reason}
+    return line
+
+
+def test_the_timeline_marks_each_version_fetched_across_sites_as_a_delta_or_whole(tmp_path):
+    from matplotlib.colors import to_hex
+
+    from streamrl_cli.metrics.plots import ACROSS, _timeline
+    from streamrl_cli.metrics.read import read_relay_fetches
+
+    iters = simulate("async")
+    ends = [r["timeline"]["weight_sync"][1] for r in iters if r["timeline"].get("weight_sync")]
+    lines: list = [*iters, relay_line(1, ends[0], "full", reason="no_base")]
+    lines += [relay_line(1, ends[0], "full", reason="no_base")]  # the same transfer, reported again
+    lines += [relay_line(v + 1, at, "delta") for v, at in enumerate(ends[1:], start=1)]
+    lines += [relay_line(9, ends[-1], None), {"member_id": "generator-0", "weights/version": 3}]
+    fetches = read_relay_fetches(make_run(tmp_path, lines))
+    assert [(f["version"], f["mode"]) for f in fetches] == [
+        (1, "full"), *[(v + 1, "delta") for v in range(1, len(ends))], (9, None)
+    ]  # fmt: skip
+    assert fetches[0]["reason"] == "no_base" and fetches[0]["start"] == ends[0] - 0.5
+    fig = figure_of(lambda f, it: _timeline(f, it, fetches), iters)
+    (ax,) = fig.axes
+    drawn = {to_hex(c) for coll in ax.collections for c in coll.get_facecolors()}
+    assert {to_hex(c) for c in ACROSS} <= drawn
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "relay fetch across sites: delta" in labels and "relay fetch across sites: whole" in labels
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "generation",
+        "training",
+        "weight sync",
+        "across sites",
+    ]

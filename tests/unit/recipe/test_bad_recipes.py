@@ -75,6 +75,18 @@ MISTAKES = [
     ("adding a key that exists", "", ["+train.iterations=3"], ["already exists"]),
     ("deleting a key that does not exist", "", ["~train.foo"], ["cannot delete", "train.foo"]),
     ("GRPO with a group of one", "", ["algorithm.group_size=1"], ["algorithm.group_size", "group_size ≥ 2"]),
+    (
+        "an advantage estimator that does not exist",
+        "",
+        ["algorithm.advantage=vtrace"],
+        ["algorithm.advantage", "not one of gae, grpo, rloo, reinforce++, reinforce++-baseline"],
+    ),
+    (
+        "the behaviour policy corrected twice",
+        "",
+        ["algorithm.old_policy=behaviour", "algorithm.is_correction=on"],
+        ["algorithm.is_correction", "would correct it twice"],
+    ),
     ("negative learning rate", "", ["algorithm.lr=-1e-6"], ["algorithm.lr", "must be ≥ 0"]),
     (
         "a generator that runs no sequence",

@@ -20,7 +20,8 @@ def member(
 def test_sites_show_members_relay_version_and_last_transfers():
     relay_fetch = {
         "weights/version": 3, "weights/at": 1000.0, "weights/transfer_s": 0.4, "weights/bytes": 600,
-        "weights/relay": 1, "weights/wan_bytes": 600, "weights/wan_s": 0.1,
+        "weights/relay": 1, "weights/wan_bytes": 60, "weights/wan_s": 0.1, "weights/wan_mode": "delta",
+        "weights/wan_reason": "", "weights/wan_full_bytes": 600, "weights/wan_ratio": 10.0,
     }  # fmt: skip
     follower = {"weights/version": 3, "weights/at": 1001.0, "weights/transfer_s": 0.5, "weights/bytes": 600,
                 "weights/relay": 0}  # fmt: skip
@@ -37,7 +38,10 @@ def test_sites_show_members_relay_version_and_last_transfers():
     assert [m["member_id"] for m in remote["members"]] == ["generator-0", "generator-1", "generator-2"]
     assert remote["weight_version"] == 3  # what every alive generator there serves at least
     assert remote["last_transfer"] == {"version": 3, "at": 1001.0, "seconds": 0.5, "bytes": 600}
-    assert remote["last_wan_transfer"] == {"version": 3, "at": 1000.0, "seconds": 0.1, "bytes": 600}
+    assert remote["last_wan_transfer"] == {
+        "version": 3, "at": 1000.0, "seconds": 0.1, "bytes": 60,
+        "mode": "delta", "reason": None, "full_bytes": 600, "ratio": 10.0,
+    }  # fmt: skip
 
 
 def test_a_run_is_stalled_only_past_the_bound_without_progress():
@@ -94,7 +98,21 @@ def test_the_sites_table_names_the_relay_and_what_crossed():
     )
     text = console.export_text()
     assert "(trainer's site)" in text and "generator-0" in text
-    assert "v5: 3.00 MiB in 0.25s" in text and "v5: 3.00 MiB in 0.30s" in text
+    assert "v5: 3.00 MiB in 0.25s" in text and "v5: 3.00 MiB in 0.30s" in text  # no mode: before deltas
+
+    def across(**wan_fields) -> str:
+        rec = {**wan, **{f"weights/wan_{k}": v for k, v in wan_fields.items()}}
+        console = Console(record=True, width=200)
+        console.print(
+            sites_table(sites([member("trainer", 0, "a"), member("generator", 0, "b", metrics=rec)]))
+        )
+        return console.export_text()
+
+    assert "v5 delta: 0.12 MiB (25×) in 0.25s" in across(
+        mode="delta", reason="", bytes=int(0.12 * 2**20), full_bytes=3 << 20, ratio=25.0
+    )
+    assert "v5 full: 3.00 MiB in 0.25s, " in across(mode="full", reason="base_gone", ratio=1.0)
+    assert " ago (base_gone)" in across(mode="full", reason="base_gone", ratio=1.0)
 
 
 def test_a_members_error_reaches_the_terminal_without_control_characters():

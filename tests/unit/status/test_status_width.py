@@ -15,8 +15,10 @@ from support.metric_runs import make_run, simulate
 from streamrl_cli.launch.live_view import live_view
 from streamrl_cli.rundir import RunDir, write_json
 from streamrl_cli.status.view import run_view
+from streamrl_cli.weights.relay_wire import FULL_REASONS
 
 WIDTH = 80
+LONGEST_REASON = max(FULL_REASONS, key=len)  # why a version crossed sites whole
 NAME = "qwen2.5-7b-grpo-reasoning-with-a-long-name"
 
 
@@ -148,6 +150,14 @@ def slurm_doc() -> dict:
     ]
     gens[3].update(state="lost", last_error="CUDA error: an illegal memory access was encountered")
     moved = {"version": 12, "at": now - 42, "seconds": 0.52, "bytes": 14.23 * 2**20}
+    # Across sites, the longest way a transfer is told: whole, with the longest reason.
+    crossed = {
+        **moved,
+        "mode": "full",
+        "reason": LONGEST_REASON,
+        "full_bytes": 14.23 * 2**20,
+        "ratio": 1.0,
+    }
     site_members = [[gens[0], gens[1], trainer], gens[2:]]
     return {
         "run": f"{NAME}-20261124-101500",
@@ -186,7 +196,7 @@ def slurm_doc() -> dict:
                 "members": [{"member_id": m["member_id"], "state": m["state"]} for m in ms],
                 "weight_version": 12,
                 "last_transfer": moved,
-                "last_wan_transfer": None if site == "main" else moved,
+                "last_wan_transfer": None if site == "main" else crossed,
             }
             for site, ms in zip(("main", "far"), site_members, strict=True)
         ],
@@ -248,4 +258,5 @@ def test_status_of_a_two_site_slurm_run_reads_whole_in_80_columns():
         "Resources",
         "samples_per_s 12.08",
         "token_staleness 0.413",
+        f"({LONGEST_REASON})",
     )
