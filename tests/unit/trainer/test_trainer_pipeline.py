@@ -54,9 +54,16 @@ class ListSampler:
     def state(self):
         return {"pos": self.pos}
 
+    def give_back(self, prompts):
+        raise AssertionError("no group is handed back in these runs (see PromptSampler for that)")
+
+    def positions(self, prompts):
+        raise AssertionError("no group is carried in these runs (see PromptSampler for that)")
+
 
 class Generators:
-    """Answers requests one sample per get(), with the weight version it currently serves."""
+    """Answers requests one sample per get(), with the weight version it currently serves (a
+    `SampleService`: one generator, always connected; nothing is ever cancelled)."""
 
     def __init__(self, events: list, stale_first: int = 0):
         self.events, self.version = events, 0
@@ -82,6 +89,12 @@ class Generators:
         return Sample(prompt_id=r.prompt_id, sample_index=i, group_id=r.group_id, token_ids=[1] * (i + 1),
                       logprobs=[-1.0] * (i + 1), finish_reason="stop", weight_version=version)  # fmt: skip
 
+    def cancel(self, ids, keep=False):
+        raise AssertionError("nothing is over-sampled here: no request is cancelled")
+
+    def generators(self):
+        return ["generator-0"]
+
 
 class Driver:
     def __init__(self, events: list):
@@ -102,6 +115,8 @@ class Driver:
 
 
 class Publisher:
+    rdv = None  # no rendezvous: no newcomer is caught up (one test gives it one)
+
     def __init__(self, events: list, gens: Generators):
         self.events, self.gens = events, gens
         self.pool = concurrent.futures.ThreadPoolExecutor(1)
@@ -115,6 +130,18 @@ class Publisher:
             return {}
 
         return self.pool.submit(deliver)
+
+
+def test_the_fakes_are_what_the_pipeline_asks_for():
+    from streamrl_cli.trainer import collaborators as C
+
+    events: list = []
+    gens = Generators(events)
+    assert isinstance(gens, C.SampleService) and isinstance(Tail(events, slow=bool), C.SampleService)
+    assert isinstance(Driver(events), C.LearnerDriver)
+    assert isinstance(Publisher(events, gens), C.WeightPublisher)
+    assert isinstance(ListSampler([], 4), C.PromptSource)
+    assert isinstance(LengthRanker(), C.LengthRanker)
 
 
 def make(mode: str, iterations: int = 4, stale_first: int = 0, **kw):
@@ -632,7 +659,8 @@ def test_generators_that_join_while_none_serves_get_the_current_weights_as_a_new
 
 def test_tail_runs_from_ninety_percent_of_the_samples_generated_to_the_last():
     from streamrl_cli.trainer.batch import Rollout
-    from streamrl_cli.trainer.pipeline import Batch, _tail
+    from streamrl_cli.trainer.iteration_record import _tail
+    from streamrl_cli.trainer.sample_routing import Batch
 
     batch = Batch(index=0, prompts={}, sampler_state={})
     rows = []

@@ -1,0 +1,456 @@
+"""Where each sample goes: into its batch's group, generated again, dropped, paused or carried on.
+
+The loop (``trainer.pipeline``) reads one sample at a time from the data plane and hands it here.
+A sample belongs to the batch its request id names (``trainer.request_id``), or to an evaluation,
+or to a group paused or cancelled when its batch closed::
+
+    sample ─► evaluation? ─► cancelled group? (dropped, counted) ─► paused group? (kept for the next batch)
+                 └─► its batch ─► too stale? (generated again: "#r") ─► its group ─► whole: scored
+                                                                             │
+       DAPO: all rewards equal ─► dropped, more groups drawn (refill) ◄──────┤
+       the batch has its groups ─► over-sampled ones still out: cancelled (aborted) or paused,
+                                   and resumed in the next batch from their tokens so far ("#p")
+
+``SampleRouting`` holds this part of the loop's state (cancelled ids, paused and carried groups);
+``Pipeline`` inherits it and provides the rest (its batches, the data plane, the sampler).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from streamrl_cli.tasks import Prompt, Task
+from streamrl_cli.trainer.algorithms import batch_whiten, estimator, informative, overlong_penalty
+from streamrl_cli.trainer.batch import GroupCollector, Rollout
+from streamrl_cli.trainer.dynamic_sampling import Refill
+from streamrl_cli.trainer.request_id import RequestId
+from streamrl_cli.trainer.seeds import sample_seed
+from streamrl_cli.transport.wire import Request, Sample
+
+if TYPE_CHECKING:
+    from streamrl_cli.trainer.collaborators import PromptSource, SampleService
+    from streamrl_cli.trainer.evaluation import Evaluator
+    from streamrl_cli.trainer.pipeline import PipelineConfig
+
+log = logging.getLogger("streamrl.trainer")
+
+
+@dataclass
+class Batch:
+    index: int
+    prompts: dict[str, tuple[Prompt, list[int]]]  # request prompt id -> (task prompt, tokens)
+    sampler_state: dict[str, Any]  # the sampler's position before drawing this batch
+    dispatched_at: float = 0.0
+    last_sample_at: float = 0.0  # when the trainer last read one of its samples (progress)
+    generated_at: float = 0.0  # when generation finished its last sample so far (T_gen's end)
+    collector: GroupCollector | None = None
+    ready: list[Rollout] = field(default_factory=list)  # whole groups not yet trained on
+    # Reproducible runs train the groups in the batch's own order, not as they finish: a group that
+    # finished early waits here (group key -> rollouts) until those before it are in `ready`.
+    held: dict[str, list[Rollout]] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)  # group keys in the batch's order
+    released: int = 0  # groups of `order` moved to `ready`
+    trained: list[Rollout] = field(default_factory=list)
+    # Dynamic sampling: the iteration's bookkeeping, and the groups dropped (all rewards equal) by key.
+    refill: Refill | None = None
+    dropped: dict[str, list[Rollout]] = field(default_factory=dict)
+    n_groups: int = 0  # groups dispatched
+    needed: int = 0  # groups the iteration trains on (n_groups less the over-sampled ones)
+    done_groups: int = 0
+    aborted: list[str] = field(default_factory=list)  # over-sampled groups cancelled when it closed
+    carried: dict[str, Carried] = field(default_factory=dict)  # group key -> a group resumed in this batch
+    # Over-sampled groups paused when it closed (partial rollout).
+    paused: list[str] = field(default_factory=list)
+    # When each sample's generation finished, by (group key, sample index): the tail time.
+    done_at: dict[tuple[str, int], float] = field(default_factory=dict)
+    retries: int = 0
+    predicted: dict[str, float] = field(default_factory=dict)  # request prompt id -> predicted length
+    observed: dict[str, float] = field(default_factory=dict)  # request prompt id -> longest output
+    lengths: dict[str, list[int]] = field(default_factory=dict)  # task prompt id -> lengths by sample index
+    plan: dict[str, Any] = field(default_factory=dict)  # the dispatch decision, for the record
+    longest_s: float = (
+        0.0  # the longest sample's own decoding (first token to finish): more instances won't shorten it
+    )
+
+
+@dataclass(eq=False)
+class Carried:
+    """A group paused when its iteration closed (partial rollout), on its way to the next batch.
+
+    Its samples are in three places: finished ones (`have`), ones paused with the tokens they had
+    (`prefix`: resumed by a request whose prompt is the prompt plus those tokens), and ones whose
+    paused copy is still on its way back (`inflight`, under the request ids in `ids`). Once in a
+    batch (`batch`), every sample that comes back goes on at once; the group trains when whole.
+    """
+
+    key: str  # its group key in the batch it is in (or was paused in)
+    prompt: Prompt
+    tokens: list[int]
+    have: dict[int, Sample] = field(default_factory=dict)
+    prefix: dict[int, Sample] = field(default_factory=dict)
+    inflight: set[int] = field(default_factory=set)
+    ids: list[str] = field(default_factory=list)  # paused request ids whose samples are still owed
+    batch: Batch | None = None
+
+
+class SampleRouting:
+    """The sample-routing half of the trainer's loop (mixed into ``trainer.pipeline.Pipeline``)."""
+
+    # Provided by the loop.
+    cfg: PipelineConfig
+    task: Task
+    sampler: PromptSource
+    svc: SampleService
+    tokenize: Callable[[str], list[int]]
+    detokenize: Callable[[list[int]], str]
+    clock: Callable[[], float]
+    evaluator: Evaluator | None
+    batches: dict[int, Batch]
+    offset: int  # batch j's policy is weight version j + offset
+    end: int  # the iteration the run ends before
+    gen_spans: list[list[float]]  # [dispatched, last sample] of every batch
+    recent_lengths: deque[int]
+
+    def _init_routing(self) -> None:
+        self.cancelled: set[str] = set()  # request ids of aborted groups: their late samples are dropped
+        self.discarded_tokens = 0  # tokens of aborted groups that reached us since the last record
+        # Partial rollout: paused request id -> its group; groups waiting for the next dispatch; groups
+        # resumed in batches drawn already (async), which the next dispatch draws fewer prompts for.
+        self.pausing: dict[str, Carried] = {}
+        self.carry: list[Carried] = []
+        self.carry_debt = 0
+        self.resumes = 0  # request ids of resumed samples: "<group>#p<n>"
+
+    def _request(
+        self, rid: str, tokens: list[int], indices: list[int], *, group: str = "", seed_key: str = ""
+    ) -> Request:
+        sampling: dict[str, Any] = {
+            "temperature": self.cfg.temperature,
+            "max_tokens": self.cfg.max_output_len,
+            **self.cfg.sampling,
+        }
+        if self.cfg.reproducible:
+            sampling["seed"] = sample_seed(self.cfg.seed, seed_key, indices[0])
+        return Request(
+            prompt_id=rid, prompt_token_ids=tokens, sample_indices=indices, group_id=group or rid,
+            sampling=sampling,
+        )  # fmt: skip
+
+    # ---- samples ----
+
+    def _route(self, sample: Sample) -> None:
+        if self.evaluator is not None and self.evaluator.owns(sample.prompt_id):
+            self.evaluator.add(sample)
+            return
+        if sample.prompt_id in self.cancelled:  # an aborted group's sample, generated before the cancel came
+            self.discarded_tokens += len(sample.token_ids)
+            return
+        paused = self.pausing.get(sample.prompt_id)
+        if paused is not None:  # a paused group's sample, as far as it got
+            self._came_back(paused, sample)
+            return
+        j = RequestId.parse(sample.prompt_id).iteration
+        batch = self.batches.get(j)
+        if batch is None:
+            log.warning("sample of unknown iteration %s dropped", sample.prompt_id)
+            return
+        carried = batch.carried.get(GroupCollector.key(sample))
+        if carried is not None and sample.sample_index in carried.prefix:  # a resumed sample: join its start
+            sample = _join(carried.prefix.pop(sample.sample_index), sample)
+        self._accept(batch, sample)
+
+    def _accept(self, batch: Batch, sample: Sample) -> None:
+        """A sample of `batch` (whole: a resumed one joined to its start): into its group, or generated
+        again when its oldest token is past the staleness bound."""
+        j = batch.index
+        staleness = j + self.offset - sample.weight_version
+        if staleness > self.cfg.bound:
+            # Too old for this batch (a late joiner's, a re-dispatch's, one resumed once too often):
+            # generate it again.
+            group = GroupCollector.key(sample)
+            self.discarded_tokens += len(sample.token_ids)
+            batch.retries += 1
+            rid = str(RequestId.parse(group).retried(batch.retries))
+            batch.prompts[rid] = batch.prompts[group]
+            prompt, tokens = batch.prompts[group]
+            retry = self._request(rid, tokens, [sample.sample_index], group=group, seed_key=draw_key(group))
+            self.svc.submit([retry])
+            return
+        now = batch.last_sample_at = self.clock()
+        # T_gen ends when the generator finished the sample, not when this loop read it: while a
+        # micro-batch trains, arrived samples wait in the queue, and stamping them on reading made
+        # T_gen track T_train whenever training was the slower stage (the elastic rule then never
+        # saw idle generators). The generator's clock is bounded by what this side saw.
+        done_at = min(now, max(batch.dispatched_at, sample.finished_at)) if sample.finished_at > 0 else now
+        batch.generated_at = max(batch.generated_at, done_at)
+        batch.done_at[(GroupCollector.key(sample), sample.sample_index)] = done_at
+        if sample.first_token_at and sample.finished_at:
+            batch.longest_s = max(batch.longest_s, sample.finished_at - sample.first_token_at)
+        key = GroupCollector.key(sample)
+        group = batch.collector.add(sample)
+        for r in group:
+            r.staleness, r.iteration = j + self.offset - r.sample.weight_version, j
+        finished = bool(group) or key in batch.dropped  # the group is whole (trained, or dropped)
+        if finished:
+            batch.carried.pop(key, None)
+        if not self.cfg.reproducible:
+            batch.ready += group
+        elif finished:
+            # The same micro-batches, summed in the same order, run after run: the gradients, hence
+            # the weights, are the same bit for bit (the order the groups finished in varies).
+            batch.held[key] = group
+            while batch.released < len(batch.order) and batch.order[batch.released] in batch.held:
+                batch.ready += batch.held.pop(batch.order[batch.released])
+                batch.released += 1
+        if finished and batch.refill is not None and batch.done_groups < batch.needed:
+            self._refill(batch)
+        if batch.done_groups == batch.needed:
+            self.gen_spans.append([batch.dispatched_at, batch.generated_at])
+            if estimator(self.cfg.advantage).whiten:
+                self._whiten(batch)
+            if batch.needed < batch.n_groups and _unfinished(batch):
+                # The last iteration's extra groups have no next batch to go on in: aborted.
+                if self.cfg.partial and batch.index + 1 < self.end:
+                    self._pause_rest(batch)
+                else:
+                    self._abort_rest(batch)
+
+    # ---- dynamic sampling, batch normalisation ----
+
+    def _refill(self, batch: Batch) -> None:
+        """Dynamic sampling, after a group of `batch` finished: draw the groups that those still out
+        cannot make up for, or, with none out and the budget spent, close the batch with fewer."""
+        r = batch.refill
+        assert r is not None
+        n = r.to_draw()
+        if n:
+            self._draw_more(batch, n)
+        elif r.complete:
+            log.warning(
+                "iteration %d: only %d of %d groups had rewards that differ after drawing %d more "
+                "(algorithm.max_refill=%g); it trains on %s",
+                batch.index, r.kept, r.needed, r.drawn, self.cfg.max_refill,
+                f"{r.kept} groups" if r.kept else "the dropped groups (no group had a reward spread)",
+            )  # fmt: skip
+            if not r.kept:  # nothing informative at all: the dropped groups, rather than an empty batch
+                batch.ready += [x for k in batch.order if k in batch.dropped for x in batch.dropped[k]]
+                batch.done_groups = len(batch.dropped)
+            batch.needed = batch.done_groups
+
+    def _draw_more(self, batch: Batch, n: int) -> None:
+        """Dynamic sampling: `n` more groups for `batch`, in place of dropped ones (admitted first)."""
+        assert batch.refill is not None
+        prompts = self.sampler.next_batch(n)
+        requests = []
+        for p in prompts:
+            rid = RequestId(iteration=batch.index, prompt_id=p.prompt_id)
+            while str(rid) in batch.prompts:  # drawn by this batch already
+                rid = RequestId(iteration=batch.index, prompt_id=p.prompt_id, draw=rid.draw + 1)
+            rid = str(rid)
+            tokens = self.tokenize(p.text)
+            batch.prompts[rid] = (p, tokens)
+            batch.order.append(rid)
+            req = self._request(rid, tokens, list(range(self.cfg.group_size)), seed_key=draw_key(rid))
+            req.priority = -1
+            requests.append(req)
+        batch.n_groups += len(prompts)
+        batch.refill.drew(len(prompts))
+        self.svc.submit(requests)
+
+    def _whiten(self, batch: Batch) -> None:
+        """REINFORCE++: the batch's advantages normalised over all its scored tokens, once it is whole."""
+        import torch
+
+        rows = batch.ready
+        lengths = torch.tensor([float(r.response_len) if r.scored else 0.0 for r in rows])
+        adv = batch_whiten(torch.tensor([r.advantage for r in rows]), lengths)
+        for r, a in zip(rows, adv.tolist(), strict=True):
+            r.advantage = a
+
+    def _abort_rest(self, batch: Batch) -> None:
+        """Over-sampling: the iteration has its groups; the others are cancelled on their generators
+        (late samples dropped) and their prompts drawn again first (batches drawn already, in async
+        mode, carry them in their saved sampler state, so a resumed run neither loses nor repeats them)."""
+        assert batch.collector is not None
+        batch.aborted = _unfinished(batch)
+        ids = [k for rid in batch.aborted for k in _request_ids(batch, rid)]
+        for rid in batch.aborted:  # resumed groups (partial rollout): what they still owe goes too
+            c = batch.carried.pop(rid, None)
+            if c is not None:
+                ids += [k for k in c.ids if self.pausing.pop(k, None) is not None]
+                self.discarded_tokens += sum(len(s.token_ids) for s in c.prefix.values())
+        self.cancelled.update(ids)
+        self.svc.cancel(ids)
+        self.discarded_tokens += batch.collector.drop(batch.aborted)
+        positions = self.sampler.give_back([batch.prompts[rid][0] for rid in batch.aborted])
+        for later in self.batches.values():
+            if later.index > batch.index:
+                saved = later.sampler_state
+                later.sampler_state = {**saved, "returned": [*saved.get("returned", []), *positions]}
+
+    # ---- partial rollout ----
+
+    def _pause_rest(self, batch: Batch) -> None:
+        """Partial rollout: the iteration has its groups; the others are paused on their generators,
+        which send back each sample as far as it got, and go on in the next batch to be drawn (or,
+        in async mode, in the next one, drawn already)."""
+        assert batch.collector is not None
+        rest = _unfinished(batch)
+        later = sorted(k for k in self.batches if k > batch.index)
+        groups, paused = [], []
+        for rid in rest:
+            c = batch.carried.pop(rid, None) or Carried(rid, *batch.prompts[rid])
+            c.batch = None
+            c.have.update(batch.collector.take(rid))
+            ids = _request_ids(batch, rid)
+            c.inflight = set(range(self.cfg.group_size)) - set(c.have)
+            c.ids += ids
+            self.pausing.update(dict.fromkeys(ids, c))
+            groups.append(c)
+            paused += ids
+        self.svc.cancel(paused, keep=True)
+        for c in groups:
+            if later:
+                self.carry_debt += 1
+                self._resume(c, self.batches[later[0]])
+            else:
+                self.carry.append(c)
+        batch.paused = rest
+
+    def _came_back(self, c: Carried, sample: Sample) -> None:
+        """A sample of a paused group, as far as it got (or whole, if it finished meanwhile)."""
+        i = sample.sample_index
+        if i not in c.inflight:
+            return  # a copy of one already back (re-dispatched after its generator was lost)
+        c.inflight.discard(i)
+        if i in c.prefix:
+            sample = _join(c.prefix.pop(i), sample)
+        (c.prefix if sample.finish_reason == "abort" else c.have)[i] = sample
+        if not c.inflight:
+            for rid in c.ids:
+                self.pausing.pop(rid, None)
+            c.ids = []
+        if c.batch is not None:
+            self._go_on(c, i)
+
+    def _resume(self, c: Carried, batch: Batch) -> None:
+        """Make a paused group one of `batch`'s (under a key of that batch) and send on what it has."""
+        rid = RequestId.parse(c.key).in_batch(batch.index)
+        while str(rid) in batch.prompts:  # drawn afresh by this batch too (an epoch boundary)
+            rid = rid.carried_again()
+        key = str(rid)
+        c.key, c.batch = key, batch
+        batch.prompts[key] = (c.prompt, c.tokens)
+        batch.order.append(key)
+        batch.n_groups += 1
+        if batch.refill is not None:
+            batch.refill.outstanding += 1
+        batch.carried[key] = c
+        for i in sorted({*c.have, *c.prefix}):
+            self._go_on(c, i)
+
+    def _go_on(self, c: Carried, i: int) -> None:
+        """Sample `i` of a group resumed in its batch: into the group if finished, else resumed from its
+        tokens so far (from the start if they are too old to be trained in this batch)."""
+        batch = c.batch
+        assert batch is not None
+        if i in c.have:
+            self._accept(batch, msgspec.structs.replace(c.have.pop(i), group_id=c.key))
+            return
+        prefix = c.prefix[i]
+        if batch.index + self.offset - prefix.weight_version > self.cfg.bound:
+            self.discarded_tokens += len(prefix.token_ids)
+            prefix = msgspec.structs.replace(prefix, token_ids=[], logprobs=[], token_versions=[])
+        self.resumes += 1
+        rid = str(RequestId.parse(c.key).resumed(self.resumes))
+        batch.prompts[rid] = (c.prompt, c.tokens)
+        req = self._request(rid, c.tokens + list(prefix.token_ids), [i], group=c.key)
+        req.sampling["max_tokens"] = self.cfg.max_output_len - len(prefix.token_ids)
+        req.priority = -1  # admitted before any fresh request: begun earlier, it is likely the longest
+        if not prefix.token_ids:
+            del c.prefix[i]  # nothing to join: an ordinary sample from the start
+        self.svc.submit([req])
+
+    def _score(self, batch: Batch, key: str, samples: list[Sample]) -> list[Rollout]:
+        prompt, tokens = batch.prompts[key]
+        lengths = [len(s.token_ids) for s in samples]
+        self.recent_lengths.extend(lengths)
+        # A group is admitted whole and comes back when its longest sample ends: that is its
+        # processing time, so it is what the ranker learns, and is judged on.
+        batch.observed[key] = max(lengths)
+        batch.lengths[draw_key(key)] = [
+            len(s.token_ids) for s in sorted(samples, key=lambda x: x.sample_index)
+        ]
+        texts = [self.detokenize(s.token_ids) for s in samples]
+        scores = self.task.reward([prompt] * len(samples), texts)
+        import torch
+
+        # None ("cannot score"): the sample is not learnt from (masked out of the loss), and the
+        # group's advantages are over the samples that were scored.
+        scored = [k for k, r in enumerate(scores) if r is not None]
+        rewards = [float(r) if r is not None else 0.0 for r in scores]
+        c = self.cfg
+        shaping = [  # DAPO's overlong penalty: part of the reward the loss sees, not of reward_mean
+            overlong_penalty(len(s.token_ids), c.max_output_len, c.overlong_buffer, c.overlong_penalty)
+            if sc is not None
+            else 0.0
+            for s, sc in zip(samples, scores, strict=True)
+        ]
+        trained = [rewards[k] + shaping[k] for k in scored]
+        adv = [0.0] * len(rewards)
+        group_fn = estimator(c.advantage).group
+        if group_fn is not None and scored:
+            for k, a in zip(scored, group_fn(torch.tensor(trained), c.grpo_std_norm).tolist(), strict=True):
+                adv[k] = a
+        rollouts = [
+            Rollout(prompt_tokens=tokens, sample=s, reward=r, advantage=a, scored=sc is not None, shaping=sh)
+            for s, r, a, sc, sh in zip(samples, rewards, adv, scores, shaping, strict=True)
+        ]
+        if batch.refill is not None:
+            batch.refill.finished(informative(trained))
+            if not informative(trained):  # every advantage 0: it does not count toward the batch
+                batch.dropped[key] = rollouts
+                return []
+        batch.done_groups += 1
+        return rollouts
+
+
+def draw_key(group: str) -> str:
+    """What a group of batch j drew: the task prompt id, with "~n" for its n-th draw in the same
+    batch (and "~c" if carried). Its sampling seed and its `lengths/by_prompt` key."""
+    return RequestId.parse(group).draw_key
+
+
+def _unfinished(batch: Batch) -> list[str]:
+    """The groups of a closed batch that it does not train (over-sampled ones still out), in order."""
+    done = {GroupCollector.key(r.sample) for r in [*batch.trained, *batch.ready]} | set(batch.dropped)
+    return [rid for rid in batch.order if rid not in done]
+
+
+def _request_ids(batch: Batch, group: str) -> list[str]:
+    """Every request id of `group` in `batch`: its own and its "#r" retries and "#p" resumptions."""
+    return [k for k in batch.prompts if str(RequestId.parse(k).group) == group]
+
+
+def token_versions(sample: Sample) -> list[int]:
+    """The weight version of each of a sample's tokens."""
+    return list(sample.token_versions) or [sample.weight_version] * len(sample.token_ids)
+
+
+def _join(start: Sample, rest: Sample) -> Sample:
+    """A paused sample's tokens so far followed by what its resumption generated: one sample whose
+    tokens keep their versions and behaviour log-probs (the loss's importance weights are per token)."""
+    if not start.token_ids:
+        return rest
+    versions = token_versions(start) + token_versions(rest)
+    return msgspec.structs.replace(
+        rest, token_ids=[*start.token_ids, *rest.token_ids], logprobs=[*start.logprobs, *rest.logprobs],
+        weight_version=min(versions), token_versions=versions, queued_at=start.queued_at,
+        first_token_at=start.first_token_at,
+    )  # fmt: skip
