@@ -111,12 +111,16 @@ def test_partial_rollout_resumes_paused_samples_in_the_next_iteration(runs_root,
     for prev, nxt in zip(recs, recs[1:], strict=False):
         drawn = {k.removesuffix("~c") for k in nxt["lengths/by_prompt"]} | set(nxt["rollout/paused_prompts"])
         assert set(prev["rollout/paused_prompts"]) <= drawn | set(nxt["rollout/aborted_prompts"])
-    assert max(r["staleness/token_mean"] for r in recs) > 0
 
     # Paused samples are not in a checkpoint: the resumed run draws their prompts again first.
     again = resume_after_iteration_2(run_dir)
     drawn = set(again[0]["lengths/by_prompt"]) | set(again[0]["rollout/paused_prompts"])
     assert set(recs[2]["rollout/paused_prompts"]) <= drawn
-    # Samples begun under one version were finished under the next, and trained with both (in about
-    # half the iterations here: a paused group may also have finished all but its unstarted samples).
-    assert sum(r["rollout/resumed_samples"] for r in recs + again) > 0
+    # A sample begun under one version and finished under the next is trained with the tokens of
+    # both: its older tokens show as token staleness. Whether a pause catches a sample mid-way is a
+    # matter of timing (about half the iterations here; none under heavy load), so this asserts what
+    # holds either way; tests/unit/trainer/test_trainer_pipeline.py resumes one by construction.
+    for r in recs + again:
+        assert r["rollout/resumed_samples"] <= r["samples"]
+        if r["rollout/resumed_samples"]:
+            assert r["staleness/token_mean"] > 0 and r["staleness/token_max"] == 1, r
