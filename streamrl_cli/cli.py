@@ -296,8 +296,12 @@ def export(
     iteration: Annotated[
         int | None, typer.Option("--iteration", help="the checkpoint of this iteration (default: the latest)")
     ] = None,
+    adapter: Annotated[
+        bool, typer.Option("--adapter", help="a LoRA run: its adapters as a PEFT directory, not merged")
+    ] = False,
 ) -> None:
-    """Write a checkpoint of RUN as a Hugging Face model directory (config, tokenizer, safetensors)."""
+    """Write a checkpoint of RUN as a Hugging Face model directory (config, tokenizer, safetensors);
+    a LoRA run's adapters are merged into the base model, or with --adapter written as PEFT's."""
     from streamrl_cli import rundir
     from streamrl_cli.roles.entry import load_spec
     from streamrl_cli.trainer import checkpoint as ckpt
@@ -318,7 +322,7 @@ def export(
             )
     model = load_spec(r.role_spec("trainer")).model  # typed: the schema's ModelConfig
     with err.status(f"exporting {path.name} of {r.name}"):
-        written = export_checkpoint(path, model.path, out, model.dtype)
+        written = export_checkpoint(path, model.path, out, model.dtype, adapter=adapter)
     console.print(f"wrote {written}", markup=False, highlight=False, soft_wrap=True)
 
 

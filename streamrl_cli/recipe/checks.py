@@ -41,6 +41,7 @@ def check(r: Recipe) -> list[Problem]:
         *_run_roots(r),
         *_workload(r),
         *_task(r),
+        *_lora(r),
     ]
 
 
@@ -523,6 +524,42 @@ def _task(r: Recipe) -> Iterator[Problem]:
         yield "task.eval_temperature", f"must be 0 (greedy) or positive, got {t.eval_temperature}"
     if t.system_prompt is not None and t.dataset is None:
         yield "task.system_prompt", "the built-in task has no chat prompts; set task.dataset to use one"
+
+
+def _lora(r: Recipe) -> Iterator[Problem]:
+    """model.lora: its numbers, and targets that exist in the model (recipe.lora reads its names).
+    PPO's critic is not adapted: it trains in full beside the actor's adapters (README, LoRA)."""
+    from streamrl_cli.recipe.lora import matches, target_names
+
+    c = r.model.lora
+    if c.rank < 0:
+        yield (
+            "model.lora.rank",
+            f"must be 0 (LoRA off) or a positive adapter rank such as 8 or 16, got {c.rank}",
+        )
+    if c.rank <= 0:
+        return
+    if not c.alpha > 0:
+        yield "model.lora.alpha", f"the adapters' scale is alpha / rank: must be positive, got {c.alpha}"
+    if not 0 <= c.dropout < 1:
+        yield "model.lora.dropout", f"a probability: must be in [0, 1), got {c.dropout}"
+    if not c.target_modules:
+        yield (
+            "model.lora.target_modules",
+            "names no module: list the linear layers to adapt (e.g. q_proj, v_proj)",
+        )
+        return
+    modules = target_names(r.model)
+    if modules is None:  # a hub id or an unknown architecture: PEFT checks them when the trainer starts
+        return
+    missing = [t for t in c.target_modules if not matches(t, modules)]
+    if missing:
+        valid = sorted({m.rsplit(".", 1)[-1] for m in modules})
+        yield (
+            "model.lora.target_modules",
+            f"{', '.join(map(repr, missing))} match(es) no linear layer of {r.model.path}; valid: "
+            f"{', '.join(valid)}",
+        )
 
 
 def _divisors(n: int) -> str:

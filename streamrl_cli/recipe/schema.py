@@ -189,6 +189,25 @@ class RolesConfig:
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)  # the control plane
 
 
+# PEFT's names for the linear layers of Llama-family blocks (Llama, Qwen2/2.5/3, Mistral): LoRA's
+# default targets, and what `model.lora.target_modules` is checked against when the model's own
+# weights cannot be read (a hub id, a model built at run time).
+LORA_LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """LoRA adapters on the policy (PEFT): the base weights stay frozen and only the adapters train.
+    The generators receive the merged weights (base + B·A·alpha/rank) under the base model's names."""
+
+    rank: int = 0  # adapter rank r (0: off, every weight trains)
+    alpha: float = 16.0  # scaling numerator: the adapter's update is (alpha / rank) · B·A
+    dropout: float = 0.0  # dropout on the adapters' input while training, in [0, 1)
+    # Modules that get an adapter, by the last part of their name (PEFT's target_modules): linear
+    # layers of the model's blocks. Default: every attention and MLP projection of Llama/Qwen blocks.
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_LINEAR_NAMES))
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """The policy model: architecture numbers are used for checks and cost models."""
@@ -205,6 +224,7 @@ class ModelConfig:
     # tiny Qwen2 of streamrl_cli.models.tiny, "tiny-warm" also warms it up on the built-in task (SFT).
     builder: str | None = field(default=None, metadata={"choices": MODEL_BUILDERS})
     warmup_steps: int = 0  # builder tiny-warm: supervised steps on the built-in task before RL
+    lora: LoraConfig = field(default_factory=LoraConfig)  # train LoRA adapters instead of every weight
 
 
 @dataclass(kw_only=True)

@@ -4,6 +4,9 @@ Layout: ``run_dir/checkpoints/iter-<N>/{actor,critic}/`` written by ``engine.sav
 (every rank writes its ZeRO shards), plus ``state.json`` with what the trainer needs to continue
 (iteration, weight version, the prompt sampler's position, RNG states), written last: a
 directory without it is incomplete and ignored. ``latest`` names the newest complete one.
+
+With LoRA the actor's checkpoint holds the adapters and their optimizer state only (the base
+weights are the model directory's, unchanged), and ``actor/adapter_config.json`` says so.
 """
 
 from __future__ import annotations
@@ -16,9 +19,15 @@ from typing import Any
 
 import torch
 
+from streamrl_cli.errors import StreamRLError
 from streamrl_cli.rundir import RunDir, write_atomic
+from streamrl_cli.trainer import lora as lora_
 
 STATE = "state.json"
+
+
+class CheckpointMismatch(StreamRLError):
+    """A checkpoint of another kind of run (LoRA vs. every weight) than the one resuming it."""
 
 
 def checkpoint_dir(run_dir: Path, iteration: int) -> Path:
@@ -40,7 +49,11 @@ def save_engines(learner: Any, path: Path, client_state: dict[str, Any]) -> None
     """Every rank: DeepSpeed checkpoints of actor (and critic); rank 0 then writes state.json."""
     import torch.distributed as dist
 
-    learner.actor.save_checkpoint(str(path / "actor"), tag="ckpt")
+    adapters = getattr(learner, "lora", None) is not None
+    # LoRA: the frozen base weights stay out (the optimizer holds the adapters only anyway).
+    learner.actor.save_checkpoint(str(path / "actor"), tag="ckpt", exclude_frozen_parameters=adapters)
+    if adapters and (not dist.is_initialized() or dist.get_rank() == 0):
+        lora_.save_config(learner.actor.module, path / "actor")
     if learner.critic is not None:
         learner.critic.save_checkpoint(str(path / "critic"), tag="ckpt")
     if dist.is_initialized():
@@ -51,7 +64,16 @@ def save_engines(learner: Any, path: Path, client_state: dict[str, Any]) -> None
 
 
 def load_engines(learner: Any, path: Path) -> dict[str, Any]:
-    learner.actor.load_checkpoint(str(path / "actor"), tag="ckpt")
+    adapters = getattr(learner, "lora", None) is not None
+    saved = (path / "actor" / lora_.CONFIG_FILE).is_file()
+    if adapters != saved:
+        kind = {True: "LoRA adapters (model.lora.rank > 0)", False: "every weight (model.lora.rank = 0)"}
+        raise CheckpointMismatch(
+            f"{path} trained {kind[saved]} but this run trains {kind[adapters]}: resume with the "
+            "model.lora the checkpoint was written with"
+        )
+    # LoRA: the checkpoint has no base weights, which the model directory gave already.
+    learner.actor.load_checkpoint(str(path / "actor"), tag="ckpt", load_module_strict=not adapters)
     if learner.critic is not None:
         learner.critic.load_checkpoint(str(path / "critic"), tag="ckpt")
     return json.loads((path / STATE).read_text())

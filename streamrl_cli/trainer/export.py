@@ -10,6 +10,12 @@ DeepSpeed engine of the same shape can load. Users want the model: a directory t
     state dict (HF names) ──► base model's config (model.path) ──► weights cast to model.dtype
          ──► OUT/{config.json, generation_config.json, model.safetensors, tokenizer files}
 
+A LoRA run's checkpoint (``actor/adapter_config.json``) holds the adapters only: the base weights
+are the model directory's. Its export loads the base, puts the adapters on it with PEFT and writes
+either the merged model (base + alpha/rank · B·A, a plain HF model, the default) or, with
+``adapter=True``, PEFT's adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``,
+for ``PeftModel.from_pretrained(base, OUT)``), with the tokenizer beside it in both cases.
+
 The directory is written next to its target and renamed into place, so a crash never leaves a
 half-written model where a finished one is expected.
 """
@@ -51,29 +57,29 @@ def fp32_state(actor_dir: Path) -> dict[str, Any]:
     return {k: v.float() for k, v in module.items()}
 
 
-def export_checkpoint(checkpoint: Path, base_model: str, out: Path, dtype: str = "float32") -> Path:
+def export_checkpoint(
+    checkpoint: Path, base_model: str, out: Path, dtype: str = "float32", *, adapter: bool = False
+) -> Path:
     """Write ``checkpoint``'s policy as a HF model directory at ``out`` (config and tokenizer of
-    ``base_model``, weights in ``dtype``). ``out`` must not exist or be empty, unless it is a
-    directory this function wrote before (an ``export_final`` of a resumed run replaces its own)."""
+    ``base_model``, weights in ``dtype``); ``adapter``: a LoRA run's adapters as PEFT writes them.
+    ``out`` must not exist or be empty, unless it is a directory this function wrote before (an
+    ``export_final`` of a resumed run replaces its own)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig
 
     out = Path(out).expanduser().resolve()
     if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
         raise ExportError(f"{out} exists and is not empty; choose another --out (nothing was written)")
     base = os.path.expanduser(base_model)
-    state = fp32_state(checkpoint / "actor")
-    config = AutoConfig.from_pretrained(base)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    if set(missing) - tied or unexpected:
+    lora = (checkpoint / "actor" / LORA_CONFIG).is_file()
+    if adapter and not lora:
         raise ExportError(
-            f"{checkpoint}: its weights do not fit {base}'s architecture "
-            f"(missing: {sorted(set(missing) - tied)[:5]}, unexpected: {sorted(unexpected)[:5]})"
+            f"{checkpoint} holds whole weights (the run trained without model.lora): there is no "
+            "adapter to export; leave out --adapter for the model (nothing was written)"
         )
-    if tied:
-        model.tie_weights()
+    model = _lora_model(checkpoint, base) if lora else _whole_model(checkpoint, base)
+    if lora and not adapter:
+        model = model.merge_and_unload()
     model = model.to(getattr(torch, dtype))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -81,7 +87,8 @@ def export_checkpoint(checkpoint: Path, base_model: str, out: Path, dtype: str =
         model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
         try:
-            GenerationConfig.from_pretrained(base).save_pretrained(tmp)
+            if not adapter:  # an adapter directory is not a model: its base has the generation config
+                GenerationConfig.from_pretrained(base).save_pretrained(tmp)
         except OSError:  # the base has none: save_pretrained wrote the model's default already
             pass
         (tmp / MARKER).write_text(f"{checkpoint}\n")
@@ -95,3 +102,44 @@ def export_checkpoint(checkpoint: Path, base_model: str, out: Path, dtype: str =
 
 
 MARKER = "streamrl-export.txt"  # which checkpoint a directory was exported from
+LORA_CONFIG = "adapter_config.json"  # trainer.lora.CONFIG_FILE: its presence marks a LoRA checkpoint
+
+
+def _whole_model(checkpoint: Path, base: str) -> Any:
+    """The checkpoint's whole weights in the base model's architecture (fp32)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    state = fp32_state(checkpoint / "actor")
+    config = AutoConfig.from_pretrained(base)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise ExportError(
+            f"{checkpoint}: its weights do not fit {base}'s architecture "
+            f"(missing: {sorted(set(missing) - tied)[:5]}, unexpected: {sorted(unexpected)[:5]})"
+        )
+    if tied:
+        model.tie_weights()
+    return model
+
+
+def _lora_model(checkpoint: Path, base: str) -> Any:
+    """The base model (fp32) with the checkpoint's adapters on it: a PeftModel."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = peft.LoraConfig.from_pretrained(str(checkpoint / "actor"))
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), config)
+    adapters = fp32_state(checkpoint / "actor")
+    expected = {n for n, _ in model.named_parameters() if ".lora_" in n}
+    missing, unexpected = sorted(expected - set(adapters)), sorted(set(adapters) - expected)
+    if missing or unexpected:
+        raise ExportError(
+            f"{checkpoint}: its adapters do not fit {base} with its adapter_config.json "
+            f"(missing: {missing[:5]}, unexpected: {unexpected[:5]})"
+        )
+    model.load_state_dict(adapters, strict=False)
+    return model

@@ -10,7 +10,9 @@ path serves whole-batch (baseline) training, so the modes differ only in *when* 
 run, never in the gradient (tested).
 
 Actor and critic are DeepSpeed engines (ZeRO stage from the recipe; gloo on CPUs, NCCL on
-GPUs). The reference model is a frozen copy on every rank.
+GPUs). The reference model is a frozen copy on every rank; with LoRA (the recipe's ``model.lora``,
+module ``trainer.lora``) the actor is the base model with adapters, only they train, and the reference
+is the same network with its adapters switched off.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ import torch.distributed as dist
 
 from streamrl_cli.recipe import presets
 from streamrl_cli.trainer import algorithms as A
+from streamrl_cli.trainer import lora as lora_
 from streamrl_cli.trainer import losses as L
 from streamrl_cli.trainer.batch import MicroBatch
 from streamrl_cli.trainer.models import Critic, critic_forward, load_policy, load_reference, policy_forward
 
 if TYPE_CHECKING:
-    from streamrl_cli.recipe.schema import AlgorithmConfig
+    from streamrl_cli.recipe.schema import AlgorithmConfig, LoraConfig
 
 
 @dataclass(kw_only=True)
@@ -179,14 +182,34 @@ class Learner:
     """Actor, critic (PPO), reference; micro-batch backward passes and the iteration's step."""
 
     def __init__(
-        self, path: str, loss: LossConfig, opt: OptimConfig, device: torch.device, dtype: torch.dtype
+        self,
+        path: str,
+        loss: LossConfig,
+        opt: OptimConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        lora: LoraConfig | None = None,
     ):
         self.loss, self.opt, self.device = loss, opt, device
+        self.lora = lora if lora_.enabled(lora) else None  # rank 0: off
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.actor = _engine(load_policy(path, dtype), opt.lr, opt)
+        policy = load_policy(path, dtype)
+        if self.lora is not None:
+            # The same initial adapters on every rank (the trainer seeds each rank differently).
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                policy = lora_.apply(policy, self.lora)
+        self.actor = _engine(policy, opt.lr, opt)
+        # PPO's critic trains in full with LoRA too (its own network; README, LoRA).
         self.critic = _engine(Critic(path, dtype), opt.critic_lr, opt) if loss.critic else None
-        self.ref = load_reference(path, dtype, device) if loss.kl_mode != "none" else None
+        # With LoRA the reference is the actor with its adapters off: no second copy.
+        self.ref = load_reference(path, dtype, device) if self.kl and self.lora is None else None
         self._begin()
+
+    @property
+    def kl(self) -> bool:
+        """Whether the loss (or reward) has a KL term, which needs the reference's log-probs."""
+        return self.loss.kl_mode != "none"
 
     def _begin(self) -> None:
         self.units = 0.0
@@ -218,10 +241,8 @@ class Learner:
         else:
             old_logp = trainer_logp
         kl = None
-        if self.ref is not None:
-            with torch.no_grad():
-                ref_logp, _ = policy_forward(self.ref, mb, c.sampling)
-            kl = L.kl_estimate(logp, ref_logp, c.kl_estimator)
+        if self.kl:
+            kl = L.kl_estimate(logp, self.reference_logp(mb), c.kl_estimator)
         if c.critic:
             values = critic_forward(self.critic, mb)
             score_kl = kl.detach() if (kl is not None and c.kl_mode == "penalty") else None
@@ -265,6 +286,21 @@ class Learner:
             self.critic.set_gradient_accumulation_boundary(last)
             self.critic.backward(vnum, scale_wrt_gas=False)
             self._add("loss/value", vnum.detach())
+
+    def reference_logp(self, mb: MicroBatch) -> torch.Tensor:
+        """The reference policy's log-probs of `mb`: the frozen copy's, or (LoRA) the actor's own base
+        weights with the adapters switched off (in eval mode, as the copy runs)."""
+        with torch.no_grad():
+            if self.ref is not None:
+                return policy_forward(self.ref, mb, self.loss.sampling)[0]
+            module = self.actor.module
+            was_training = module.training
+            module.eval()
+            try:
+                with module.disable_adapter():
+                    return policy_forward(module, mb, self.loss.sampling)[0]
+            finally:
+                module.train(was_training)
 
     def step(self) -> dict[str, float]:
         """Divide the accumulated gradients by the iteration's units, step, and return the stats."""
@@ -318,17 +354,28 @@ class Learner:
         return out
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
-        """The policy's full accumulated gradient by name (collective under ZeRO: every rank calls it)."""
+        """The policy's full accumulated gradient by name, of the trained parameters (with LoRA: the
+        adapters'; collective under ZeRO: every rank calls it)."""
         from deepspeed.utils import safe_get_full_grad
 
-        return {n: safe_get_full_grad(p).detach().clone() for n, p in self.actor.module.named_parameters()}
+        return {
+            n: safe_get_full_grad(p).detach().clone()
+            for n, p in self.actor.module.named_parameters()
+            if p.requires_grad
+        }
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """The policy's full weights by HF name (ZeRO-3: gathered; every rank must call it)."""
+        """The policy's full weights by HF name (ZeRO-3: gathered; every rank must call it). With
+        LoRA: the merged weights, base + (alpha / rank) · B·A, under the base model's names, so the
+        generators load them as any other version (trainer.lora.merged_state)."""
         module = self.actor.module
         if self.opt.zero_stage == 3:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(module.parameters())):
+                if self.lora is not None:
+                    return lora_.merged_state(module, clone=True)
                 return {n: p.detach().clone() for n, p in module.named_parameters()}
+        if self.lora is not None:
+            return lora_.merged_state(module)
         return {n: p.detach() for n, p in module.named_parameters()}

@@ -225,7 +225,8 @@ class TrainerRole:
             weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm,
         )  # fmt: skip
         path = os.path.expanduser(self.spec.model.path)
-        return Learner(path, loss, opt, device, torch_dtype(self.spec.model.dtype, device))
+        dtype = torch_dtype(self.spec.model.dtype, device)
+        return Learner(path, loss, opt, device, dtype, lora=self.spec.model.lora)
 
     def _train(self, driver: Any, svc: Any, publisher: Any) -> None:
         from transformers import AutoTokenizer
