@@ -33,15 +33,39 @@ def greedy_everywhere(harness, version: int) -> None:
     assert {got[i].generator for i in ids} == {"generator-0", "generator-1"}
 
 
+def relay_record(harness, version: int) -> dict:
+    """generator-0's (the relay's) metrics once they are of `version`'s transfer."""
+
+    def of_version() -> dict | None:
+        m = harness.rdv.status()["metrics"].get("generator-0", {}).get("record", {})
+        return m if m.get("weights/version") == version else None
+
+    return wait_until(of_version, 30, f"the relay's record of version {version}")
+
+
 def test_one_copy_crosses_to_the_relay_which_serves_its_site(harness):
+    previous: dict = {}
     for version in (1, 2):
         state = randomize(harness.hf, seed=20 + version)
+        if previous:  # the norms kept from version 1: the relay, holding it, gets a delta
+            params = dict(harness.hf.named_parameters())
+            for name in (n for n in state if "norm" in n):
+                params[name].data.copy_(previous[name])
+                state[name] = previous[name].clone()
+        previous = state
         sent_before = harness.relay.stats["bytes"]
         manifest = harness.relay.publish(version, state)  # published first, then proposed
         harness.rdv.propose_version(version, ["generator"])
         harness.rdv.wait_for_version(version, timeout=120)
-        # Exactly one copy of the weights left the trainer's site for this version.
-        assert harness.relay.stats["bytes"] - sent_before == manifest.total
+        # One copy of this version left the trainer's site: what the relay says it received.
+        crossed = harness.relay.stats["bytes"] - sent_before
+        rec = relay_record(harness, version)
+        assert crossed == rec["weights/wan_bytes"] and rec["weights/wan_full_bytes"] == manifest.total
+        if version == 1:  # nothing to build on: the whole version
+            assert (rec["weights/wan_mode"], rec["weights/wan_reason"]) == ("full", "no_base")
+            assert crossed == manifest.total
+        else:
+            assert rec["weights/wan_mode"] == "delta" and 0 < crossed < manifest.total
         # generator-0 sent it to its site on a group it planned, named in its re-sent proposal.
         resent = [e["data"] for e in harness.rdv.events(0, limit=10_000)["events"]
                   if e["type"] == "version_proposed" and e["data"]["version"] == version]  # fmt: skip
