@@ -86,24 +86,27 @@ def test_a_cancelled_group_is_dropped_by_its_generator_and_nothing_of_it_arrives
 
 
 def test_killed_generator_work_is_redispatched_and_received_once(harness):
-    # Outputs of very different lengths, so the victim still owes most of its work when it dies.
-    prompts = [[(3 * i + j) % 500 + 1 for j in range(8)] for i in range(24)]
-    ids = []
-    for i, p in enumerate(prompts):
-        ids += harness.submit([p], n=2, temperature=1.0, max_tokens=8 + 10 * i, ignore_eos=True)
-    victim = harness.generators[1]
-    killed = []
-
-    def kill_on_first(sample) -> None:
-        if sample.generator == "generator-1" and not killed:
-            os.killpg(victim.pid, signal.SIGKILL)
-            killed.append(sample.prompt_id)
-
-    samples = harness.receive(len(ids) * 2, timeout=240, on_sample=kill_on_first)
-    assert killed and victim.wait(timeout=30) == -signal.SIGKILL
-    keys = [(s.prompt_id, s.sample_index) for s in samples]
-    assert len(keys) == len(set(keys)) and set(keys) == {(p, i) for p in ids for i in range(2)}
-    assert harness.svc.dispatcher.ledger.stats["redispatched"] > 0
+    # The victim serves a first batch (so samples of it were received before it died), then gets
+    # half of a second batch of long outputs (200 tokens each) and is frozen (SIGSTOP) by the next
+    # statement: it cannot have finished its share, so it still owes it when it is killed. Frozen
+    # before the dispatch instead, it could have been marked lost first (2 s lease) and been given
+    # nothing. Its share comes from the other generator, once.
+    victim, ledger = harness.generators[1], harness.svc.dispatcher.ledger
+    prompts = [[(3 * i + j) % 500 + 1 for j in range(8)] for i in range(16)]
+    first = harness.submit(prompts[:8], n=2, temperature=1.0, max_tokens=16, ignore_eos=True)
+    got = harness.receive(len(first) * 2)
+    assert {s.generator for s in got} == {"generator-0", "generator-1"}
+    before = ledger.stats["redispatched"]
+    second = harness.submit(prompts[8:], n=2, temperature=1.0, max_tokens=200, ignore_eos=True)
+    os.killpg(victim.pid, signal.SIGSTOP)
+    owed = ledger.load("generator-1")  # the samples it had not delivered
+    assert owed > 0
+    os.killpg(victim.pid, signal.SIGKILL)
+    assert victim.wait(timeout=30) == -signal.SIGKILL
+    got += harness.receive(len(second) * 2, timeout=240)
+    keys = [(s.prompt_id, s.sample_index) for s in got]
+    assert len(keys) == len(set(keys)) and set(keys) == {(p, i) for p in first + second for i in range(2)}
+    assert 0 < ledger.stats["redispatched"] - before <= owed  # what it owed, less any in flight
     assert harness.svc.outstanding() == 0
     assert harness.svc.get(timeout=1.0) is None  # nothing more arrives: no duplicate got through
     lost = {m["member_id"]: m["state"] for m in harness.rdv.members("generator")}
