@@ -568,9 +568,10 @@ def profile(
         written = profile_jobs.profile_on_slurm(r, base, out or Path("profiles"), err)
     else:
         kind = kind or "cpu"
-        base = prof.request_from_recipe(r, trainer=trainer, batches=batches, where="of this machine")
         default = Path(f"profile-{r.model.name}-{kind}.json")
         path = out / default if out is not None and out.is_dir() else out or default
+        _writable_file(path, "--out")  # before the model is built and the engines measured
+        base = prof.request_from_recipe(r, trainer=trainer, batches=batches, where="of this machine")
         written = [(path, _profile_here(prof, replace(base, hardware=kind, out=str(path))))]
     for path, result in written:
         console.print(fmt.summary(path, result), markup=False, highlight=False, soft_wrap=True)
@@ -607,6 +608,18 @@ def rank(
         highlight=False,
         soft_wrap=True,
     )
+
+
+def _writable_file(path: Path, option: str) -> None:
+    """Refuse, naming `option`, a file path that could not be written: its folder missing or not
+    writable, or the path itself something other than a file."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.exists() and not path.is_file():
+        raise UsageError(f"{option} {path}: exists and is not a file (give a file, or an existing folder)")
+    if not folder.is_dir():
+        raise UsageError(f"{option} {path}: the folder {folder} does not exist (create it, or give another)")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{option} {path}: the folder {folder} is not writable")
 
 
 def _profile_here(prof, req):  # type: ignore[no-untyped-def]

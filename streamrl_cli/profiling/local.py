@@ -30,6 +30,15 @@ def request_from_recipe(r: Recipe, *, trainer: str, batches: str, where: str) ->
 
     ``where`` says for the error message where the engines will read the model from.
     """
+    # The options first: a mistake in them is said before the model is built (minutes, maybe).
+    if trainer not in ("torch", "deepspeed"):
+        raise ProfileError(f"--trainer {trainer!r}: valid: torch, deepspeed")
+    try:
+        sizes = tuple(sorted({int(b) for b in batches.split(",")}))
+    except ValueError:
+        raise ProfileError(f"--batches {batches!r}: expected comma-separated integers") from None
+    if not sizes or sizes[0] < 1:
+        raise ProfileError(f"--batches {batches!r}: batch sizes must be at least 1")
     model_dir = Path(r.model.path).expanduser()
     build = False
     if not (model_dir / "config.json").is_file():
@@ -43,14 +52,6 @@ def request_from_recipe(r: Recipe, *, trainer: str, batches: str, where: str) ->
         from streamrl_cli.models.warmup import ensure_model
 
         ensure_model(r.model, r.task)
-    if trainer not in ("torch", "deepspeed"):
-        raise ProfileError(f"--trainer {trainer!r}: valid: torch, deepspeed")
-    try:
-        sizes = tuple(sorted({int(b) for b in batches.split(",")}))
-    except ValueError:
-        raise ProfileError(f"--batches {batches!r}: expected comma-separated integers") from None
-    if not sizes or sizes[0] < 1:
-        raise ProfileError(f"--batches {batches!r}: batch sizes must be at least 1")
     return ProfileRequest(
         model_dir=str(model_dir),
         model=r.model.name,

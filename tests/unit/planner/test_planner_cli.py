@@ -89,3 +89,22 @@ def test_profile_refuses_a_model_that_is_not_on_this_machine():
     out = streamrl("profile", "paper/qwen2.5-7b-ppo")
     assert out.returncode == 1 and "ProfileError" in out.stderr and "Traceback" not in out.stderr
     assert "not a local model directory" in out.stderr.replace("\n", " ")
+
+
+def test_profile_refuses_bad_options_before_it_builds_or_measures_anything(tmp_path):
+    """A model the recipe builds (builder set) under a path that does not exist yet: a bad --out,
+    --batches or --trainer is said before the model is made (the folder stays empty)."""
+    model = tmp_path / "model"
+    base = ("profile", "local", f"model.path={model}", "--local")
+    cases = (
+        (("--out", str(tmp_path / "missing" / "p.json")), "does not exist"),
+        (("--batches", "1,x"), "comma-separated integers"),
+        (("--trainer", "jax"), "valid: torch, deepspeed"),
+    )
+    (tmp_path / "file").write_text("")
+    cases += ((("--out", str(tmp_path / "file" / "p.json")), "does not exist"),)
+    for args, words in cases:
+        out = streamrl(*base, *args)
+        text = " ".join(out.stderr.split())
+        assert out.returncode in (1, 2) and words in text and "Traceback" not in text, out.stderr
+        assert not model.exists()  # nothing was built
