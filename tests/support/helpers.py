@@ -165,3 +165,14 @@ def shrinking_dataset(path: Path, long_prompts: int, short_prompts: int = 4000) 
                     json.dumps({"id": f"{phase}/{k}", "prompt": prompt, "word": word, "count": count}) + "\n"
                 )
     return f"task.dataset={path}"
+
+
+class Clock:
+    """A clock for pipelines under test: each reading is 1 ms after the one before."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 0.001
+        return self.t

@@ -15,6 +15,7 @@ import math
 from collections import deque
 
 import pytest
+from support.helpers import Clock
 
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.tasks.sampler import PromptSampler
@@ -62,15 +63,6 @@ def test_refill_stops_at_its_budget_and_ends_short_once_nothing_is_out():
 
 
 # --- the pipeline with fake groups --------------------------------------------------------------
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        self.t += 0.001
-        return self.t
 
 
 class Flat(Task):

@@ -12,20 +12,12 @@ import threading
 from collections import deque
 
 import pytest
+from support.helpers import Clock
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.trainer.pipeline import Pipeline, PipelineConfig, Stopped, sample_seed
 from streamrl_cli.transport.wire import Sample
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        self.t += 0.001
-        return self.t
 
 
 class CountTask(Task):
