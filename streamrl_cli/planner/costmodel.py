@@ -30,6 +30,13 @@ from streamrl_cli.planner.workload import ModelShape
 from streamrl_cli.skew.dispatch_plan import PTL, ptl_from_points
 
 
+def forward_flops_per_token(model: ModelShape, ctx: float) -> float:
+    """FLOPs of one forward pass per token at mean causal context ``ctx``: the dense GEMMs
+    (2 per weight) plus causal attention's scores and weighted sum (4 · layers · hidden · ctx).
+    Training counts in these forward-equivalents (planner.training)."""
+    return 2 * model.params + 4 * model.layers * model.hidden * ctx
+
+
 class CostModel(ABC):
     """Seconds for the primitives the planner composes; one interface, several sources."""
 
@@ -98,8 +105,7 @@ class AnalyticCostModel(CostModel):
         micro_batches: int,
         shards: int = 1,
     ) -> float:
-        per_token = 2 * model.params + 4 * model.layers * model.hidden * ctx  # dense + causal attention
-        flops = passes * tokens * per_token
+        flops = passes * tokens * forward_flops_per_token(model, ctx)
         return (
             flops / (shards * hw.flops * hw.eff.train_compute) + micro_batches * hw.eff.micro_batch_overhead_s
         )

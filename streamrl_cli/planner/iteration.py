@@ -47,6 +47,10 @@ def weight_sync_s(
     Inside a site: a bucketed broadcast, pipelined, so about one pass over the slower NIC. Across
     sites: one copy over the inter-site link to a relay, which rebroadcasts locally while it
     receives (pipelined too: the slower of the two links sets the time).
+
+    A version is the whole model in its dtype, with LoRA too: the trainer sends the merged weights,
+    base + (alpha / rank)·B·A, under the base model's names (trainer.lora.merged_state via
+    Learner.full_state), never the adapters alone; so the bytes do not depend on model.lora.
     """
     local_bw = min(gen_hw.internode_bw, train_hw.internode_bw) * train_hw.eff.comm
     local = model.weight_bytes / local_bw

@@ -12,6 +12,44 @@ from rich.table import Table
 
 from streamrl_cli.planner.problem import Tuned
 from streamrl_cli.planner.search import Option
+from streamrl_cli.planner.workload import Workload
+
+
+def trainer_doc(wl: Workload) -> dict:
+    """What the trainer holds and sends, as the planner costs it (planner.training)."""
+    m = wl.model
+    if not wl.reference:
+        reference = "none (no KL term)"
+    else:
+        reference = "the actor's base, adapters off (no copy)" if wl.lora else "a frozen copy"
+    return {
+        "lora": {
+            "rank": wl.lora_rank,
+            "target_modules": list(wl.lora_targets),
+            "trainable_params": wl.adapter_params,
+            "trainable_fraction": round(wl.adapter_params / m.params, 6),
+        }
+        if wl.lora
+        else None,
+        "critic": wl.critic,
+        "reference": reference,
+        # The generators get the merged model (trainer.lora.merged_state), never the adapters alone.
+        "weight_sync_bytes": round(m.weight_bytes),
+        "weight_sync": "merged weights (base + adapters), whole model" if wl.lora else "whole model",
+    }
+
+
+def lora_note(wl: Workload) -> str:
+    """One line on LoRA for the table's caption ("" without it)."""
+    if not wl.lora:
+        return ""
+    m = wl.model
+    return (
+        f"LoRA r{wl.lora_rank} on {', '.join(wl.lora_targets)}: {wl.adapter_params / 1e6:.3g}M "
+        f"trainable of {m.params / 1e9:.3g}B ({wl.adapter_params / m.params:.2%}); "
+        f"{'no reference copy; ' if wl.reference else ''}each weight version still sends the merged "
+        f"model ({m.weight_bytes / 1e9:.3g} GB). Memory per GPU: LoRA / full fine-tune, same layout."
+    )
 
 
 def option_doc(o: Option, recommended: bool = False) -> dict:
@@ -46,6 +84,8 @@ def option_doc(o: Option, recommended: bool = False) -> dict:
             "zero_stage": t.zero,
             "cpu_offload": t.offload,
             "memory_gb_per_gpu": round(t.memory_gb, 1),
+            # The same layout training every weight (LoRA off): what LoRA saves per GPU.
+            "memory_gb_per_gpu_full_finetune": round(t.full_memory_gb, 1),
         },
         "iteration_s": round(e.iteration_s, 3),
         "generation_s": round(e.generation_s, 3),
@@ -79,6 +119,7 @@ def document(tuned: Tuned, top: int = 10) -> dict:
             "output_len_mean": round(wl.lengths.mean, 1),
             "output_len_max": wl.lengths.max_len,
         },
+        "trainer": trainer_doc(wl),
         "pools": [{"name": p.name, "hardware": p.kind, "gpus": p.gpus, "site": p.site} for p in tuned.pools],
     }
 
@@ -86,6 +127,10 @@ def document(tuned: Tuned, top: int = 10) -> dict:
 def _num(x: float) -> str:
     """Seconds and rates from tiny CPU runs to 72B clusters: 3 significant digits below 100."""
     return f"{x:.3g}" if abs(x) < 100 else f"{x:,.0f}"
+
+
+def _gb(x: float) -> str:
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
 
 
 def _tokens(n: float) -> str:
@@ -96,11 +141,14 @@ def table(tuned: Tuned, top: int = 10) -> Table:
     wl, res = tuned.workload, tuned.result
     m = wl.model
     title = (
-        f"tune-split: {m.name} {wl.algorithm.upper()}, {wl.mode}, {wl.samples} samples/iteration, "
+        f"tune-split: {m.name} {wl.training_label}, {wl.mode}, {wl.samples} samples/iteration, "
         f"output mean {_tokens(wl.lengths.mean)} max {_tokens(wl.lengths.max_len)} — "
         f"{tuned.cost_model} cost model"
     )
-    tab = Table(title=title, title_justify="left", caption="★ recommended (by " + res.objective + ")")
+    caption = "★ recommended (by " + res.objective + ")"
+    if wl.lora:
+        caption += "\n" + lora_note(wl)
+    tab = Table(title=title, title_justify="left", caption=caption)
     for col, right in (
         ("", False),
         ("option", False),
@@ -118,11 +166,12 @@ def table(tuned: Tuned, top: int = 10) -> Table:
     for i, o in enumerate(res.options[:top]):
         e, g, t = o.estimate, o.gen, o.train
         released = ", ".join(f"{n} {name}" for name, n in o.released if n) or "-"
+        memory = f"{_gb(t.memory_gb)} GB/GPU" + (f" (full FT {_gb(t.full_memory_gb)})" if wl.lora else "")
         tab.add_row(
             "★" if i == 0 else "",
             o.label,
             f"{g.gpus}× {g.hardware} @{o.gen_pool.site}: {g.instances} inst × TP{g.tp}, batch ≤{g.max_batch}",
-            f"{t.gpus}× {t.hardware} @{o.train_pool.site}: {t.layout}",
+            f"{t.gpus}× {t.hardware} @{o.train_pool.site}: {t.layout}, {memory}",
             _num(e.generation_s),
             _num(e.training_s + e.optimizer_s),
             _num(e.iteration_s),

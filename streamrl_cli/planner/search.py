@@ -208,7 +208,7 @@ class Planner:
     def explain(self, pools: list[Pool]) -> PlannerError:
         """Why no allocation exists: the clearest reason we can find."""
         wl, m = self.wl, self.wl.model
-        what = f"{m.name} ({m.params / 1e9:.1f}B, {wl.algorithm.upper()})"
+        what = f"{m.name} ({m.params / 1e9:.1f}B, {wl.training_label})"
         lines = []
         for pool in pools:
             hw = self.spec(pool)

@@ -7,11 +7,12 @@ lengths, algorithm and pipelining mode — in small frozen dataclasses, built he
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from streamrl_cli.planner import PlannerError
 from streamrl_cli.planner.lengths import LengthDist
-from streamrl_cli.recipe.presets import uses_critic
+from streamrl_cli.recipe.presets import filled, uses_critic
 from streamrl_cli.recipe.schema import Recipe
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -28,10 +29,41 @@ class ModelShape:
     heads: int
     kv_heads: int
     dtype_bytes: int  # bytes per weight and activation element
+    intermediate: int = 0  # MLP width (gate/up outputs, down input); 0: inferred, see mlp_width
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def attention_params_per_layer(self) -> int:
+        """q and o (hidden × hidden), k and v (hidden × kv_heads · head_dim); biases left out."""
+        return 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_heads * self.head_dim
+
+    @property
+    def mlp_width(self) -> int:
+        """The gated MLP's width: ``intermediate`` when known, else what the parameter count leaves
+        per layer after attention, over the MLP's 3 · hidden weights per unit of width. The recipe
+        states no vocabulary, so the embeddings count as MLP there: an overestimate (+19% for
+        Qwen2.5-7B's 18,944, +4% for 72B's 29,568), which only LoRA's adapter count uses."""
+        if self.intermediate > 0:
+            return self.intermediate
+        left = self.params / self.layers - self.attention_params_per_layer
+        return max(1, round(left / (3 * self.hidden)))
+
+    @property
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer of one Llama/Qwen block, by its name."""
+        h, kv, i = self.hidden, self.kv_heads * self.head_dim, self.mlp_width
+        return {
+            "q_proj": (h, h),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (h, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
 
     @property
     def weight_bytes(self) -> float:
@@ -48,12 +80,36 @@ class ModelShape:
         return 8 if self.dtype_bytes == 4 else 12
 
 
+LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def adapter_params(model: ModelShape, rank: int, targets: tuple[str, ...]) -> int:
+    """Parameters of LoRA adapters of rank ``rank`` on ``targets`` (PEFT's target_modules): each
+    adapted linear layer of (in, out) features gets A (rank × in) and B (out × rank), so
+    rank · (in + out). A target names a layer kind of every block (``q_proj``, ``self_attn.q_proj``)
+    or, with its index, of one block (``model.layers.3.self_attn.q_proj``); a layer two targets
+    name is adapted once, as in PEFT."""
+    shapes = model.linear_shapes
+    adapted: set[tuple[int, str]] = set()
+    for t in targets:
+        leaf = t.rsplit(".", 1)[-1]
+        if leaf not in shapes:
+            raise PlannerError(
+                f"model.lora.target_modules: {t!r} is no layer whose shape the planner knows "
+                f"({', '.join(shapes)})"
+            )
+        index = LAYER_INDEX.search(t)
+        layers = [int(index[1])] if index else range(model.layers)
+        adapted.update((layer, leaf) for layer in layers if layer < model.layers)
+    return sum(rank * sum(shapes[leaf]) for _, leaf in adapted)
+
+
 @dataclass(frozen=True)
 class Workload:
     """One iteration's work: `prompts × group_size` samples, lengths drawn from `lengths`."""
 
     model: ModelShape
-    # ppo: actor and critic trained, a reference; any other name (grpo, dapo, ...): no critic.
+    # ppo: actor and critic trained; any other name (grpo, dapo, ...): no critic.
     algorithm: str
     mode: str  # baseline | sync-stream | async
     prompts: int  # prompts per iteration (train.global_batch)
@@ -63,6 +119,11 @@ class Workload:
     lengths: LengthDist  # output tokens
     micro_batch: int  # samples per forward/backward (sets the trainer's micro-batch token budget)
     staleness: int = 1  # async: policy versions a sample may lag
+    # A KL term against the reference (algorithm.kl_coef ≠ 0 and kl_mode ≠ none): its log-probs cost
+    # a forward per micro-batch, and without LoRA a frozen copy of the model in memory.
+    reference: bool = True
+    lora_rank: int = 0  # model.lora.rank (0: every weight of the actor trains)
+    lora_targets: tuple[str, ...] = ()  # model.lora.target_modules
 
     @property
     def samples(self) -> int:
@@ -89,13 +150,44 @@ class Workload:
         return second / (2 * self.seq_mean)
 
     @property
+    def critic(self) -> bool:
+        """PPO (GAE advantages) trains a critic of the policy's size, in full even with LoRA."""
+        return self.algorithm == "ppo"
+
+    @property
     def trained_models(self) -> int:
-        return 2 if self.algorithm == "ppo" else 1
+        return 2 if self.critic else 1
 
     @property
     def frozen_forwards(self) -> int:
-        # PPO: reference log-probs and the critic's values before its update; GRPO: reference only.
-        return 2 if self.algorithm == "ppo" else 1
+        """Forwards without backward per micro-batch: the reference's log-probs (with a KL term;
+        with LoRA the actor's own base, adapters off) and PPO's critic values before its update."""
+        return int(self.reference) + int(self.critic)
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0
+
+    @property
+    def training_label(self) -> str:
+        """What the trainer trains, for titles and messages: ``GRPO``, ``PPO + LoRA r8``."""
+        return self.algorithm.upper() + (f" + LoRA r{self.lora_rank}" if self.lora else "")
+
+    @property
+    def adapter_params(self) -> int:
+        """The actor's LoRA adapter parameters (0 without LoRA)."""
+        return adapter_params(self.model, self.lora_rank, self.lora_targets) if self.lora else 0
+
+    @property
+    def actor_trainable(self) -> float:
+        """Parameters the actor's optimizer holds: the adapters with LoRA, else every weight."""
+        return self.adapter_params if self.lora else self.model.params
+
+    @property
+    def reference_copies(self) -> int:
+        """Frozen reference models in memory: one with a KL term, none with LoRA (the actor's base,
+        its adapters switched off, is the reference: trainer.learner.Learner.reference_logp)."""
+        return int(self.reference and not self.lora)
 
 
 def _without_critic(name: str) -> str:
@@ -142,9 +234,11 @@ def workload_from_recipe(r: Recipe, mode: str | None = None) -> Workload:
         )
     if problems:
         raise PlannerError("the recipe's workload cannot be modelled:\n  - " + "\n  - ".join(problems))
+    a = filled(r.algorithm, t.max_output_len)  # the preset's values for keys the recipe left unset
+    lora = r.model.lora
     return Workload(
         model=model_from_recipe(r),
-        algorithm="ppo" if uses_critic(r.algorithm) else _without_critic(r.algorithm.name),
+        algorithm="ppo" if uses_critic(a) else _without_critic(a.name),
         mode=mode or r.algorithm.mode,
         prompts=r.train.global_batch,
         group_size=r.algorithm.group_size,
@@ -153,4 +247,8 @@ def workload_from_recipe(r: Recipe, mode: str | None = None) -> Workload:
         lengths=LengthDist(mode_len, t.max_output_len, t.output_len_tail, t.output_len_spread),
         micro_batch=r.train.micro_batch,
         staleness=max(1, r.algorithm.max_staleness),
+        # As trainer.learner.LossConfig decides: a zero coefficient turns the KL (and reference) off.
+        reference=a.kl_coef != 0 and a.kl_mode != "none",
+        lora_rank=max(0, lora.rank),
+        lora_targets=tuple(lora.target_modules) if lora.rank > 0 else (),
     )
