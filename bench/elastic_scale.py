@@ -25,7 +25,8 @@ from functools import cache
 from rich.console import Console
 from rich.table import Table
 
-from streamrl_cli.elastic.policy import HOLD, ElasticConfig, ElasticPolicy, Observation
+from streamrl_cli.elastic.policy import HOLD, ElasticPolicy, Observation
+from streamrl_cli.recipe.schema import ElasticConfig
 
 console = Console(width=150)
 

@@ -304,7 +304,7 @@ def part_train(work: Path, micro_batch: int, repeats: int = 3) -> dict:
     from transformers import AutoModelForCausalLM
 
     from streamrl_cli.models.tiny import TinySpec, build_tiny_model
-    from streamrl_cli.recipe.schema import AlgorithmConfig
+    from streamrl_cli.recipe.schema import AlgorithmConfig, TrainerConfig
     from streamrl_cli.trainer import losses as L
     from streamrl_cli.trainer.batch import collate
     from streamrl_cli.trainer.learner import (
@@ -324,8 +324,10 @@ def part_train(work: Path, micro_batch: int, repeats: int = 3) -> dict:
     tokens = sum(len(r.prompt_tokens) + r.response_len for r in rows)
     store, address = open_group_store(1, "127.0.0.1")
     init_distributed(0, 1, address, "gloo", store)
-    cfg = LossConfig.from_recipe(AlgorithmConfig(kl_coef=0.0, is_correction="on"), 128)
-    learner = Learner(str(path), cfg, OptimConfig(zero_stage=1, lr=1e-5), torch.device("cpu"), torch.float32)
+    algorithm = AlgorithmConfig(kl_coef=0.0, is_correction="on", lr=1e-5)
+    cfg = LossConfig.from_recipe(algorithm, 128)
+    opt = OptimConfig(algorithm=algorithm, trainer=TrainerConfig(zero_stage=1))
+    learner = Learner(str(path), cfg, opt, torch.device("cpu"), torch.float32)
 
     def ours() -> float:
         t0 = time.perf_counter()

@@ -8,9 +8,12 @@ to the rendezvous, and the process watching the run applies it (``launch.scale_f
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from streamrl_cli.elastic.policy import HOLD, ElasticConfig, ElasticPolicy, Observation
+from streamrl_cli.elastic.policy import HOLD, ElasticPolicy, Observation
+
+if TYPE_CHECKING:
+    from streamrl_cli.recipe.schema import ElasticConfig
 
 log = logging.getLogger("streamrl.elastic")
 

@@ -23,47 +23,31 @@ After each iteration the trainer measures T_gen (dispatch to last sample of the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from streamrl_cli.errors import StreamRLError
+
+if TYPE_CHECKING:  # the recipe's section, defined (keys, defaults, meaning) in the schema only
+    from streamrl_cli.recipe.schema import ElasticConfig
 
 HOLD, ADD, RELEASE = "hold", "add", "release"
 
 
-@dataclass(kw_only=True, frozen=True)
-class ElasticConfig:
-    """The recipe's ``roles.generator.elastic`` section (see the schema for each key)."""
-
-    enabled: bool = False
-    min: int = 1
-    max: int = 1
-    patience: int = 2
-    cooldown: int = 2
-    idle_release: float = 0.5
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ElasticConfig:
-        return cls(
-            **{k: d[k] for k in ("enabled", "min", "max", "patience", "cooldown", "idle_release") if k in d}
-        )
-
-    def problems(self) -> list[tuple[str, str]]:
-        """(key, what is wrong) for each invalid value; empty when the section is valid."""
-        out = []
-        if self.min < 1:
-            out.append(
-                ("min", f"must be at least 1 (the policy needs an instance to measure), got {self.min}")
-            )
-        if self.max < self.min:
-            out.append(("max", f"must be at least min ({self.min}), got {self.max}"))
-        if self.patience < 1:
-            out.append(("patience", f"must be at least 1 iteration, got {self.patience}"))
-        if self.cooldown < 0:
-            out.append(("cooldown", f"must be 0 or more iterations, got {self.cooldown}"))
-        if not 0.0 < self.idle_release < 1.0:
-            out.append(
-                ("idle_release", f"must be a fraction strictly between 0 and 1, got {self.idle_release}")
-            )
-        return out
+def problems(c: ElasticConfig) -> list[tuple[str, str]]:
+    """(key, what is wrong) for each invalid value of the ``roles.generator.elastic`` section; empty
+    when it is valid."""
+    out = []
+    if c.min < 1:
+        out.append(("min", f"must be at least 1 (the policy needs an instance to measure), got {c.min}"))
+    if c.max < c.min:
+        out.append(("max", f"must be at least min ({c.min}), got {c.max}"))
+    if c.patience < 1:
+        out.append(("patience", f"must be at least 1 iteration, got {c.patience}"))
+    if c.cooldown < 0:
+        out.append(("cooldown", f"must be 0 or more iterations, got {c.cooldown}"))
+    if not 0.0 < c.idle_release < 1.0:
+        out.append(("idle_release", f"must be a fraction strictly between 0 and 1, got {c.idle_release}"))
+    return out
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -91,13 +75,13 @@ class Decision:
 class ElasticPolicy:
     """Keeps the streaks and the cooldown between iterations; :meth:`observe` is the whole rule."""
 
-    config: ElasticConfig
+    config: ElasticConfig  # the recipe's roles.generator.elastic
     _add_streak: int = field(default=0, init=False)
     _release_streak: int = field(default=0, init=False)
     _last_change: int | None = field(default=None, init=False)  # iteration of the last add/release
 
     def __post_init__(self) -> None:
-        bad = self.config.problems()
+        bad = problems(self.config)
         if bad:
             raise StreamRLError("; ".join(f"elastic.{k} {msg}" for k, msg in bad))
 

@@ -69,6 +69,11 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # log p(token) under the sampling distribution, one per token
     finish_reason: str  # stop | length | abort | error (the request failed; no tokens)
+    # A multi-turn trajectory (streamrl_cli.generator.multiturn): 1 per model token, 0 per environment token
+    # (empty: every token is the model's); the weight version per token where they differ; the episode.
+    loss_mask: list[int] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    episode: dict[str, Any] | None = None
 
 
 @dataclass(kw_only=True)

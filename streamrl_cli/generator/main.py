@@ -147,7 +147,13 @@ class GeneratorRole:
             )
         self.spec, self.rank = spec, rank
         self.member_id = f"generator-{rank}"
-        self.engine = engine or make_engine(spec.settings.engine, **engine_kwargs(spec, rank))
+        if engine is None:
+            from streamrl_cli.generator.multiturn import (
+                wrap,  # multi-turn trajectories, if the recipe has them
+            )
+
+            engine = wrap(make_engine(spec.settings.engine, **engine_kwargs(spec, rank)), spec)
+        self.engine = engine
         self.meter = Meter(time.time())
         self.defaults = {"max_tokens": spec.task.max_output_len, "temperature": 1.0}
         self._stop = asyncio.Event()
@@ -494,7 +500,11 @@ class GeneratorRole:
                 log.warning("%s: metrics not posted: %s", self.member_id, e)
 
     def _metrics(self) -> dict[str, Any]:
-        return {**self.meter.report(time.time()), "cancelled_requests": self.cancelled}
+        agent = getattr(self.engine, "stats", None)  # a multi-turn engine: its environment processes
+        return {
+            **self.meter.report(time.time()), "cancelled_requests": self.cancelled,
+            **(agent() if callable(agent) else {}),
+        }  # fmt: skip
 
     def _find_trainer(self) -> dict[str, Any]:
         """Trainer rank 0's member record: it receives the samples and hosts the weight group."""

@@ -20,7 +20,7 @@ import logging
 from typing import Any
 
 from streamrl_cli.generator.engine import GenerationRequest, GenerationResult, SamplingSpec
-from streamrl_cli.transport.wire import Request, Sample
+from streamrl_cli.transport.wire import Episode, Request, Sample
 
 log = logging.getLogger("streamrl.generator")
 
@@ -44,6 +44,7 @@ def to_engine_request(req: Request, serial: int, defaults: dict[str, Any]) -> Ge
             "prompt_id": req.prompt_id,
             "group_id": req.group_id,
             "sample_indices": list(req.sample_indices),
+            "env": req.env,
         },
     )
 
@@ -74,6 +75,9 @@ def to_samples(result: GenerationResult, generator: str) -> list[Sample]:
             queued_at=result.queued_at,
             first_token_at=result.first_token_at,
             finished_at=result.finished_at,
+            token_versions=c.token_versions,
+            loss_mask=c.loss_mask,
+            episode=Episode(**c.episode) if c.episode is not None else None,
         )
         for c in result.completions
     ]

@@ -90,6 +90,7 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
             skewness=copy.deepcopy(r.skewness),
             rollout=copy.deepcopy(r.rollout),
             planner=_absolute(r.planner),
+            agent=copy.deepcopy(r.agent),
             generator=copy.deepcopy(g),
             generator_transport=gen_transport,
             **common,
@@ -105,6 +106,7 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
             model=copy.deepcopy(r.model),
             task=copy.deepcopy(r.task),
             train=copy.deepcopy(r.train),
+            agent=copy.deepcopy(r.agent),
             **common,
         ),
         "rendezvous": RendezvousSpec(

@@ -25,7 +25,7 @@ from streamrl_cli.errors import RecipeError, StreamRLError
 from streamrl_cli.recipe.load import Composed
 from streamrl_cli.recipe.schema import ModelConfig, Recipe
 
-BUILTIN_TASKS = ("builtin",)
+BUILTIN_TASKS = ("builtin", "calc")
 # Any of these beside config.json is a tokenizer transformers can load.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 LOGGER_MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}
@@ -45,6 +45,7 @@ def before_submit(composed: Composed) -> Composed:
     problems: list[str] = []
     model = _model(r.model, composed.model_keys, problems)
     _task(r, problems)
+    _agent(r, problems)
     _loggers(r, problems)
     if problems:
         raise RecipeError(problems, source=str(composed.path))
@@ -75,6 +76,66 @@ def _task(r: Recipe, problems: list[str]) -> None:
             problems.append(str(e) if task is t else f"task.eval_dataset: {e}")
         except Exception as e:  # a user's reward module failing at import time
             problems.append(f"task: {type(e).__name__}: {e}")
+
+
+def _agent(r: Recipe, problems: list[str]) -> None:
+    """The environment class and the tools load here as the generators will load them, and each
+    tool has the JSON schema its chat template needs (not found out on a generator, after the queue)."""
+    a = r.agent
+    if a.env:
+        try:
+            from streamrl_cli.tasks.rewards import load_object
+
+            cls = load_object(a.env, "agent.env", kind="Class", example="my_env.py:GuessNumber")
+            if not callable(cls):
+                problems.append(f"agent.env: {a.env!r} is a {type(cls).__name__}, not a class")
+            else:
+                missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+                if missing:
+                    problems.append(
+                        f"agent.env: {a.env} has no {' or '.join(missing)} method (docs/agents.md)"
+                    )
+        except StreamRLError as e:
+            problems.append(str(e))
+        except Exception as e:  # an environment module failing at import time
+            problems.append(f"agent.env: importing {a.env} failed: {type(e).__name__}: {e}")
+    if a.enabled and r.task.chat_template is None:
+        _agent_template(r, problems)
+    for spec in a.tools:
+        try:
+            from streamrl_cli.agent.tools import load_tool
+
+            load_tool(spec)
+        except StreamRLError as e:
+            problems.append(str(e))
+        except Exception as e:
+            problems.append(f"agent.tools: importing {spec} failed: {type(e).__name__}: {e}")
+
+
+def _agent_template(r: Recipe, problems: list[str]) -> None:
+    """Turns are rendered with the tokenizer's chat template: it must have one (where the model is
+    already there to look), and one whose tool-call syntax StreamRL reads if there are tools."""
+    from streamrl_cli.agent.tools import template_format
+
+    model = Path(os.path.expanduser(r.model.path))
+    if not (model / "tokenizer_config.json").is_file():
+        return
+    try:
+        template = json.loads((model / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError):
+        return
+    if template is None and (model / "chat_template.jinja").is_file():
+        template = (model / "chat_template.jinja").read_text()
+    if not template:
+        problems.append(
+            f"agent: the tokenizer of {model} has no chat template, and multi-turn rollouts render each "
+            "observation as a chat message: use a chat model, or set task.chat_template"
+        )
+    elif r.agent.tools and template_format(template) is None:
+        problems.append(
+            f"agent.tools: the chat template of {model} defines no tool-call syntax StreamRL reads "
+            "(supported: hermes, <tool_call>{...}</tool_call>, as in Qwen2/2.5/3 templates)"
+        )
 
 
 def _loggers(r: Recipe, problems: list[str]) -> None:

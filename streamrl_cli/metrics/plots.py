@@ -63,6 +63,8 @@ def plot_run(run_dir: Path, out_dir: Path) -> PlotFiles:
         "timeline": lambda fig, it: _timeline(fig, it, read_relay_fetches(run_dir)),
         "lengths": _lengths,
     }
+    if any("agent/trajectories" in r for r in iters):  # a multi-turn run
+        drawers["agent"] = _agent
     for plot, draw in drawers.items():
         size = {"timeline": (12, 4.5), "training": (12, 7.5)}.get(plot, (10, 6.5))
         fig = Figure(figsize=size, dpi=100, layout="constrained")
@@ -203,6 +205,25 @@ def _training(fig: Any, iters: list[Record]) -> str | None:
         ax.legend(loc="best", fontsize=8)
     for ax in axes[len(panels) :]:
         ax.set_visible(False)
+    return None
+
+
+def _agent(fig: Any, iters: list[Record]) -> str | None:
+    """Multi-turn trajectories per iteration: turns and tool use, failures and why trajectories
+    ended, model vs environment tokens, environment time."""
+    (turns, ends), (tokens, env_time) = fig.subplots(2, 2, sharex=True)
+    _lines(turns, iters, ["agent/turns_mean", "agent/tool_calls_per_trajectory"], "per trajectory")
+    turns.set_title("turns and tool calls")
+    turns.legend(loc="best", fontsize=8)
+    stops = sorted({k for r in iters for k in r if k.startswith("agent/stop/")})
+    _lines(ends, iters, [*stops, "agent/tool_errors"], "trajectories (tool errors: calls)")
+    ends.set_title("why trajectories ended")
+    ends.legend(loc="best", fontsize=8)
+    _lines(tokens, iters, ["agent/model_tokens", "agent/env_tokens"], "tokens")
+    tokens.set_title("model vs environment tokens")
+    tokens.legend(loc="best", fontsize=8)
+    _lines(env_time, iters, ["agent/env_s"], "seconds (summed over trajectories)")
+    env_time.set_title("time in the environment")
     return None
 
 

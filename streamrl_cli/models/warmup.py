@@ -60,13 +60,19 @@ def warm_up(
     if done is not None and all(done.get(k) == v for k, v in wanted.items()):
         return out
     reference = getattr(task, "warmup_completion", None)
-    if reference is None and not hasattr(task, "reference_completion"):
+    episode = getattr(task, "warmup_episode", None)  # a multi-turn task's reference conversations
+    if reference is None and episode is None and not hasattr(task, "reference_completion"):
         raise StreamRLError(
             f"model.builder=tiny-warm: task {task.name!r} has no reference completions to warm up on "
             "(the built-in task has; with a dataset use model.builder=tiny)"
         )
 
     tokenizer = AutoTokenizer.from_pretrained(base)
+    extra = list(getattr(task, "special_tokens", ()))
+    if extra:  # single tokens the task's format needs (tool-call tags), as real chat tokenizers have
+        tokenizer.add_special_tokens({"additional_special_tokens": extra})
+    if getattr(task, "chat_template", None):
+        tokenizer.chat_template = task.chat_template
     eos = tokenizer.eos_token_id
     if eos is None:
         raise StreamRLError(f"the tokenizer of {base} has no EOS token; the warm-up needs one")
@@ -76,16 +82,21 @@ def warm_up(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+            model.resize_token_embeddings(len(tokenizer))
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
         for step in range(1, steps + 1):
             batch = [rng.choice(prompts) for _ in range(BATCH)]
-            if reference is not None:
+            if episode is not None:
+                input_ids, labels, mask = _encode_episodes(tokenizer, batch, [episode(p, rng) for p in batch])
+            elif reference is not None:
                 completions = [reference(p, rng) for p in batch]
             else:
                 completions = [task.reference_completion(p) for p in batch]  # type: ignore[attr-defined]
-            input_ids, labels, mask = _encode(tokenizer, batch, completions, eos)
+            if episode is None:
+                input_ids, labels, mask = _encode(tokenizer, batch, completions, eos)
             logits = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1]
             loss = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
@@ -106,13 +117,41 @@ def warm_up(
 
 def _encode(tokenizer, prompts, completions, eos: int):  # type: ignore[no-untyped-def]
     """Right-padded ids, labels (-100 on prompt and padding: loss on completion + EOS only), mask."""
-    import torch
-
     rows = []
     for p, c in zip(prompts, completions, strict=True):
         prompt_ids = tokenizer(p.text, add_special_tokens=False).input_ids
         completion_ids = tokenizer(c, add_special_tokens=False).input_ids + [eos]
         rows.append((prompt_ids + completion_ids, [-100] * len(prompt_ids) + completion_ids))
+    return _pad(tokenizer, rows, eos)
+
+
+def _encode_episodes(tokenizer, prompts, episodes):  # type: ignore[no-untyped-def]
+    """Reference conversations tokenized exactly as a multi-turn rollout builds them (the same
+    renderer: the assistant's turns as the model would sample them, each closed by the template's
+    end-of-turn token, the tool answers rendered on their own); loss on the assistant's tokens only."""
+    from streamrl_cli.agent.render import Renderer
+
+    r = Renderer(tokenizer)
+    end = r.turn_end_ids[0]
+    rows = []
+    for p, messages in zip(prompts, episodes, strict=True):
+        ids = tokenizer(p.text, add_special_tokens=False).input_ids + r.first_turn([])
+        labels = [-100] * len(ids)
+        last: list[int] = []
+        for m in messages:
+            if m["role"] == "assistant":
+                last = tokenizer(m["content"], add_special_tokens=False).input_ids + [end]
+                ids, labels = ids + last, labels + last
+            else:
+                env = r.env_turn([m], last)
+                ids, labels = ids + env, labels + [-100] * len(env)
+        rows.append((ids, labels))
+    return _pad(tokenizer, rows, end)
+
+
+def _pad(tokenizer, rows, eos: int):  # type: ignore[no-untyped-def]
+    import torch
+
     width = max(len(ids) for ids, _ in rows)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in rows])

@@ -42,6 +42,7 @@ def check(r: Recipe) -> list[Problem]:
         *_workload(r),
         *_task(r),
         *_lora(r),
+        *_agent(r),
     ]
 
 
@@ -219,15 +220,14 @@ def _generator(r: Recipe) -> Iterator[Problem]:
 
 
 def _elastic(r: Recipe) -> Iterator[Problem]:
-    import dataclasses
-
-    from streamrl_cli.elastic.policy import ElasticConfig
+    from streamrl_cli.elastic.policy import problems
 
     g = r.roles.generator
-    e = ElasticConfig.from_dict(dataclasses.asdict(g.elastic))
-    for key, msg in e.problems():
+    e = g.elastic
+    bad = problems(e)
+    for key, msg in bad:
         yield f"roles.generator.elastic.{key}", msg
-    if e.enabled and not e.problems() and not e.min <= g.instances <= e.max:
+    if e.enabled and not bad and not e.min <= g.instances <= e.max:
         yield (
             "roles.generator.instances",
             f"{g.instances} is outside roles.generator.elastic min..max ({e.min}..{e.max}); "
@@ -560,6 +560,44 @@ def _lora(r: Recipe) -> Iterator[Problem]:
             f"{', '.join(map(repr, missing))} match(es) no linear layer of {r.model.path}; valid: "
             f"{', '.join(valid)}",
         )
+
+
+def _agent(r: Recipe) -> Iterator[Problem]:
+    """agent.*: budgets that can hold a turn, a reward that exists, names of the right shape."""
+    a = r.agent
+    if a.env_args and not a.env:
+        yield "agent.env_args", "arguments for an environment, but agent.env names none"
+    for key, spec in [("agent.env", a.env), *(("agent.tools", t) for t in a.tools)]:
+        if spec is not None and not _object_spec(spec):
+            yield key, f"{spec!r} is not `module:Name` or `path/to/file.py:Name` (e.g. my_env.py:GuessNumber)"
+    if not a.enabled:
+        return
+    if a.max_turns < 1:
+        yield "agent.max_turns", f"model turns per trajectory: must be at least 1, got {a.max_turns}"
+    out = r.task.max_output_len
+    if a.max_turn_tokens is not None and not 1 <= a.max_turn_tokens <= out:
+        yield (
+            "agent.max_turn_tokens",
+            f"must be in [1, task.max_output_len={out}] or null, got {a.max_turn_tokens}",
+        )
+    if not a.step_timeout_s > 0:
+        yield (
+            "agent.step_timeout_s",
+            f"seconds for one environment call: must be positive, got {a.step_timeout_s}",
+        )
+    if a.env_workers < 1:
+        yield "agent.env_workers", f"environment processes per generator: at least 1, got {a.env_workers}"
+    if a.reward == "env" and not a.env:
+        yield (
+            "agent.reward",
+            "is env, but only tools are set and tools give no reward: use task (the task's reward on the "
+            "conversation) or sum, or name an environment (agent.env)",
+        )
+
+
+def _object_spec(spec: str) -> bool:
+    target, sep, attr = spec.rpartition(":")
+    return bool(sep and target and attr and attr.replace(".", "").replace("_", "").isalnum())
 
 
 def _divisors(n: int) -> str:

@@ -20,21 +20,31 @@ def is_reward_file(target: str) -> bool:
     return target.endswith(".py") or "/" in target or "\\" in target
 
 
+def _object(spec: str, base: Path) -> str:
+    """A `file.py:name` spec with its file made absolute (a `module:name` stays as it is)."""
+    target, sep, attr = spec.rpartition(":")
+    if sep and target and is_reward_file(target):
+        return f"{absolute(target, base)}:{attr}"
+    return spec
+
+
 def absolute(path: str, base: Path) -> str:
     p = Path(path).expanduser()
     return str(p if p.is_absolute() else (base / p).resolve())
 
 
 def resolve(r: Recipe, base: Path) -> None:
-    """Make the task's file paths absolute against ``base`` (in place)."""
+    """Make the task's and the agent's file paths absolute against ``base`` (in place)."""
     t = r.task
     if t.dataset:
         t.dataset = absolute(t.dataset, base)
     if t.eval_dataset:
         t.eval_dataset = absolute(t.eval_dataset, base)
     if t.reward:
-        target, sep, attr = t.reward.rpartition(":")
-        if sep and target and is_reward_file(target):
-            t.reward = f"{absolute(target, base)}:{attr}"
+        t.reward = _object(t.reward, base)
+    a = r.agent
+    if a.env:
+        a.env = _object(a.env, base)
+    a.tools = [_object(spec, base) for spec in a.tools]
     if t.chat_template and t.chat_template.endswith(".jinja"):
         t.chat_template = absolute(t.chat_template, base)

@@ -130,8 +130,9 @@ class TrainerConfig(RoleJobConfig):
 
 
 @dataclass(kw_only=True)
-class ElasticSection:
-    """The elastic rule, run by the trainer after each iteration (`streamrl scale` works without it).
+class ElasticConfig:
+    """The elastic rule (``elastic.policy``), run by the trainer after each iteration (`streamrl scale`
+    works without it).
 
     Δ = T_gen − T_train; Δ′ = T_gen / (n + 1), the time one more of the n instances would save at
     their measured throughput. Adds one when Δ > Δ′, releases one when the generators idle.
@@ -163,7 +164,7 @@ class GeneratorConfig(RoleJobConfig):
     # no deltas (for links fast enough that computing them costs more than it saves).
     relay_sync: str = choices(*RELAY_SYNC, default="delta")
     program: str = "streamrl_cli.generator.main:main"  # `module:function` each instance runs
-    elastic: ElasticSection = field(default_factory=ElasticSection)  # grow/shrink instances while training
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)  # grow/shrink instances while training
 
 
 @dataclass(kw_only=True)
@@ -400,6 +401,40 @@ class RolloutConfig:
     partial: bool = False
 
 
+AGENT_REWARDS = ("env", "task", "sum")
+AGENT_ON_FAILURE = ("score", "drop")
+
+
+@dataclass(kw_only=True)
+class AgentConfig:
+    """Multi-turn rollouts (docs/agents.md): each sample is a trajectory of model turns and the
+    answers of an environment and/or tools, built token by token on the generators. Off while
+    neither `env` nor `tools` is set."""
+
+    # The environment: a class (`module:Class` or `path/to/file.py:Class`) with reset(row) and
+    # step(turn), made with `env_args` once per trajectory (null: tools only).
+    env: str | None = None
+    env_args: dict[str, Any] = field(default_factory=dict)
+    # Tools the model may call (`module:function` or `path/to/file.py:function`): functions with
+    # type hints and a docstring, called in the tool-call syntax of the model's chat template.
+    tools: list[str] = field(default_factory=list)
+    max_turns: int = 4  # model turns per trajectory
+    max_turn_tokens: int | None = None  # tokens of one model turn (null: task.max_output_len)
+    # A trajectory's tokens (model and environment, after the prompt) are bounded by task.max_output_len.
+    step_timeout_s: float = 30.0  # for one reset or step of the environment; past it the trajectory ends
+    env_workers: int = 2  # processes per generator that host the environments
+    # The reward a trajectory is trained on: the environment's (the sum of its step rewards), the
+    # task's reward function on the whole conversation after the prompt, or their sum.
+    reward: str = choices(*AGENT_REWARDS, default="env")
+    # A trajectory whose environment failed (raised, timed out, its process died): scored as it
+    # stands, or dropped (not learnt from, like an unscored sample; counted either way).
+    on_failure: str = choices(*AGENT_ON_FAILURE, default="score")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.env or self.tools)
+
+
 @dataclass(kw_only=True)
 class Recipe:
     """The whole run, as composed from a recipe file, its defaults and command-line overrides."""
@@ -414,3 +449,4 @@ class Recipe:
     planner: PlannerConfig = field(default_factory=PlannerConfig)  # tune-split's hardware and profiles
     skewness: SkewnessConfig = field(default_factory=SkewnessConfig)  # ranker, dispatch, LPT
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # over-sampling
+    agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn: environment, tools

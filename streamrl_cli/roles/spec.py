@@ -20,6 +20,7 @@ import yaml
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.recipe.schema import (
+    AgentConfig,
     AlgorithmConfig,
     GeneratorConfig,
     ModelConfig,
@@ -63,6 +64,7 @@ class TrainerSpec(RoleSpec):
     skewness: SkewnessConfig = field(default_factory=SkewnessConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)  # profile_file: Algorithm 2's PTL curve
+    agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn: the reward it trains on
     # The generators it dispatches to and sends weights to: instances, TP (weight group size),
     # max_num_seqs (the bound of Algorithm 2's batch sizes), and how weights reach them.
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
@@ -77,6 +79,7 @@ class GeneratorSpec(RoleSpec):
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn: environment, tools, budgets
 
 
 @dataclass(kw_only=True)

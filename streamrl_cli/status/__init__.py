@@ -370,10 +370,23 @@ def _progress_of(rec: dict[str, Any], iterations: Any) -> dict[str, Any]:
         "paused_groups": rec.get("rollout/paused_groups") or None,  # partial rollout, when on
         "resumed_samples": rec.get("rollout/resumed_samples") or None,
         "token_staleness": rounded("staleness/token_mean", 3) or None,
+        # Multi-turn runs: turns and tool use per trajectory, environment failures, the share of a
+        # trajectory's tokens the environment added.
+        "turns": rounded("agent/turns_mean", 2),
+        "tool_calls": rounded("agent/tool_calls_per_trajectory", 2),
+        "tool_errors": rec.get("agent/tool_errors") or None,
+        "env_failures": rec.get("agent/failures") or None,
+        "env_token_share": _share(rec.get("agent/env_tokens"), rec.get("agent/model_tokens")),
         "mode": rec.get("mode"),
         "from": "metrics.jsonl",
     }
     return {k: v for k, v in out.items() if v is not None}
+
+
+def _share(part: Any, other: Any) -> float | None:
+    if not isinstance(part, int) or not isinstance(other, int) or part + other == 0:
+        return None
+    return round(part / (part + other), 3)
 
 
 def outcome(run: RunDir) -> dict[str, Any]:

@@ -130,6 +130,7 @@ def run_view(doc: dict[str, Any]) -> RenderableType:
     keys = (
         "step", "reward", "eval_reward", "samples_per_s", "trainer_idle", "generator_idle", "tail_s",
         "aborted_groups", "paused_groups", "resumed_samples", "token_staleness", "ranker_recall20",
+        "turns", "tool_calls", "tool_errors", "env_failures", "env_token_share",
     )  # fmt: skip
     shown = [f"{k} {p[k]}" for k in keys if k in p]
     pline = Pairs("progress:", shown) if shown else Text("progress: no progress reported yet")

@@ -57,14 +57,22 @@ class Task(ABC):
         ``completions`` exclude the prompt and EOS."""
 
 
-def make_task(task: TaskConfig, seed: int = 0, *, model_path: str | None = None) -> Task:
+def make_task(
+    task: TaskConfig, seed: int = 0, *, model_path: str | None = None, agentic: bool = False
+) -> Task:
     """The task of a recipe's ``task`` section.
 
-    ``dataset`` null: the built-in repeat task (whatever ``name`` says), ``seed`` drawing its
-    prompts; its verifier unless ``reward`` names another. Else a :class:`DatasetTask`, which needs
-    ``reward``. ``model_path``: where the tokenizer of the chat template comes from (only read when
-    the dataset is rendered through one)."""
+    ``dataset`` null: a built-in task, ``seed`` drawing its prompts: ``calc`` (multi-turn, with a
+    calculator tool: :mod:`.calc`) by that name, else the repeat task, with its verifier unless
+    ``reward`` names another. Else a :class:`DatasetTask`, which needs ``reward``. ``model_path``:
+    where the tokenizer of the chat template comes from (only read when the dataset is rendered
+    through one). ``agentic``: a multi-turn run, whose chat prompts end without the generation
+    prompt (the generator adds it, after whatever the environment adds at its reset)."""
     dataset, reward = task.dataset, task.reward
+    if dataset is None and task.name == "calc":
+        from streamrl_cli.tasks.calc import CalcTask
+
+        return CalcTask(num_prompts=task.num_prompts, seed=seed)
     if dataset is None:
         from streamrl_cli.tasks.builtin import RepeatTask
         from streamrl_cli.tasks.rewards import load_reward
@@ -88,5 +96,10 @@ def make_task(task: TaskConfig, seed: int = 0, *, model_path: str | None = None)
         prompt_key=task.prompt_key,
         reward=reward,
         name=task.name or None,
-        chat=ChatFormat(template=task.chat_template, system_prompt=task.system_prompt, model_path=model_path),
+        chat=ChatFormat(
+            template=task.chat_template,
+            system_prompt=task.system_prompt,
+            model_path=model_path,
+            generation_prompt=not agentic,
+        ),  # fmt: skip
     )

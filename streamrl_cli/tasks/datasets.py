@@ -48,6 +48,9 @@ class ChatFormat:
     system_prompt: str | None = None
     model_path: str | None = None  # the tokenizer's directory (the policy's model.path)
     tokenizer: Any = None  # a loaded tokenizer (tests, or a caller that has one): wins over model_path
+    # End with the assistant's generation prompt (single-turn). A multi-turn run's generator adds it
+    # itself, after what the environment adds at its reset (streamrl_cli.agent.render).
+    generation_prompt: bool = True
 
     def applies_to_text(self) -> bool:
         return self.template is not None
@@ -64,7 +67,7 @@ class ChatFormat:
             )
         try:
             return tok.apply_chat_template(
-                messages, chat_template=template, tokenize=False, add_generation_prompt=True
+                messages, chat_template=template, tokenize=False, add_generation_prompt=self.generation_prompt
             )
         except Exception as e:  # jinja2's TemplateError family, or a template that raises on this chat
             raise TaskError(f"task.chat_template: rendering {messages!r:.200} failed: {e}") from e

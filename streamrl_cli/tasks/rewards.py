@@ -138,62 +138,70 @@ def _wait(awaitable: Any) -> Any:
 
 def load_reward(spec: str) -> Reward:
     """The reward named ``module:function`` or ``path/to/file.py:function``."""
-    target, sep, attr = spec.rpartition(":")
-    if not sep or not target or not attr or not re.fullmatch(r"[A-Za-z_][\w.]*", attr):
-        raise TaskError(
-            f"task.reward: {spec!r} is not `module:function` or `path/to/file.py:function` "
-            "(e.g. streamrl_cli.tasks.rewards:math_answer or rewards/my_reward.py:score)"
-        )
-    module = _load_file(target, spec) if _is_file(target) else _import(target, spec)
-    fn: Any = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            public = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
-            raise TaskError(
-                f"task.reward: {target!r} has no attribute {attr!r}; "
-                f"callables there: {', '.join(public) or 'none'}"
-            )
-        fn = getattr(fn, part)
+    fn = load_object(
+        spec, "task.reward", kind="function",
+        example="streamrl_cli.tasks.rewards:math_answer or rewards/my_reward.py:score",
+    )  # fmt: skip
     if not callable(fn):
         raise TaskError(f"task.reward: {spec!r} is a {type(fn).__name__}, not a function")
     return Reward(fn, spec)
+
+
+def load_object(spec: str, key: str, *, kind: str = "name", example: str) -> Any:
+    """What ``module:attr`` or ``path/to/file.py:attr`` names (a reward, an environment class, a tool);
+    `key` is the recipe key it came from, named in the errors with an `example` of a valid value."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr or not re.fullmatch(r"[A-Za-z_][\w.]*", attr):
+        raise TaskError(
+            f"{key}: {spec!r} is not `module:{kind}` or `path/to/file.py:{kind}` (e.g. {example})"
+        )
+    module = _load_file(target, spec, key) if _is_file(target) else _import(target, spec, key)
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            public = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
+            raise TaskError(
+                f"{key}: {target!r} has no attribute {attr!r}; callables there: {', '.join(public) or 'none'}"
+            )
+        obj = getattr(obj, part)
+    return obj
 
 
 def _is_file(target: str) -> bool:
     return target.endswith(".py") or "/" in target or "\\" in target
 
 
-def _import(module_name: str, spec: str) -> Any:
+def _import(module_name: str, spec: str, key: str) -> Any:
     try:
         return importlib.import_module(module_name)
     except ImportError as e:
         raise TaskError(
-            f"task.reward: cannot import module {module_name!r} of {spec!r}: {e} "
-            "(is it installed on every node? A file can be named directly: path/to/file.py:function)"
+            f"{key}: cannot import module {module_name!r} of {spec!r}: {e} "
+            "(is it installed on every node? A file can be named directly: path/to/file.py:name)"
         ) from e
 
 
-def _load_file(target: str, spec: str) -> Any:
+def _load_file(target: str, spec: str, key: str) -> Any:
     path = Path(target).expanduser()
     if not path.is_file():
-        raise TaskError(f"task.reward: {spec!r}: no such file {str(path)!r}")
+        raise TaskError(f"{key}: {spec!r}: no such file {str(path)!r}")
     path = path.resolve()
     # One module per file (by its absolute path), so two rewards named score.py do not collide.
     name = f"streamrl_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
     if name in sys.modules:
         return sys.modules[name]
     if str(path.parent) not in sys.path:
-        sys.path.append(str(path.parent))  # the reward's own helper modules next to it
+        sys.path.append(str(path.parent))  # the file's own helper modules next to it
     loader_spec = importlib.util.spec_from_file_location(name, path)
     if loader_spec is None or loader_spec.loader is None:
-        raise TaskError(f"task.reward: {spec!r}: {path} cannot be loaded as a Python module")
+        raise TaskError(f"{key}: {spec!r}: {path} cannot be loaded as a Python module")
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[name] = module
     try:
         loader_spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[name]
-        raise TaskError(f"task.reward: loading {path} failed: {type(e).__name__}: {e}") from e
+        raise TaskError(f"{key}: loading {path} failed: {type(e).__name__}: {e}") from e
     return module
 
 

@@ -37,6 +37,11 @@ class Rollout:
     def response_len(self) -> int:
         return len(self.sample.token_ids)
 
+    @property
+    def trained_tokens(self) -> int:
+        """Tokens the loss sees: the model's (a trajectory's environment tokens are context only)."""
+        return sum(self.sample.loss_mask) if self.sample.loss_mask else self.response_len
+
 
 @dataclass
 class MicroBatch:
@@ -76,7 +81,14 @@ def collate(rollouts: Sequence[Rollout], device: torch.device | str = "cpu") -> 
         p, resp = len(r.prompt_tokens), r.response_len
         ids[i, : p + resp] = torch.tensor(r.prompt_tokens + list(r.sample.token_ids), dtype=torch.long)
         attn[i, : p + resp] = 1
-        mask[i, p - 1 : p - 1 + resp] = float(r.scored)  # logits at p-1 predict the first response token
+        # logits at p-1 predict the first response token; a trajectory's environment tokens are
+        # context, not trained: out of the loss, the KL and the importance ratios.
+        if r.sample.loss_mask:
+            mask[i, p - 1 : p - 1 + resp] = torch.tensor(r.sample.loss_mask, dtype=torch.float32) * float(
+                r.scored
+            )
+        else:
+            mask[i, p - 1 : p - 1 + resp] = float(r.scored)
         blp[i, p - 1 : p - 1 + resp] = torch.tensor(r.sample.logprobs, dtype=torch.float32)
     return MicroBatch(
         input_ids=ids.to(device),

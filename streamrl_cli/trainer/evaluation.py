@@ -29,8 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamrl_cli.recipe.schema import AgentConfig, AlgorithmConfig, TaskConfig, TrainConfig
 from streamrl_cli.tasks import Prompt, Task
-from streamrl_cli.trainer.seeds import sample_seed
+from streamrl_cli.trainer.seeds import sample_seed, sampling_keys
 from streamrl_cli.transport.wire import Request, Sample
 
 PREFIX = "eval"
@@ -39,12 +40,14 @@ PRIORITY = 1 << 40  # after every training request (vLLM: lower values are admit
 
 @dataclass(kw_only=True)
 class EvalConfig:
-    every: int = 0  # iterations between evaluations (0: only the final one)
-    samples: int | None = None  # eval prompts per evaluation (None: all), the same ones every time
-    temperature: float = 0.0  # 0: greedy
-    max_tokens: int = 64  # task.max_output_len
-    sampling: dict[str, Any] = field(default_factory=dict)  # the run's other sampling keys (top_p, stop, ...)
-    seed: int = 0  # each eval prompt is seeded from it: evaluations differ only by the weights
+    """The recipe's sections evaluation runs by (each setting is the schema's, ``recipe.schema``)."""
+
+    # eval_every, eval_samples (the first ones, the same every time), eval_temperature, max_output_len
+    task: TaskConfig = field(default_factory=TaskConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # the run's other sampling keys
+    # seed: each eval prompt is seeded from it, so that evaluations differ only by the weights
+    train: TrainConfig = field(default_factory=TrainConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn: the environment's row, the reward
 
 
 @dataclass
@@ -71,7 +74,7 @@ class Evaluator:
     ):
         prompts = list(task.prompts())
         self.task, self.cfg = task, cfg
-        self.prompts = prompts[: cfg.samples] if cfg.samples else prompts
+        self.prompts = prompts[: cfg.task.eval_samples] if cfg.task.eval_samples else prompts
         self.tokenize, self.detokenize = tokenize, detokenize
         self.on_eval, self.clock = on_eval, clock
         self.rounds: dict[str, _Round] = {}
@@ -80,21 +83,23 @@ class Evaluator:
 
     def due(self, iteration: int, iterations: int) -> bool:
         """An evaluation after ``iteration`` (the last one always gets the final evaluation instead)."""
-        e = self.cfg.every
+        e = self.cfg.task.eval_every
         return e > 0 and (iteration + 1) % e == 0 and iteration + 1 < iterations
 
     def dispatch(self, iteration: int, *, final: bool = False) -> list[Request]:
         key = f"{PREFIX}{iteration}"
         rnd = _Round(iteration=iteration, final=final, prompts={}, dispatched_at=self.clock())
         requests = []
+        task, seed = self.cfg.task, self.cfg.train.seed
+        common = {
+            **sampling_keys(self.cfg.algorithm), "temperature": task.eval_temperature,
+            "max_tokens": task.max_output_len,
+        }  # fmt: skip
         for p in self.prompts:
             tokens = self._tokens[p.prompt_id]
             rid = f"{key}/{p.prompt_id}"
             rnd.prompts[rid] = p
-            sampling = {
-                **self.cfg.sampling, "temperature": self.cfg.temperature, "max_tokens": self.cfg.max_tokens,
-                "seed": sample_seed(self.cfg.seed, f"{PREFIX}/{p.prompt_id}", 0),
-            }  # fmt: skip
+            sampling = {**common, "seed": sample_seed(seed, f"{PREFIX}/{p.prompt_id}", 0)}
             requests.append(
                 Request(
                     prompt_id=rid,
@@ -103,6 +108,7 @@ class Evaluator:
                     group_id=rid,
                     priority=PRIORITY,
                     sampling=sampling,
+                    env={**p.columns, "prompt": p.text} if self.cfg.agent.enabled else {},
                 )  # fmt: skip
             )
         self.rounds[key] = rnd
@@ -129,9 +135,10 @@ class Evaluator:
     def _record(self, rnd: _Round) -> dict[str, Any]:
         rids = list(rnd.prompts)
         samples = [rnd.samples[r] for r in rids]
-        scores = self.task.reward(
-            [rnd.prompts[r] for r in rids], [self.detokenize(s.token_ids) for s in samples]
-        )
+        from streamrl_cli.trainer.sample_routing import trajectory_rewards
+
+        texts = [self.detokenize(s.token_ids) for s in samples]
+        scores = trajectory_rewards(self.cfg.agent, self.task, [rnd.prompts[r] for r in rids], samples, texts)
         scored = [float(x) for x in scores if x is not None]
         lengths = [len(s.token_ids) for s in samples]
         return {

@@ -16,12 +16,40 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from streamrl_cli.agent.trajectory import FAILURES
 from streamrl_cli.trainer.batch import GroupCollector, Rollout
 from streamrl_cli.trainer.request_id import RequestId
 from streamrl_cli.trainer.sample_routing import Batch, token_versions
 
 if TYPE_CHECKING:
     from streamrl_cli.trainer.collaborators import LengthRanker
+
+
+def agent_metrics(rows: Sequence[Rollout]) -> dict[str, Any]:
+    """Multi-turn trajectories: turns, tool calls and errors, environment time and reward, model vs
+    environment tokens, and why they ended (``agent/stop/<reason>``: counts). None: no trajectory."""
+    eps = [r.sample.episode for r in rows if r.sample.episode is not None]
+    if not eps:
+        return {}
+    n = len(eps)
+    out: dict[str, Any] = {
+        "agent/trajectories": n,
+        "agent/turns_mean": sum(e.turns for e in eps) / n,
+        "agent/turns_max": max(e.turns for e in eps),
+        "agent/turns_cut": sum(e.turns_cut for e in eps),
+        "agent/tool_calls": sum(e.tool_calls for e in eps),
+        "agent/tool_errors": sum(e.tool_errors for e in eps),
+        "agent/tool_calls_per_trajectory": sum(e.tool_calls for e in eps) / n,
+        "agent/env_reward_mean": sum(e.env_reward for e in eps) / n,
+        "agent/env_s": sum(e.env_s for e in eps),
+        "agent/model_tokens": sum(e.model_tokens for e in eps),
+        "agent/env_tokens": sum(e.env_tokens for e in eps),
+        "agent/failures": sum(e.stop in FAILURES for e in eps),
+    }
+    for e in eps:
+        key = f"agent/stop/{e.stop or 'unknown'}"
+        out[key] = out.get(key, 0) + 1
+    return out
 
 
 def iteration_record(
@@ -93,7 +121,9 @@ def iteration_record(
         "rollout/discarded_tokens": discarded_tokens,
         "rollout/paused_groups": len(batch.paused),
         "rollout/paused_prompts": [batch.prompts[rid][0].prompt_id for rid in batch.paused],
-        "rollout/resumed_samples": sum(bool(r.sample.token_versions) for r in rows),
+        "rollout/resumed_samples": sum(
+            bool(r.sample.token_versions) and r.sample.episode is None for r in rows
+        ),
         # Which prompts the batch held, in order (a resumed run must repeat the same data order).
         "data/digest": _digest(batch),
         "micro_batches": len(train_spans),
@@ -107,6 +137,7 @@ def iteration_record(
             "step": step_span,
             "weight_sync": [syncs[-1][1], syncs[-1][2]] if syncs else None,
         },
+        **agent_metrics(rows),
         **stats,
         **skew_record(batch, ranker),
         **(batch.refill.record() if batch.refill is not None else {}),

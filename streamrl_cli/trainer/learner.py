@@ -32,97 +32,60 @@ from streamrl_cli.trainer.batch import MicroBatch
 from streamrl_cli.trainer.models import Critic, critic_forward, load_policy, load_reference, policy_forward
 
 if TYPE_CHECKING:
-    from streamrl_cli.recipe.schema import AlgorithmConfig, LoraConfig
+    from streamrl_cli.recipe.schema import AlgorithmConfig, LoraConfig, TrainerConfig
 
 
 @dataclass(kw_only=True)
 class LossConfig:
-    """The recipe's algorithm section, as the loss needs it (no defaults: they are the schema's,
-    ``recipe.schema.AlgorithmConfig``; build it with :meth:`from_recipe`)."""
+    """The recipe's algorithm section as the loss runs it (each setting is the schema's,
+    ``recipe.schema.AlgorithmConfig``), and what follows from it. Build it with :meth:`from_recipe`."""
 
-    name: str
-    advantage: str  # trainer.algorithms.ADVANTAGES: gae trains a critic
-    policy_loss: str  # trainer.algorithms.POLICY_LOSSES
-    old_policy: str  # the ratio's π_old: "trainer" (logp.detach()) or "behaviour" (the generators')
-    kl_mode: str
-    kl_estimator: str
-    kl_coef: float
-    loss_agg: str
-    clip_low: float
-    clip_high: float
-    entropy_coef: float
-    gamma: float
-    lam: float
-    value_clip: float
-    importance_sampling: bool
-    is_cap: float
-    is_level: str  # token, sequence, geometric
-    is_mask: str  # off, token, sequence, geometric
-    is_mask_low: float
-    is_mask_high: float
-    temperature: float
-    top_k: int  # the generators' truncation, applied to the trainer's log-probs too
-    top_p: float
-    min_p: float
+    # As resolved by ``recipe.checks.resolve`` (is_correction on or off); keys left null take their
+    # algorithm's preset on init (``recipe.presets``).
+    algorithm: AlgorithmConfig
     max_len: int  # task.max_output_len (seq-mean-token-sum-norm's constant)
+
+    def __post_init__(self) -> None:
+        if self.algorithm.is_correction not in ("on", "off"):
+            raise ValueError(
+                f"algorithm.is_correction={self.algorithm.is_correction!r} not resolved (checks.resolve)"
+            )
+        self.algorithm = presets.filled(self.algorithm, self.max_len)
 
     @classmethod
     def from_recipe(cls, algorithm: AlgorithmConfig, max_len: int) -> LossConfig:
-        """``algorithm`` as resolved by ``recipe.checks.resolve`` (is_correction is on or off); keys
-        left null take their algorithm's preset (``recipe.presets``)."""
-        if algorithm.is_correction not in ("on", "off"):
-            raise ValueError(
-                f"algorithm.is_correction={algorithm.is_correction!r} not resolved (checks.resolve)"
-            )
-        a = presets.filled(algorithm, max_len)
-        return cls(
-            name=a.name,
-            advantage=a.advantage,
-            policy_loss=a.policy_loss,
-            old_policy=a.old_policy,
-            kl_mode="none" if a.kl_coef == 0 else a.kl_mode,  # a zero coefficient needs no reference
-            kl_estimator=a.kl_estimator,
-            kl_coef=a.kl_coef,
-            loss_agg=a.loss_agg,
-            clip_low=a.clip_ratio,
-            clip_high=a.clip_ratio_high,
-            entropy_coef=a.entropy_coef,
-            gamma=a.gamma,
-            lam=a.lam,
-            value_clip=a.value_clip,
-            importance_sampling=a.is_correction == "on",
-            is_cap=a.is_cap,
-            is_level=a.is_level,
-            is_mask=a.is_mask,
-            is_mask_low=a.is_mask_low,
-            is_mask_high=a.is_mask_high,
-            temperature=a.temperature,
-            top_k=a.top_k,
-            top_p=a.top_p,
-            min_p=a.min_p,
-            max_len=max_len,
-        )
+        """The loss of a recipe's algorithm section, with outputs of at most ``max_len`` tokens."""
+        return cls(algorithm=algorithm, max_len=max_len)
 
     @property
     def critic(self) -> bool:
         """Whether the advantages are GAE's, from a critic trained alongside the actor."""
-        return A.estimator(self.advantage).critic
+        return A.estimator(self.algorithm.advantage).critic
+
+    @property
+    def kl(self) -> bool:
+        """Whether the loss (or reward) has a KL term, which needs the reference's log-probs: not with
+        kl_mode none, nor with a zero coefficient."""
+        return self.algorithm.kl_mode != "none" and self.algorithm.kl_coef != 0
+
+    @property
+    def importance_sampling(self) -> bool:
+        """Truncated IS with the behaviour log-probs (algorithm.is_correction, resolved)."""
+        return self.algorithm.is_correction == "on"
 
     @property
     def sampling(self) -> L.SamplingTransform:
         """The generators' sampling distribution, which the actor's and reference's log-probs use."""
-        return L.SamplingTransform(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p
-        )
+        a = self.algorithm
+        return L.SamplingTransform(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p)
 
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    zero_stage: int = 1
-    lr: float = 1e-6
-    critic_lr: float = 1e-5
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
+    """The optimizer's settings, as the recipe's sections hold them (``recipe.schema``)."""
+
+    algorithm: AlgorithmConfig  # lr, critic_lr, weight_decay, max_grad_norm
+    trainer: TrainerConfig  # roles.trainer: zero_stage
 
 
 def open_group_store(world: int, host: str) -> tuple[Any, str]:
@@ -165,12 +128,12 @@ def _engine(model: torch.nn.Module, lr: float, opt: OptimConfig) -> Any:
     import deepspeed
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=opt.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=opt.algorithm.weight_decay)
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": opt.max_grad_norm,
-        "zero_optimization": {"stage": opt.zero_stage},
+        "gradient_clipping": opt.algorithm.max_grad_norm,
+        "zero_optimization": {"stage": opt.trainer.zero_stage},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
@@ -199,9 +162,9 @@ class Learner:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
                 policy = lora_.apply(policy, self.lora)
-        self.actor = _engine(policy, opt.lr, opt)
+        self.actor = _engine(policy, opt.algorithm.lr, opt)
         # PPO's critic trains in full with LoRA too (its own network; README, LoRA).
-        self.critic = _engine(Critic(path, dtype), opt.critic_lr, opt) if loss.critic else None
+        self.critic = _engine(Critic(path, dtype), opt.algorithm.critic_lr, opt) if loss.critic else None
         # With LoRA the reference is the actor with its adapters off: no second copy.
         self.ref = load_reference(path, dtype, device) if self.kl and self.lora is None else None
         self._begin()
@@ -209,7 +172,7 @@ class Learner:
     @property
     def kl(self) -> bool:
         """Whether the loss (or reward) has a KL term, which needs the reference's log-probs."""
-        return self.loss.kl_mode != "none"
+        return self.loss.kl
 
     def _begin(self) -> None:
         self.units = 0.0
@@ -221,20 +184,20 @@ class Learner:
     def micro_step(self, mb: MicroBatch, *, last: bool) -> None:
         """Forward and backward of one micro-batch (every rank calls it equally often; `last` ends the
         accumulation: the gradient reduction happens in that backward)."""
-        c = self.loss
+        c, a = self.loss, self.loss.algorithm
         self.actor.train()
         logp, ent = policy_forward(self.actor, mb, c.sampling, entropy=True)
         # The trainer's log-probs before this step, and the response tokens. Off-policy masking takes
         # tokens out of the actor's loss (and its denominator), never out of the critic's.
         trainer_logp, valid = logp.detach(), mb.mask
         mask = valid
-        if c.is_mask != "off":
+        if a.is_mask != "off":
             mask = A.keep_mask(
-                trainer_logp, mb.behaviour_logp, valid, c.is_mask, c.is_mask_low, c.is_mask_high
+                trainer_logp, mb.behaviour_logp, valid, a.is_mask, a.is_mask_low, a.is_mask_high
             )
             self._add("offpolicy/masked", (valid - mask).sum())
             self._add("offpolicy/tokens", valid.sum())
-        if c.old_policy == "behaviour":
+        if a.old_policy == "behaviour":
             # Bounded below so that a behaviour log-prob far under the trainer's (-inf at worst)
             # gives a large finite ratio, not an infinite one.
             old_logp = torch.maximum(mb.behaviour_logp, trainer_logp - A.LOG_RATIO_BOUND)
@@ -242,27 +205,27 @@ class Learner:
             old_logp = trainer_logp
         kl = None
         if self.kl:
-            kl = L.kl_estimate(logp, self.reference_logp(mb), c.kl_estimator)
+            kl = L.kl_estimate(logp, self.reference_logp(mb), a.kl_estimator)
         if c.critic:
             values = critic_forward(self.critic, mb)
-            score_kl = kl.detach() if (kl is not None and c.kl_mode == "penalty") else None
-            tok_r = L.token_rewards(mb.rewards, score_kl, c.kl_coef, valid)
-            adv, ret = L.gae(tok_r, values.detach(), valid, c.gamma, c.lam)
+            score_kl = kl.detach() if (kl is not None and a.kl_mode == "penalty") else None
+            tok_r = L.token_rewards(mb.rewards, score_kl, a.kl_coef, valid)
+            adv, ret = L.gae(tok_r, values.detach(), valid, a.gamma, a.lam)
         else:
             adv = mb.advantages[:, None].expand_as(valid) * valid
         is_w = (
-            A.is_weights(trainer_logp, mb.behaviour_logp, mask, c.is_cap, c.is_level)
+            A.is_weights(trainer_logp, mb.behaviour_logp, mask, a.is_cap, a.is_level)
             if c.importance_sampling
             else None
         )
-        loss_fn = A.policy_loss(c.policy_loss)
-        pg, stats = loss_fn(logp, old_logp, adv, mask, c.clip_low, c.clip_high, is_w)
+        loss_fn = A.policy_loss(a.policy_loss)
+        pg, stats = loss_fn(logp, old_logp, adv, mask, a.clip_ratio, a.clip_ratio_high, is_w)
         per_token = pg
-        if kl is not None and c.kl_mode == "loss":
-            per_token = per_token + c.kl_coef * kl
-        if c.entropy_coef:
-            per_token = per_token - c.entropy_coef * ent
-        num, units = L.aggregate(per_token, mask, c.loss_agg, c.max_len)
+        if kl is not None and a.kl_mode == "loss":
+            per_token = per_token + a.kl_coef * kl
+        if a.entropy_coef:
+            per_token = per_token - a.entropy_coef * ent
+        num, units = L.aggregate(per_token, mask, a.loss_agg, c.max_len)
         units = units if mb.size else 0.0  # a rank's filler batch (nothing left for it) counts nothing
         self.actor.set_gradient_accumulation_boundary(last)
         self.actor.backward(num, scale_wrt_gas=False)
@@ -273,7 +236,7 @@ class Learner:
             ("kl", kl.detach() if kl is not None else None),
         ):
             if t is not None:
-                self._add(f"loss/{key}", L.aggregate(t.detach(), mask, c.loss_agg, c.max_len)[0])
+                self._add(f"loss/{key}", L.aggregate(t.detach(), mask, a.loss_agg, c.max_len)[0])
         for key, v in stats.items():
             self._add(f"pg/{key}", v)
         if is_w is not None:
@@ -281,8 +244,8 @@ class Learner:
         for key, v in L.rollout_mismatch(trainer_logp, mb.behaviour_logp, valid).items():
             self._add(f"rollout/{key}", v)
         if c.critic:
-            vl = L.value_loss(values, values.detach(), ret, valid, c.value_clip)
-            vnum, _ = L.aggregate(vl, valid, c.loss_agg, c.max_len)
+            vl = L.value_loss(values, values.detach(), ret, valid, a.value_clip)
+            vnum, _ = L.aggregate(vl, valid, a.loss_agg, c.max_len)
             self.critic.set_gradient_accumulation_boundary(last)
             self.critic.backward(vnum, scale_wrt_gas=False)
             self._add("loss/value", vnum.detach())
@@ -307,7 +270,7 @@ class Learner:
         out = self.finish_gradients()
         # Without ZeRO, DeepSpeed leaves the norm unset (its clipping does not report it): taken here,
         # from the whole gradient, before clipping, as DeepSpeed's ZeRO optimizers report theirs.
-        own = self._grad_norm() if self.opt.zero_stage == 0 else None
+        own = self._grad_norm() if self.opt.trainer.zero_stage == 0 else None
         for engine in filter(None, (self.actor, self.critic)):
             engine.step()
         norm = self.actor.get_global_grad_norm()
@@ -369,7 +332,7 @@ class Learner:
         LoRA: the merged weights, base + (alpha / rank) · B·A, under the base model's names, so the
         generators load them as any other version (trainer.lora.merged_state)."""
         module = self.actor.module
-        if self.opt.zero_stage == 3:
+        if self.opt.trainer.zero_stage == 3:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(module.parameters())):

@@ -31,7 +31,6 @@ from streamrl_cli.errors import StreamRLError
 from streamrl_cli.recipe.schema import TaskConfig
 from streamrl_cli.roles.spec import TrainerSpec
 from streamrl_cli.rundir import RunDir
-from streamrl_cli.trainer.pipeline import sampling_keys
 
 log = logging.getLogger("streamrl.trainer")
 
@@ -220,10 +219,7 @@ class TrainerRole:
         a = self.spec.algorithm
         torch.manual_seed(self.spec.train.seed + self.rank)
         loss = LossConfig.from_recipe(a, self.spec.task.max_output_len)
-        opt = OptimConfig(
-            zero_stage=self.spec.settings.zero_stage, lr=a.lr, critic_lr=a.critic_lr,
-            weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm,
-        )  # fmt: skip
+        opt = OptimConfig(algorithm=a, trainer=self.spec.settings)
         path = os.path.expanduser(self.spec.model.path)
         dtype = torch_dtype(self.spec.model.dtype, device)
         return Learner(path, loss, opt, device, dtype, lora=self.spec.model.lora)
@@ -239,7 +235,12 @@ class TrainerRole:
         t, task_cfg = self.spec.train, self.spec.task
         seed = t.seed
         random.seed(seed)
-        task = make_task(task_cfg, seed, model_path=os.path.expanduser(self.spec.model.path))
+        task = make_task(
+            task_cfg,
+            seed,
+            model_path=os.path.expanduser(self.spec.model.path),
+            agentic=self.spec.agent.enabled,
+        )
         sampler = PromptSampler(list(task.prompts()), t.global_batch, seed, shuffle=task_cfg.shuffle)
         tok = AutoTokenizer.from_pretrained(os.path.expanduser(self.spec.model.path))
         max_prompt = task_cfg.max_prompt_len
@@ -329,12 +330,10 @@ class TrainerRole:
     def _elastic(self, svc: Any) -> Any:
         """The elastic rule (roles.generator.elastic), or None when it is off."""
         from streamrl_cli.elastic.control import ElasticController
-        from streamrl_cli.elastic.policy import ElasticConfig
 
-        cfg = ElasticConfig.from_dict(dataclasses.asdict(self.elastic))
-        if not cfg.enabled:
+        if not self.elastic.enabled:
             return None
-        return ElasticController(cfg, self.rdv, lambda: len(svc.generators()))
+        return ElasticController(self.elastic, self.rdv, lambda: len(svc.generators()))
 
     def _export_final(self) -> None:
         """The last checkpoint (the final iteration's: always saved) as a HF model in the run directory."""
@@ -356,15 +355,14 @@ class TrainerRole:
         from streamrl_cli.tasks import make_task
         from streamrl_cli.trainer.evaluation import EvalConfig, Evaluator
 
-        a = self.spec.algorithm
         path = os.path.expanduser(self.spec.model.path)
         held_out = make_task(
-            dataclasses.replace(task_cfg, dataset=task_cfg.eval_dataset), seed, model_path=path
-        )
-        cfg = EvalConfig(
-            every=task_cfg.eval_every, samples=task_cfg.eval_samples, temperature=task_cfg.eval_temperature,
-            max_tokens=task_cfg.max_output_len, sampling=sampling_keys(a), seed=seed,
+            dataclasses.replace(task_cfg, dataset=task_cfg.eval_dataset), seed, model_path=path,
+            agentic=self.spec.agent.enabled,
         )  # fmt: skip
+        cfg = EvalConfig(
+            task=task_cfg, algorithm=self.spec.algorithm, train=self.spec.train, agent=self.spec.agent
+        )
 
         def on_eval(rec: dict[str, Any]) -> None:
             self.rdv.post_metrics(rec)

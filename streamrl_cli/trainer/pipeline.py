@@ -39,6 +39,15 @@ from typing import TYPE_CHECKING, Any
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.recipe import presets
+from streamrl_cli.recipe.schema import (
+    AgentConfig,
+    AlgorithmConfig,
+    GeneratorConfig,
+    RolloutConfig,
+    SkewnessConfig,
+    TaskConfig,
+    TrainConfig,
+)
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.trainer.algorithms import estimator
 from streamrl_cli.trainer.batch import GroupCollector
@@ -47,11 +56,10 @@ from streamrl_cli.trainer.evaluation import Evaluator
 from streamrl_cli.trainer.iteration_record import iteration_record
 from streamrl_cli.trainer.request_id import RequestId
 from streamrl_cli.trainer.sample_routing import Batch, SampleRouting, draw_key
-from streamrl_cli.trainer.seeds import sample_seed  # noqa: F401 - re-exported: tests seed as requests do
+from streamrl_cli.trainer.seeds import sample_seed, sampling_keys  # noqa: F401 - re-exported for tests
 from streamrl_cli.trainer.weight_sync import Transfers
 
 if TYPE_CHECKING:
-    from streamrl_cli.recipe.schema import AlgorithmConfig
     from streamrl_cli.roles.spec import TrainerSpec
     from streamrl_cli.trainer.collaborators import (
         LearnerDriver,
@@ -77,84 +85,65 @@ class Stopped(Exception):
 
 @dataclass(kw_only=True)
 class PipelineConfig:
-    mode: str = "sync-stream"
-    advantage: str = "grpo"  # the estimator (trainer.algorithms.ADVANTAGES)
-    group_size: int = 4
-    global_batch: int = 8  # prompts per iteration
-    micro_batch: int = 4  # samples per micro-batch (per rank)
-    world: int = 1  # trainer data-parallel ranks
-    max_staleness: int = 1
-    max_output_len: int = 64
-    temperature: float = 1.0
-    # Sampling beyond temperature (the recipe's algorithm.top_p, ...), sent with every request:
-    # {"top_p": 0.9, "stop": ["\n\n"]}; only what differs from vLLM's defaults.
-    sampling: dict[str, Any] = field(default_factory=dict)
-    grpo_std_norm: bool = True
-    overlong_buffer: int = 0  # DAPO's soft overlong punishment over this many last tokens (0: off)
-    overlong_penalty: float = 1.0
-    dynamic_sampling: bool = False  # DAPO: groups with all-equal rewards do not count; more are drawn
-    max_refill: float = 1.0  # dynamic sampling: groups drawn per iteration at most, × global_batch
-    seed: int = 0
-    sample_timeout_s: float = 1800.0  # no sample at all for this long: something is wrong
-    # No generator connected for this long: every one failed or left, the run cannot go on. Not at
-    # once: a restarted array task, or an elastic scale-up after scaling to zero, comes back.
-    no_generator_s: float = 900.0
-    dispatch: str = "least-loaded"  # least-loaded (the data plane's policy), random, skewness-aware
-    schedule: str = "fifo"  # fifo or lpt (longest predicted first, inside each instance)
-    long_tail: float = 0.2  # α of Algorithm 2
-    engine_max_seqs: int = 64  # sequences a generator's engine runs at once at most (its max_num_seqs)
-    reproducible: bool = False  # seed each request from (seed, prompt id, sample index); train in batch order
-    oversample: float = 0.0  # dispatch this fraction more groups; train the first global_batch to finish
-    partial: bool = False  # over-sampled groups running at the close are paused and resumed, not aborted
+    """What the loop runs by: the recipe's sections as they are (each setting's name, type, default
+    and meaning are the schema's, ``recipe.schema``), and what only the trainer knows at run time.
+    Build it with :meth:`from_spec`; a section left out has the schema's defaults (tests)."""
+
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # its preset filled in on init
+    task: TaskConfig = field(default_factory=TaskConfig)  # max_output_len
+    train: TrainConfig = field(default_factory=TrainConfig)  # batch sizes, seed, reproducible_sampling
+    skewness: SkewnessConfig = field(default_factory=SkewnessConfig)  # dispatch, schedule, long_tail
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # oversample, partial
+    agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn: reward, on_failure
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # max_num_seqs: admission bound
+    world: int = 1  # trainer data-parallel ranks (the trainer job's tasks)
+    # No generator connected for this long ends the run (not at once: a restarted array task, or an
+    # elastic scale-up after scaling to zero, comes back): train.stall_after_s unless set (tests set
+    # it apart from the sample timeout, which would end the run first).
+    no_generator_s: float | None = None
+
+    def __post_init__(self) -> None:
+        self.algorithm = presets.filled(self.algorithm, self.task.max_output_len)
+        if self.no_generator_s is None:
+            self.no_generator_s = self.train.stall_after_s
+
+    @property
+    def sample_timeout_s(self) -> float:
+        """No sample at all for this long: something is wrong (train.stall_after_s)."""
+        return self.train.stall_after_s
+
+    @classmethod
+    def from_spec(cls, spec: TrainerSpec) -> PipelineConfig:
+        """The pipeline of the trainer's typed sections."""
+        return cls(
+            algorithm=spec.algorithm, task=spec.task, train=spec.train, skewness=spec.skewness,
+            rollout=spec.rollout, generator=spec.generator, world=spec.world, agent=spec.agent,
+        )  # fmt: skip
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """Sampling beyond temperature, sent with every request: only what differs from vLLM's defaults."""
+        return sampling_keys(self.algorithm)
 
     @property
     def refill_budget(self) -> int:
         """Groups an iteration may draw to replace dropped ones (algorithm.max_refill)."""
-        return math.floor(self.global_batch * self.max_refill + 1e-9)
+        return math.floor(self.train.global_batch * self.algorithm.max_refill + 1e-9)
 
     @property
     def extra_groups(self) -> int:
         """Groups dispatched beyond global_batch per iteration (rollout.oversample)."""
-        return math.ceil(self.global_batch * self.oversample - 1e-9) if self.oversample > 0 else 0
-
-    @classmethod
-    def from_spec(cls, spec: TrainerSpec) -> PipelineConfig:
-        """The pipeline of the trainer's typed sections (the defaults above serve tests only)."""
-        a, t, skew = presets.filled(spec.algorithm, spec.task.max_output_len), spec.train, spec.skewness
-        return cls(
-            mode=a.mode, advantage=a.advantage, group_size=a.group_size, global_batch=t.global_batch,
-            micro_batch=t.micro_batch, world=spec.world, max_staleness=a.max_staleness,
-            max_output_len=spec.task.max_output_len, temperature=a.temperature, grpo_std_norm=a.grpo_std_norm,
-            overlong_buffer=a.overlong_buffer, overlong_penalty=a.overlong_penalty,
-            dynamic_sampling=a.dynamic_sampling, max_refill=a.max_refill,
-            seed=t.seed, dispatch=skew.dispatch, schedule=skew.schedule, long_tail=skew.long_tail,
-            engine_max_seqs=spec.generator.max_num_seqs, reproducible=t.reproducible_sampling,
-            sample_timeout_s=t.stall_after_s, no_generator_s=t.stall_after_s, sampling=sampling_keys(a),
-            oversample=spec.rollout.oversample, partial=spec.rollout.partial,
-        )  # fmt: skip
+        over = self.rollout.oversample
+        return math.ceil(self.train.global_batch * over - 1e-9) if over > 0 else 0
 
     @property
     def ahead(self) -> int:
-        return self.max_staleness if self.mode == "async" else 0
+        return self.algorithm.max_staleness if self.algorithm.mode == "async" else 0
 
     @property
     def bound(self) -> int:
         """The most versions a trained sample's oldest token may lag its batch's policy."""
-        return self.max_staleness if self.partial else self.ahead
-
-
-def sampling_keys(a: AlgorithmConfig) -> dict[str, Any]:
-    """The recipe's sampling keys beyond temperature that differ from "off", as requests carry them."""
-    out: dict[str, Any] = {}
-    if a.top_k > 0:
-        out["top_k"] = a.top_k
-    if a.top_p < 1.0:
-        out["top_p"] = a.top_p
-    if a.min_p > 0.0:
-        out["min_p"] = a.min_p
-    if a.stop:
-        out["stop"] = [str(x) for x in a.stop]
-    return out
+        return self.algorithm.max_staleness if self.rollout.partial else self.ahead
 
 
 class Pipeline(SampleRouting):
@@ -194,7 +183,7 @@ class Pipeline(SampleRouting):
         self.ptl = ptl
         self.recent_lengths: deque[int] = deque(maxlen=4096)  # for Algorithm 2's P90 / P50
         self.priority_base = 0  # LPT priorities of later batches come after earlier ones'
-        self.rng = random.Random(cfg.seed)
+        self.rng = random.Random(cfg.train.seed)
         self._no_generator_since: float | None = None
         self._catch_up_checked = 0.0
         self.evaluator = evaluator
@@ -203,7 +192,7 @@ class Pipeline(SampleRouting):
         # iteration, before its checkpoint; that iteration is then checkpointed and the run stops.
         self.stop_requested = stop_requested
         self.stopping = False
-        if cfg.oversample and cfg.reproducible:
+        if cfg.rollout.oversample and cfg.train.reproducible_sampling:
             raise ValueError(
                 "over-sampling trains the groups that finish first: not with reproducible sampling"
             )
@@ -281,12 +270,13 @@ class Pipeline(SampleRouting):
         held, self.carry = self.carry, []
         # Paused groups take the places of fresh ones (partial rollout); those resumed in a batch drawn
         # already (async) are paid back from the over-sampled share of the next draws.
-        fresh = self.cfg.global_batch + extra - len(held)
-        draw = max(self.cfg.global_batch - len(held), fresh - self.carry_debt)
+        fresh = self.cfg.train.global_batch + extra - len(held)
+        draw = max(self.cfg.train.global_batch - len(held), fresh - self.carry_debt)
         self.carry_debt = max(0, self.carry_debt - (fresh - draw))
         prompts = self.sampler.next_batch(draw)
         batch = Batch(index=j, prompts={}, sampler_state=state)
-        batch.collector = GroupCollector(self.cfg.group_size, lambda key, s, b=batch: self._score(b, key, s))
+        group_size = self.cfg.algorithm.group_size
+        batch.collector = GroupCollector(group_size, lambda key, s, b=batch: self._score(b, key, s))
         # A batch that spans two epochs may draw a prompt twice (the end of one permutation and the
         # start of the next): each draw is a group of its own, under its own request id.
         rids, drawn = [], {}
@@ -298,13 +288,13 @@ class Pipeline(SampleRouting):
         for k, (p, rid) in enumerate(zip(prompts, rids, strict=True)):
             tokens = self.tokenize(p.text)
             batch.prompts[rid] = (p, tokens)
-            req = self._request(rid, tokens, list(range(self.cfg.group_size)), seed_key=draw_key(rid))
+            req = self._request(rid, p, tokens, list(range(group_size)), seed_key=draw_key(rid))
             if placement is not None:
                 req.priority, req.target, req.batch_limit = placement[k]
             requests.append(req)
         batch.n_groups = len(prompts)
-        batch.needed = self.cfg.global_batch
-        if self.cfg.dynamic_sampling:
+        batch.needed = self.cfg.train.global_batch
+        if self.cfg.algorithm.dynamic_sampling:
             budget = self.cfg.refill_budget
             batch.refill = Refill(needed=batch.needed, budget=budget, outstanding=len(prompts))
         batch.order = rids
@@ -330,17 +320,18 @@ class Pipeline(SampleRouting):
         if predicted is not None:
             batch.predicted = dict(zip(rids, predicted, strict=True))
         alive = self.svc.generators()
-        if cfg.dispatch == "least-loaded" and cfg.schedule == "fifo" or not alive:
+        if not alive:
             return None
-        if cfg.dispatch == "skewness-aware" and predicted is not None:
+        if cfg.skewness.dispatch == "skewness-aware" and predicted is not None:
             plan = plan_dispatch(
                 predicted, alive, ptl=self.ptl or default_ptl(), recent_lengths=list(self.recent_lengths),
-                alpha=cfg.long_tail, max_batch=cfg.engine_max_seqs, group=cfg.group_size,
+                alpha=cfg.skewness.long_tail, max_batch=cfg.generator.max_num_seqs,
+                group=cfg.algorithm.group_size,
             )  # fmt: skip
             batch.plan = {"split": list(plan.split), "estimated_s": plan.latency}
         else:
             plan = random_dispatch(len(prompts), alive, self.rng)
-        if cfg.schedule == "lpt" and predicted is not None:
+        if cfg.skewness.schedule == "lpt" and predicted is not None:
             priorities = lpt_priorities(predicted, base=self.priority_base)
         else:
             priorities = [self.priority_base] * len(prompts)  # ties: arrival order
@@ -349,7 +340,7 @@ class Pipeline(SampleRouting):
         # admitted whole and holds its places until its longest sample ends), so that random + FIFO
         # and Algorithm 2 + LPT are compared at equal batch room; without one, LPT's order is moot.
         return [
-            (priorities[k], plan.assignment[k], plan.batch_limit(k) or cfg.engine_max_seqs)
+            (priorities[k], plan.assignment[k], plan.batch_limit(k) or cfg.generator.max_num_seqs)
             for k in range(len(prompts))
         ]
 
@@ -364,10 +355,12 @@ class Pipeline(SampleRouting):
             self._check_generators()
             self._dispatch_due()
         batch = self.batches[i]
-        per_round = self.cfg.micro_batch * self.cfg.world
+        micro = self.cfg.train.micro_batch
+        per_round = micro * self.cfg.world
         train_spans: list[list[float]] = []
         # An estimator that normalises over the whole batch (REINFORCE++) trains after its last group.
-        stream = self.cfg.mode != "baseline" and not estimator(self.cfg.advantage).whiten
+        alg = self.cfg.algorithm
+        stream = alg.mode != "baseline" and not estimator(alg.advantage).whiten
         while True:
             done = batch.done_groups == batch.needed
             if not done and batch.needed < batch.n_groups:
@@ -382,7 +375,7 @@ class Pipeline(SampleRouting):
                 batch.trained += take
                 last = done and not batch.ready
                 t0 = self.clock()
-                mbs = [take[k : k + self.cfg.micro_batch] for k in range(0, len(take), self.cfg.micro_batch)]
+                mbs = [take[k : k + micro] for k in range(0, len(take), micro)]
                 self.driver.round(mbs, last=last)
                 train_spans.append([t0, self.clock()])
                 if last:
@@ -408,14 +401,14 @@ class Pipeline(SampleRouting):
         step_span = [t_step, self.clock()]
         # Every rank takes part in gathering the weights; the transfer runs in the publisher's thread.
         state = self.driver.full_state()
-        if self.cfg.mode == "async":
+        if self.cfg.algorithm.mode == "async":
             state = {k: v.clone() for k, v in state.items()}  # the next step must not change it mid-transfer
         self.transfers.publish(state, self.version)
         self.stopping = self.stop_requested is not None and self.stop_requested() and i + 1 < self.end
         # Saved once the iteration's record is out (see run): a process killed in between must not
         # leave a checkpoint past the last recorded iteration (resumed after it, that record is lost).
         self._checkpoint_due = (i, self._client_state(i), self.stopping)
-        if self.cfg.mode != "async":
+        if self.cfg.algorithm.mode != "async":
             self.transfers.wait()
         end = self.clock()
         return self._record(i, batch, started, end, train_spans, step_span, wait_s, stats)
@@ -456,7 +449,7 @@ class Pipeline(SampleRouting):
         log.info("generators %s joined while none served: the current weights go to them as version %d",
                  waiting, self.version)  # fmt: skip
         state = self.driver.full_state()
-        if self.cfg.mode == "async":
+        if self.cfg.algorithm.mode == "async":
             state = {k: v.clone() for k, v in state.items()}
         self.transfers.publish(state, self.version)
 
@@ -479,7 +472,8 @@ class Pipeline(SampleRouting):
         step_span: list[float], wait_s: float, stats: dict[str, Any],
     ) -> dict[str, Any]:  # fmt: skip
         rec = iteration_record(
-            i, batch, mode=self.cfg.mode, overlong=bool(self.cfg.overlong_buffer), version=self.version,
+            i, batch, mode=self.cfg.algorithm.mode, overlong=bool(self.cfg.algorithm.overlong_buffer),
+            version=self.version,
             policy=i + self.offset,  # the batch's policy version (self.version is the step's already)
             gen_spans=self.gen_spans, sync_spans=self.transfers.spans, discarded_tokens=self.discarded_tokens,
             ranker=self.ranker, started=started, end=end, train_spans=train_spans, step_span=step_span,

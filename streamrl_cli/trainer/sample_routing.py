@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from streamrl_cli.agent.trajectory import FAILURES
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.trainer.algorithms import batch_whiten, estimator, informative, overlong_penalty
 from streamrl_cli.trainer.batch import GroupCollector, Rollout
@@ -34,6 +35,7 @@ from streamrl_cli.trainer.seeds import sample_seed
 from streamrl_cli.transport.wire import Request, Sample
 
 if TYPE_CHECKING:
+    from streamrl_cli.recipe.schema import AgentConfig
     from streamrl_cli.trainer.collaborators import PromptSource, SampleService
     from streamrl_cli.trainer.evaluation import Evaluator
     from streamrl_cli.trainer.pipeline import PipelineConfig
@@ -128,18 +130,21 @@ class SampleRouting:
         self.resumes = 0  # request ids of resumed samples: "<group>#p<n>"
 
     def _request(
-        self, rid: str, tokens: list[int], indices: list[int], *, group: str = "", seed_key: str = ""
-    ) -> Request:
+        self, rid: str, prompt: Prompt, tokens: list[int], indices: list[int], *, group: str = "",
+        seed_key: str = "",
+    ) -> Request:  # fmt: skip
         sampling: dict[str, Any] = {
-            "temperature": self.cfg.temperature,
-            "max_tokens": self.cfg.max_output_len,
+            "temperature": self.cfg.algorithm.temperature,
+            "max_tokens": self.cfg.task.max_output_len,
             **self.cfg.sampling,
         }
-        if self.cfg.reproducible:
-            sampling["seed"] = sample_seed(self.cfg.seed, seed_key, indices[0])
+        if self.cfg.train.reproducible_sampling:
+            sampling["seed"] = sample_seed(self.cfg.train.seed, seed_key, indices[0])
+        # A multi-turn task's environment starts from the prompt's row, on the generator.
+        env = {**prompt.columns, "prompt": prompt.text} if self.cfg.agent.enabled else {}
         return Request(
             prompt_id=rid, prompt_token_ids=tokens, sample_indices=indices, group_id=group or rid,
-            sampling=sampling,
+            sampling=sampling, env=env,
         )  # fmt: skip
 
     # ---- samples ----
@@ -179,7 +184,9 @@ class SampleRouting:
             rid = str(RequestId.parse(group).retried(batch.retries))
             batch.prompts[rid] = batch.prompts[group]
             prompt, tokens = batch.prompts[group]
-            retry = self._request(rid, tokens, [sample.sample_index], group=group, seed_key=draw_key(group))
+            retry = self._request(
+                rid, prompt, tokens, [sample.sample_index], group=group, seed_key=draw_key(group)
+            )
             self.svc.submit([retry])
             return
         now = batch.last_sample_at = self.clock()
@@ -199,7 +206,7 @@ class SampleRouting:
         finished = bool(group) or key in batch.dropped  # the group is whole (trained, or dropped)
         if finished:
             batch.carried.pop(key, None)
-        if not self.cfg.reproducible:
+        if not self.cfg.train.reproducible_sampling:
             batch.ready += group
         elif finished:
             # The same micro-batches, summed in the same order, run after run: the gradients, hence
@@ -212,11 +219,11 @@ class SampleRouting:
             self._refill(batch)
         if batch.done_groups == batch.needed:
             self.gen_spans.append([batch.dispatched_at, batch.generated_at])
-            if estimator(self.cfg.advantage).whiten:
+            if estimator(self.cfg.algorithm.advantage).whiten:
                 self._whiten(batch)
             if batch.needed < batch.n_groups and _unfinished(batch):
                 # The last iteration's extra groups have no next batch to go on in: aborted.
-                if self.cfg.partial and batch.index + 1 < self.end:
+                if self.cfg.rollout.partial and batch.index + 1 < self.end:
                     self._pause_rest(batch)
                 else:
                     self._abort_rest(batch)
@@ -235,7 +242,7 @@ class SampleRouting:
             log.warning(
                 "iteration %d: only %d of %d groups had rewards that differ after drawing %d more "
                 "(algorithm.max_refill=%g); it trains on %s",
-                batch.index, r.kept, r.needed, r.drawn, self.cfg.max_refill,
+                batch.index, r.kept, r.needed, r.drawn, self.cfg.algorithm.max_refill,
                 f"{r.kept} groups" if r.kept else "the dropped groups (no group had a reward spread)",
             )  # fmt: skip
             if not r.kept:  # nothing informative at all: the dropped groups, rather than an empty batch
@@ -256,7 +263,8 @@ class SampleRouting:
             tokens = self.tokenize(p.text)
             batch.prompts[rid] = (p, tokens)
             batch.order.append(rid)
-            req = self._request(rid, tokens, list(range(self.cfg.group_size)), seed_key=draw_key(rid))
+            indices = list(range(self.cfg.algorithm.group_size))
+            req = self._request(rid, p, tokens, indices, seed_key=draw_key(rid))
             req.priority = -1
             requests.append(req)
         batch.n_groups += len(prompts)
@@ -268,7 +276,7 @@ class SampleRouting:
         import torch
 
         rows = batch.ready
-        lengths = torch.tensor([float(r.response_len) if r.scored else 0.0 for r in rows])
+        lengths = torch.tensor([float(r.trained_tokens) if r.scored else 0.0 for r in rows])
         adv = batch_whiten(torch.tensor([r.advantage for r in rows]), lengths)
         for r, a in zip(rows, adv.tolist(), strict=True):
             r.advantage = a
@@ -309,7 +317,7 @@ class SampleRouting:
             c.batch = None
             c.have.update(batch.collector.take(rid))
             ids = _request_ids(batch, rid)
-            c.inflight = set(range(self.cfg.group_size)) - set(c.have)
+            c.inflight = set(range(self.cfg.algorithm.group_size)) - set(c.have)
             c.ids += ids
             self.pausing.update(dict.fromkeys(ids, c))
             groups.append(c)
@@ -364,14 +372,16 @@ class SampleRouting:
             self._accept(batch, msgspec.structs.replace(c.have.pop(i), group_id=c.key))
             return
         prefix = c.prefix[i]
-        if batch.index + self.offset - prefix.weight_version > self.cfg.bound:
+        # A trajectory starts over: its environment's state went with the episode that was paused.
+        restart = bool(prefix.loss_mask) or prefix.episode is not None
+        if restart or batch.index + self.offset - prefix.weight_version > self.cfg.bound:
             self.discarded_tokens += len(prefix.token_ids)
             prefix = msgspec.structs.replace(prefix, token_ids=[], logprobs=[], token_versions=[])
         self.resumes += 1
         rid = str(RequestId.parse(c.key).resumed(self.resumes))
         batch.prompts[rid] = (c.prompt, c.tokens)
-        req = self._request(rid, c.tokens + list(prefix.token_ids), [i], group=c.key)
-        req.sampling["max_tokens"] = self.cfg.max_output_len - len(prefix.token_ids)
+        req = self._request(rid, c.prompt, c.tokens + list(prefix.token_ids), [i], group=c.key)
+        req.sampling["max_tokens"] = self.cfg.task.max_output_len - len(prefix.token_ids)
         req.priority = -1  # admitted before any fresh request: begun earlier, it is likely the longest
         if not prefix.token_ids:
             del c.prefix[i]  # nothing to join: an ordinary sample from the start
@@ -388,25 +398,25 @@ class SampleRouting:
             len(s.token_ids) for s in sorted(samples, key=lambda x: x.sample_index)
         ]
         texts = [self.detokenize(s.token_ids) for s in samples]
-        scores = self.task.reward([prompt] * len(samples), texts)
+        scores = trajectory_rewards(self.cfg.agent, self.task, [prompt] * len(samples), samples, texts)
         import torch
 
         # None ("cannot score"): the sample is not learnt from (masked out of the loss), and the
         # group's advantages are over the samples that were scored.
         scored = [k for k, r in enumerate(scores) if r is not None]
         rewards = [float(r) if r is not None else 0.0 for r in scores]
-        c = self.cfg
+        alg, max_len = self.cfg.algorithm, self.cfg.task.max_output_len
         shaping = [  # DAPO's overlong penalty: part of the reward the loss sees, not of reward_mean
-            overlong_penalty(len(s.token_ids), c.max_output_len, c.overlong_buffer, c.overlong_penalty)
+            overlong_penalty(len(s.token_ids), max_len, alg.overlong_buffer, alg.overlong_penalty)
             if sc is not None
             else 0.0
             for s, sc in zip(samples, scores, strict=True)
         ]
         trained = [rewards[k] + shaping[k] for k in scored]
         adv = [0.0] * len(rewards)
-        group_fn = estimator(c.advantage).group
+        group_fn = estimator(alg.advantage).group
         if group_fn is not None and scored:
-            for k, a in zip(scored, group_fn(torch.tensor(trained), c.grpo_std_norm).tolist(), strict=True):
+            for k, a in zip(scored, group_fn(torch.tensor(trained), alg.grpo_std_norm).tolist(), strict=True):
                 adv[k] = a
         rollouts = [
             Rollout(prompt_tokens=tokens, sample=s, reward=r, advantage=a, scored=sc is not None, shaping=sh)
@@ -419,6 +429,33 @@ class SampleRouting:
                 return []
         batch.done_groups += 1
         return rollouts
+
+
+def trajectory_rewards(
+    agent: AgentConfig, task: Task, prompts: list[Prompt], samples: list[Sample], texts: list[str]
+) -> list[float | None]:
+    """A group's rewards: the task's on each completion, or for multi-turn trajectories what
+    ``agent.reward`` says (the environment's, the task's on the whole conversation, their sum); a
+    trajectory whose environment failed is unscored (not learnt from) with ``agent.on_failure=drop``."""
+    if not agent.enabled:
+        return task.reward(prompts, texts)
+    env = [s.episode.env_reward if s.episode is not None else 0.0 for s in samples]
+    scores: list[float | None]
+    if agent.reward == "env":
+        scores = list(env)
+    else:
+        on_text = task.reward(prompts, texts)
+        scores = on_text if agent.reward == "task" else [
+            None if t is None else t + e for t, e in zip(on_text, env, strict=True)
+        ]  # fmt: skip
+    if agent.on_failure == "drop":
+        scores = [None if failed(s) else r for s, r in zip(samples, scores, strict=True)]
+    return scores
+
+
+def failed(sample: Sample) -> bool:
+    """A trajectory whose environment raised, timed out or died."""
+    return sample.episode is not None and sample.episode.stop in FAILURES
 
 
 def draw_key(group: str) -> str:

@@ -1,8 +1,28 @@
-"""Per-request sampling seeds (train.reproducible_sampling, and every evaluation request)."""
+"""What a request's sampling carries besides temperature: the recipe's other sampling keys, and
+per-request seeds (train.reproducible_sampling, and every evaluation request)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import xxhash
+
+if TYPE_CHECKING:
+    from streamrl_cli.recipe.schema import AlgorithmConfig
+
+
+def sampling_keys(a: AlgorithmConfig) -> dict[str, Any]:
+    """The recipe's sampling keys beyond temperature that differ from "off", as requests carry them."""
+    out: dict[str, Any] = {}
+    if a.top_k > 0:
+        out["top_k"] = a.top_k
+    if a.top_p < 1.0:
+        out["top_p"] = a.top_p
+    if a.min_p > 0.0:
+        out["min_p"] = a.min_p
+    if a.stop:
+        out["stop"] = [str(x) for x in a.stop]
+    return out
 
 
 def sample_seed(seed: int, prompt_id: str, index: int) -> int:

@@ -24,7 +24,8 @@ Assignments = Mapping[str, Sequence[Request]]  # generator member id -> requests
 
 @dataclass(kw_only=True)
 class StreamConfig:
-    """How samples travel; the same section configures both ends."""
+    """How samples travel; the same object configures both ends. Not a recipe section (#27): no
+    recipe key sets these, both roles run the defaults below (tests and benchmarks set their own)."""
 
     type: str = "zmq"  # transport implementation (see TRANSPORTS)
     bind: str = "tcp://0.0.0.0:0"  # receiver's listen address; port 0 picks a free one

@@ -39,6 +39,21 @@ PROTOCOL = 2  # 2: one frame per message
 MAX_MESSAGE = 64 << 20
 
 
+class Episode(msgspec.Struct, kw_only=True):
+    """One trajectory's record (streamrl_cli.generator.multiturn.episode_record): metrics and status."""
+
+    turns: int = 0  # model turns
+    turns_cut: int = 0  # model turns cut at agent.max_turn_tokens
+    tool_calls: int = 0
+    tool_errors: int = 0  # calls that could not be parsed, named no tool, or raised
+    env_reward: float = 0.0  # sum of the environment's step rewards
+    env_s: float = 0.0  # seconds in the environment's reset and steps
+    stop: str = ""  # why it ended: done, max_turns, max_tokens, env_error, env_timeout, env_died, abort
+    error: str = ""  # the environment's failure, if any
+    model_tokens: int = 0
+    env_tokens: int = 0
+
+
 class Sample(msgspec.Struct, array_like=True, kw_only=True):
     """One finished completion, as the trainer needs it (PPO/GRPO with IS correction)."""
 
@@ -57,6 +72,11 @@ class Sample(msgspec.Struct, array_like=True, kw_only=True):
     # they differ (a sample paused at an iteration's close and resumed under newer weights); empty:
     # every token is of `weight_version`. Then `weight_version` is the oldest token's.
     token_versions: list[int] = []
+    # A multi-turn trajectory (appended likewise): 1 per token the model sampled, 0 per token the
+    # environment added (observations, tool answers, the chat template's turn markers around them:
+    # in the context, out of the loss, the KL and the importance ratios); empty: all the model's.
+    loss_mask: list[int] = []
+    episode: Episode | None = None  # what happened in it (turns, tool calls, why it ended)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -82,6 +102,9 @@ class Request(msgspec.Struct, array_like=True, kw_only=True):
     # With `cancel`: send back what was generated so far (each sample's tokens, finish_reason
     # "abort") instead of dropping it: partial rollout pauses the group to resume it later.
     keep: bool = False
+    # A multi-turn task: the row its environment starts from (the prompt's dataset columns and
+    # "prompt", its text), for the environment's reset on the generator; {} for single-turn tasks.
+    env: dict[str, Any] = {}
 
 
 class Hello(msgspec.Struct, array_like=True):

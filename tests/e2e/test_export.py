@@ -8,13 +8,14 @@ import random
 
 import pytest
 import torch
+from support.configs import optim_config
 
 from streamrl_cli.models.tiny import TinySpec, build_tiny_model
 from streamrl_cli.recipe.schema import AlgorithmConfig
 from streamrl_cli.trainer.batch import Rollout, collate
 from streamrl_cli.trainer.checkpoint import save_engines
 from streamrl_cli.trainer.export import MARKER, ExportError, export_checkpoint
-from streamrl_cli.trainer.learner import Learner, LossConfig, OptimConfig, init_distributed, open_group_store
+from streamrl_cli.trainer.learner import Learner, LossConfig, init_distributed, open_group_store
 from streamrl_cli.trainer.models import policy_forward
 from streamrl_cli.transport.wire import Sample
 
@@ -50,7 +51,7 @@ def test_an_exported_checkpoint_gives_the_trainers_logprobs(models, tmp_path, st
 
     base = models[kind]
     cfg = LossConfig.from_recipe(AlgorithmConfig(name="grpo", kl_mode="none", is_correction="off"), 16)
-    learner = Learner(base, cfg, OptimConfig(zero_stage=stage, lr=0.05), torch.device("cpu"), torch.float32)
+    learner = Learner(base, cfg, optim_config(zero_stage=stage, lr=0.05), torch.device("cpu"), torch.float32)
     learner.micro_step(collate(rollouts(6, seed=stage)), last=True)
     learner.step()  # the weights move away from the base model's
     batch = collate(rollouts(5, seed=100 + stage))

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from support.configs import optim_config
 
 from streamrl_cli.models.tiny import build_tiny_model
 from streamrl_cli.recipe.schema import AlgorithmConfig
@@ -22,7 +23,6 @@ from streamrl_cli.trainer.batch import Rollout, collate
 from streamrl_cli.trainer.learner import (
     Learner,
     LossConfig,
-    OptimConfig,
     init_distributed,
     leave_group,
     open_group_store,
@@ -70,16 +70,17 @@ def reference_grads(path: str, cfg: LossConfig, rows: list[Rollout]) -> dict[str
     ref = load_reference(path, torch.float32, torch.device("cpu"))
     mb = collate(rows)
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
-    logp = L.token_logprobs(logits, mb.targets, cfg.temperature)
+    a = cfg.algorithm
+    logp = L.token_logprobs(logits, mb.targets, a.temperature)
     with torch.no_grad():
         ref_logits = ref(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
-        ref_logp = L.token_logprobs(ref_logits, mb.targets, cfg.temperature)
+        ref_logp = L.token_logprobs(ref_logits, mb.targets, a.temperature)
     adv = mb.advantages[:, None] * mb.mask
-    isw = L.importance_weights(logp.detach(), mb.behaviour_logp, mb.mask, cfg.is_cap)
-    pg, _ = L.policy_loss(logp, logp.detach(), adv, mb.mask, cfg.clip_low, cfg.clip_high, isw)
-    per_token = pg + cfg.kl_coef * L.kl_estimate(logp, ref_logp, cfg.kl_estimator)
-    per_token = per_token - cfg.entropy_coef * L.entropy_from_logits(logits / cfg.temperature)
-    num, units = L.aggregate(per_token, mb.mask, cfg.loss_agg, cfg.max_len)
+    isw = L.importance_weights(logp.detach(), mb.behaviour_logp, mb.mask, a.is_cap)
+    pg, _ = L.policy_loss(logp, logp.detach(), adv, mb.mask, a.clip_ratio, a.clip_ratio_high, isw)
+    per_token = pg + a.kl_coef * L.kl_estimate(logp, ref_logp, a.kl_estimator)
+    per_token = per_token - a.entropy_coef * L.entropy_from_logits(logits / a.temperature)
+    num, units = L.aggregate(per_token, mb.mask, a.loss_agg, cfg.max_len)
     (num / units).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -95,7 +96,7 @@ def test_streamed_micro_batches_give_the_whole_batch_gradient(model_dir, agg, st
     rows = rollouts(12, seed=stage)
     expected = reference_grads(model_dir, cfg, rows)
     learner = Learner(
-        model_dir, cfg, OptimConfig(zero_stage=stage, lr=0.0), torch.device("cpu"), torch.float32
+        model_dir, cfg, optim_config(zero_stage=stage, lr=0.0), torch.device("cpu"), torch.float32
     )
     chunks = [rows[0:5], rows[5:6], rows[6:12]]  # uneven, as samples happen to arrive
     for k, chunk in enumerate(chunks):
@@ -122,7 +123,7 @@ def _rank_main(rank: int, address: str, path: str, out: str) -> None:
 
     init_distributed(rank, 2, address, "gloo")
     torch.set_num_threads(1)
-    learner = Learner(path, CFG, OptimConfig(zero_stage=2, lr=0.0), torch.device("cpu"), torch.float32)
+    learner = Learner(path, CFG, optim_config(zero_stage=2, lr=0.0), torch.device("cpu"), torch.float32)
     if rank:
         follow(learner, rank)
     else:
@@ -156,8 +157,8 @@ def test_two_data_parallel_ranks_give_the_whole_batch_gradient(model_dir, tmp_pa
 
 def test_ppo_trains_actor_and_critic(model_dir):
     cfg = loss_config(name="ppo", kl_mode="penalty", kl_estimator="k1", kl_coef=0.01, is_correction="off")
-    learner = Learner(model_dir, cfg, OptimConfig(zero_stage=1, lr=1e-2, critic_lr=1e-2), torch.device("cpu"),
-                      torch.float32)  # fmt: skip
+    opt = optim_config(zero_stage=1, lr=1e-2, critic_lr=1e-2)
+    learner = Learner(model_dir, cfg, opt, torch.device("cpu"), torch.float32)
     head = learner.critic.module.head.weight.detach().clone()
     actor = {n: p.detach().clone() for n, p in learner.actor.module.named_parameters()}
     rows = rollouts(8, seed=3, group=1)
@@ -172,10 +173,10 @@ def test_ppo_trains_actor_and_critic(model_dir):
 
 def test_a_zero_kl_coefficient_loads_no_reference_and_keeps_the_gradient(model_dir):
     cfg = loss_config(kl_coef=0.0, is_correction="on")
-    assert cfg.kl_mode == "none"  # whatever algorithm.kl_mode says: the term is zero
+    assert cfg.algorithm.kl_mode == "loss" and not cfg.kl  # whatever kl_mode says: the term is zero
     rows = rollouts(8, seed=11)
     expected = reference_grads(model_dir, cfg, rows)  # with a reference, its term times 0
-    learner = Learner(model_dir, cfg, OptimConfig(zero_stage=1, lr=0.0), torch.device("cpu"), torch.float32)
+    learner = Learner(model_dir, cfg, optim_config(zero_stage=1, lr=0.0), torch.device("cpu"), torch.float32)
     assert learner.ref is None  # no frozen copy held, no extra forward per micro-batch
     learner.micro_step(collate(rows), last=True)
     learner.finish_gradients()
@@ -230,7 +231,6 @@ def test_packed_forwards_give_each_rows_own_logprobs_entropy_and_values(model_di
         torch.testing.assert_close(
             policy_forward(plain, mb, sampling)[0], logp.detach(), atol=1e-5, rtol=1e-5
         )
-
 
 
 def trl_reference_steps(path: str, batches: list[list[Rollout]], *, lr: float, clip: float, max_norm: float):
@@ -298,6 +298,7 @@ def test_two_optimizer_steps_equal_plain_adamw_on_trls_grpo_loss(model_dir, stag
     lr = 1e-3
     batches = [grpo_rows(12, seed=21), grpo_rows(12, seed=22)]
     expected, grads = trl_reference_steps(model_dir, batches, lr=lr, clip=0.2, max_norm=max_norm or 1e9)
+
     def clear(g: dict, n: str) -> torch.Tensor:
         return (g[n].abs() >= 1e-4 * max(v.abs().max() for v in g.values())) | (g[n] == 0)
 
@@ -305,7 +306,7 @@ def test_two_optimizer_steps_equal_plain_adamw_on_trls_grpo_loss(model_dir, stag
     elements = sum(m.numel() for m in resolved.values())
     assert sum(int(m.sum()) for m in resolved.values()) > 0.97 * elements
     cfg = loss_config(name="grpo", loss_agg="token-mean", kl_coef=0.0, is_correction="off")
-    opt = OptimConfig(zero_stage=stage, lr=lr, max_grad_norm=max_norm)
+    opt = optim_config(zero_stage=stage, lr=lr, max_grad_norm=max_norm)
     learner = Learner(model_dir, cfg, opt, torch.device("cpu"), torch.float32)
     start = {n: p.detach().clone() for n, p in load_policy(model_dir, torch.float32).named_parameters()}
     for step, (rows, want) in enumerate(zip(batches, expected, strict=True)):

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from support.configs import optim_config
 
 from streamrl_cli.models.tiny import build_tiny_model
 from streamrl_cli.recipe.schema import AlgorithmConfig, LoraConfig
@@ -16,7 +17,7 @@ from streamrl_cli.trainer import lora as lora_
 from streamrl_cli.trainer.batch import Rollout, collate
 from streamrl_cli.trainer.checkpoint import CheckpointMismatch, load_engines, save_engines
 from streamrl_cli.trainer.export import ExportError, export_checkpoint
-from streamrl_cli.trainer.learner import Learner, LossConfig, OptimConfig, init_distributed, open_group_store
+from streamrl_cli.trainer.learner import Learner, LossConfig, init_distributed, open_group_store
 from streamrl_cli.trainer.models import load_policy, policy_forward
 from streamrl_cli.transport.wire import Sample
 
@@ -47,7 +48,7 @@ def rollouts(n: int, seed: int) -> list[Rollout]:
 
 
 def learner(path: str, stage: int, lora: LoraConfig | None = LORA) -> Learner:
-    opt = OptimConfig(zero_stage=stage, lr=0.05)
+    opt = optim_config(zero_stage=stage, lr=0.05)
     return Learner(path, CFG, opt, torch.device("cpu"), torch.float32, lora=lora)
 
 

@@ -9,7 +9,7 @@ import pytest
 from support.rendezvous import start_rendezvous
 
 from streamrl_cli.elastic.control import ElasticController
-from streamrl_cli.elastic.policy import ElasticConfig
+from streamrl_cli.recipe.schema import ElasticConfig
 from streamrl_cli.rendezvous import RendezvousClient, create_secret
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from streamrl_cli.elastic.policy import ADD, HOLD, RELEASE, ElasticConfig, ElasticPolicy, Observation
+from streamrl_cli.elastic.policy import ADD, HOLD, RELEASE, ElasticPolicy, Observation, problems
 from streamrl_cli.errors import StreamRLError
+from streamrl_cli.recipe.schema import ElasticConfig
 
 
 def obs(i: int, n: int, t_gen: float, t_train: float, idle: float = 0.0) -> Observation:
@@ -147,13 +148,16 @@ def test_growing_outputs_grow_then_shrinking_ones_release() -> None:
 )
 def test_bad_config_names_the_key(kw: dict, key: str) -> None:
     cfg = ElasticConfig(**kw)
-    assert [k for k, _ in cfg.problems()] == [key]
+    assert [k for k, _ in problems(cfg)] == [key]
     with pytest.raises(StreamRLError, match=f"elastic.{key}"):
         ElasticPolicy(config=cfg)
 
 
-def test_from_dict_takes_the_recipe_section() -> None:
-    cfg = ElasticConfig.from_dict(
-        {"enabled": True, "min": 1, "max": 3, "patience": 4, "cooldown": 0, "idle_release": 0.3}
-    )
-    assert cfg == ElasticConfig(enabled=True, min=1, max=3, patience=4, cooldown=0, idle_release=0.3)
+def test_the_policy_takes_the_recipe_section_as_loaded() -> None:
+    from streamrl_cli.recipe.load import load
+
+    keys = {"enabled": "true", "max": 3, "patience": 4, "cooldown": 0, "idle_release": 0.3}
+    r = load("local", [f"roles.generator.elastic.{k}={v}" for k, v in keys.items()]).recipe
+    section = r.roles.generator.elastic
+    assert section == ElasticConfig(enabled=True, min=1, max=3, patience=4, cooldown=0, idle_release=0.3)
+    assert ElasticPolicy(config=section).config is section  # no copy with defaults of its own

@@ -128,9 +128,11 @@ def test_the_trainer_reads_the_resolved_algorithm(tmp_path):
     (tmp_path / "trainer.yaml").write_text(spec_yaml(plan.role_specs(r, tmp_path)["trainer"]))
     spec = load_spec(tmp_path / "trainer.yaml")  # what the trainer process parses back
     loss = LossConfig.from_recipe(spec.algorithm, spec.task.max_output_len)
-    assert (loss.advantage, loss.policy_loss, loss.clip_low, loss.clip_high) == ("grpo", "clip", 0.2, 0.28)
-    assert (loss.kl_mode, loss.is_mask, loss.critic) == ("none", "token", False)
+    a = loss.algorithm
+    assert (a.advantage, a.policy_loss, a.clip_ratio, a.clip_ratio_high) == ("grpo", "clip", 0.2, 0.28)
+    assert (loss.kl, a.is_mask, loss.critic) == (False, "token", False)  # DAPO: kl_coef 0, no KL term
     pipe = PipelineConfig.from_spec(spec)
-    assert (pipe.dynamic_sampling, pipe.refill_budget, pipe.overlong_buffer) == (True, 4, 12)  # batch 8
+    a = pipe.algorithm
+    assert (a.dynamic_sampling, pipe.refill_budget, a.overlong_buffer) == (True, 4, 12)  # batch 8
     assert workload_from_recipe(r).algorithm == "dapo"
     assert workload_from_recipe(load("local", ["algorithm=ppo"]).recipe).algorithm == "ppo"

@@ -15,13 +15,14 @@ import math
 from collections import deque
 
 import pytest
+from support.configs import pipeline_config
 from support.helpers import Clock
 
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.tasks.sampler import PromptSampler
 from streamrl_cli.trainer.batch import collate
 from streamrl_cli.trainer.dynamic_sampling import Refill
-from streamrl_cli.trainer.pipeline import Pipeline, PipelineConfig
+from streamrl_cli.trainer.pipeline import Pipeline
 from streamrl_cli.transport.wire import Sample
 
 # --- the bookkeeping alone ------------------------------------------------------------------------
@@ -143,7 +144,8 @@ def run(flat: set[int], iterations: int = 1, **kw):
     """(records, trained rollouts per iteration, generators) of a run of 4 groups of 2 per iteration."""
     gens = Generators()
     driver, records = Driver(gens), []
-    cfg = PipelineConfig(**{"group_size": 2, "global_batch": 4, "micro_batch": 2, **kw})
+    base = {"group_size": 2, "global_batch": 4, "micro_batch": 2, "max_output_len": 64}
+    cfg = pipeline_config(**{**base, "reproducible_sampling": False, **kw})
     task = Flat(64, flat)
     pipe = Pipeline(
         cfg, task=task, sampler=PromptSampler(task.prompts(), 4, shuffle=False), tokenize=lambda t: [5, 6],
@@ -209,7 +211,7 @@ def test_with_no_informative_group_at_all_the_dropped_ones_are_trained_loudly(ca
 
 
 def test_dynamic_sampling_keeps_the_batch_order_of_reproducible_runs():
-    records, trained, _ = run(flat={1}, dynamic_sampling=True, reproducible=True)
+    records, trained, _ = run(flat={1}, dynamic_sampling=True, reproducible_sampling=True)
     assert groups(trained[0]) == ["it0/c/0", "it0/c/2", "it0/c/3", "it0/c/4"]
     assert records[0]["dynamic_sampling/dropped_groups"] == 1
 

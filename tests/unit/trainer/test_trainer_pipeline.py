@@ -12,12 +12,20 @@ import threading
 from collections import deque
 
 import pytest
+from support.configs import pipeline_config
 from support.helpers import Clock
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.trainer.pipeline import Pipeline, PipelineConfig, Stopped, sample_seed
 from streamrl_cli.transport.wire import Sample
+
+
+def config(**keys) -> PipelineConfig:
+    """The runs here: groups of 2, 4 prompts per iteration, micro-batches of 2, outputs of at most 64
+    tokens, groups trained as they finish (reproducible_sampling off); a test's own keys on top."""
+    base = {"group_size": 2, "global_batch": 4, "micro_batch": 2, "max_output_len": 64}
+    return pipeline_config(**{**base, "reproducible_sampling": False, **keys})
 
 
 class CountTask(Task):
@@ -141,7 +149,7 @@ def make(mode: str, iterations: int = 4, stale_first: int = 0, **kw):
     gens = Generators(events, stale_first)
     driver = Driver(events)
     records: list = []
-    cfg = PipelineConfig(mode=mode, group_size=2, global_batch=4, micro_batch=2, **kw)
+    cfg = config(mode=mode, **kw)
     task = CountTask(64)
     pipe = Pipeline(
         cfg, task=task, sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],
@@ -227,7 +235,7 @@ def test_generation_time_ends_when_generators_finished_not_when_the_trainer_read
             super().round(micro_batches, last=last)
 
     gens, records = Finished(events), []
-    cfg = PipelineConfig(mode="sync-stream", group_size=2, global_batch=4, micro_batch=2)
+    cfg = config(mode="sync-stream")
     task = CountTask(64)
     pipe = Pipeline(
         cfg, task=task, sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],
@@ -270,7 +278,7 @@ def tail_run(gens: Tail, mode: str, iterations: int, **kw):
     from streamrl_cli.tasks.sampler import PromptSampler
 
     driver, records, checkpoints = Driver(gens.events), [], []
-    cfg = PipelineConfig(mode=mode, group_size=2, global_batch=4, micro_batch=2, oversample=0.5, **kw)
+    cfg = config(mode=mode, oversample=0.5, **kw)
     task = CountTask(64)
     pipe = Pipeline(
         cfg, task=task, sampler=PromptSampler(task.prompts(), 4, shuffle=False), tokenize=lambda t: [5, 6],
@@ -318,7 +326,7 @@ def test_oversampling_in_async_mode_saves_the_handed_back_prompts_with_the_next_
 
 def test_oversampling_is_refused_with_reproducible_sampling():
     with pytest.raises(ValueError, match="reproducible"):
-        oversampled_cfg = PipelineConfig(global_batch=4, oversample=0.5, reproducible=True)
+        oversampled_cfg = config(oversample=0.5, reproducible_sampling=True)
         Pipeline(oversampled_cfg, task=CountTask(4), sampler=None, tokenize=None, detokenize=None, svc=None,
                  driver=None, publisher=None, on_record=None)  # fmt: skip
 
@@ -351,8 +359,7 @@ def test_skewness_settings_reach_the_requests_and_the_ranker_learns(dispatch, sc
     gens = PlacingGenerators(events)
     ranker = LengthRanker()
     records: list = []
-    cfg = PipelineConfig(mode="sync-stream", group_size=2, global_batch=4, micro_batch=2, dispatch=dispatch,
-                         schedule=schedule)  # fmt: skip
+    cfg = config(mode="sync-stream", dispatch=dispatch, schedule=schedule)
     task = CountTask(64)
     pipe = Pipeline(
         cfg, task=task, sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],
@@ -372,7 +379,7 @@ def test_skewness_settings_reach_the_requests_and_the_ranker_learns(dispatch, sc
     else:
         assert {r.priority for r in first} == {0}
         # random + FIFO runs under the same bound as Algorithm 2 may use: the engines' max_num_seqs
-        assert {r.batch_limit for r in gens.requests} == {cfg.engine_max_seqs}
+        assert {r.batch_limit for r in gens.requests} == {cfg.generator.max_num_seqs}
     assert len(ranker.updates) == 2 and ranker.updates[0][0] == 4  # one update per iteration
     # sample i has i + 1 tokens: the group's time is its longest sample's, 2, not the mean 1.5
     assert ranker.updates[0][1] == [2, 2, 2, 2]
@@ -384,8 +391,7 @@ def test_skewness_settings_reach_the_requests_and_the_ranker_learns(dispatch, sc
 def test_reproducible_sampling_seeds_each_sample_from_the_prompt(reproducible):
     events: list = []
     gens = PlacingGenerators(events)
-    cfg = PipelineConfig(mode="baseline", group_size=2, global_batch=4, micro_batch=2, dispatch="random",
-                         seed=3, reproducible=reproducible)  # fmt: skip
+    cfg = config(mode="baseline", dispatch="random", seed=3, reproducible_sampling=reproducible)
     task = CountTask(4)  # 4 prompts: iteration 1 draws the same ones again
     pipe = Pipeline(
         cfg, task=task, sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],
@@ -417,8 +423,7 @@ def test_algorithm_2_uses_the_given_ptl_curve():
 
     events: list = []
     gens = PlacingGenerators(events)
-    cfg = PipelineConfig(mode="sync-stream", group_size=2, global_batch=4, micro_batch=2,
-                         dispatch="skewness-aware", schedule="lpt")  # fmt: skip
+    cfg = config(mode="sync-stream", dispatch="skewness-aware", schedule="lpt")
     task = CountTask(64)
     pipe = Pipeline(
         cfg, task=task, sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],
@@ -469,7 +474,7 @@ class VanishingGenerators(Generators):
 def test_the_trainer_ends_the_run_with_the_reason_when_no_generator_is_left():
     events: list = []
     gens = VanishingGenerators(events, left=10)  # iteration 0 (8 samples) and part of iteration 1
-    cfg = PipelineConfig(group_size=2, global_batch=4, micro_batch=2, no_generator_s=0.5)
+    cfg = config(no_generator_s=0.5)
     task = CountTask(64)
     pipe = Pipeline(
         cfg, task=task, sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],
@@ -504,7 +509,7 @@ def test_unscored_samples_are_not_learnt_from_and_are_counted():
     gens = Generators(events)
     driver = Driver(events)
     records: list = []
-    cfg = PipelineConfig(mode="sync-stream", group_size=3, global_batch=2, micro_batch=2)
+    cfg = config(mode="sync-stream", group_size=3, global_batch=2)
     task = HalfScoredTask(8)
     pipe = Pipeline(
         cfg, task=task, sampler=ListSampler(task.prompts(), 2), tokenize=lambda t: [5, 6],
@@ -523,6 +528,7 @@ def test_unscored_samples_are_not_learnt_from_and_are_counted():
 
 
 def test_evaluation_runs_between_iterations_and_at_the_end_without_being_trained_on():
+    from streamrl_cli.recipe.schema import AlgorithmConfig, TaskConfig
     from streamrl_cli.trainer.evaluation import EvalConfig, Evaluator
 
     events: list = []
@@ -532,11 +538,15 @@ def test_evaluation_runs_between_iterations_and_at_the_end_without_being_trained
     evals: list = []
     held_out = HalfScoredTask(5)
     clock = Clock()
+    eval_cfg = EvalConfig(
+        task=TaskConfig(eval_every=2, eval_samples=3, eval_temperature=0.0, max_output_len=9),
+        algorithm=AlgorithmConfig(top_p=0.5),
+    )
     evaluator = Evaluator(
-        held_out, EvalConfig(every=2, samples=3, temperature=0.0, max_tokens=9, sampling={"top_p": 0.5}),
-        tokenize=lambda t: [5, 6], detokenize=lambda ids: "x" * len(ids), on_eval=evals.append, clock=clock,
+        held_out, eval_cfg, tokenize=lambda t: [5, 6], detokenize=lambda ids: "x" * len(ids),
+        on_eval=evals.append, clock=clock,
     )  # fmt: skip
-    cfg = PipelineConfig(mode="sync-stream", group_size=2, global_batch=4, micro_batch=2)
+    cfg = config(mode="sync-stream")
     task = CountTask(64)
     pipe = Pipeline(
         cfg, task=task, sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],
@@ -575,7 +585,7 @@ def test_a_stop_asked_mid_run_checkpoints_that_iteration_and_stops_after_it(mode
         asked["now"] = rec["iteration"] == 1  # asked during iteration 2
 
     pipe = Pipeline(
-        PipelineConfig(mode=mode, group_size=2, global_batch=4, micro_batch=2), task=task,
+        config(mode=mode), task=task,
         sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6], detokenize=lambda ids: "x",
         svc=gens, driver=Driver(events), publisher=Publisher(events, gens), on_record=on_record,
         on_checkpoint=lambda i, state, stopping: checkpoints.append((i, state["next_iteration"], stopping)),
@@ -629,7 +639,7 @@ def test_generators_that_join_while_none_serves_get_the_current_weights_as_a_new
     gens = ReturningGenerators(events, left=10)  # iteration 0 (8 samples) and part of iteration 1
     publisher = Publisher(events, gens)
     publisher.rdv = Rendezvous(gens)
-    cfg = PipelineConfig(group_size=2, global_batch=4, micro_batch=2, no_generator_s=1e9)
+    cfg = config(no_generator_s=1e9)
     task = CountTask(64)
     records: list = []
     pipe = Pipeline(
@@ -672,7 +682,7 @@ def test_a_prompt_drawn_twice_in_one_batch_is_two_groups():
     of the next; ~9% of batches with 10 prompts and batches of 4). Each draw is its own group."""
     events: list = []
     gens, driver, records = Generators(events), Driver(events), []
-    cfg = PipelineConfig(mode="sync-stream", group_size=2, global_batch=4, micro_batch=2)
+    cfg = config(mode="sync-stream")
     task = CountTask(3)  # 3 prompts, batches of 4: every batch draws one prompt twice
     pipe = Pipeline(
         cfg, task=task, sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],

@@ -1,0 +1,375 @@
+"""Multi-turn rollouts behind the same engine interface: a request's samples become trajectories.
+
+:class:`AgentEngine` wraps the generator's inference engine. The generator role, its admission
+queue, the sample stream, weight updates, cancellation and partial rollout see an ordinary
+engine: a request of ``n`` samples goes in, one finished group comes out. Inside, each sample is an
+episode: the environment's reset (in a worker process, :mod:`.env_host`), then model turns (one
+engine request each, on the prompt and every token so far) and environment turns (the
+environment's answer rendered on its own, :mod:`.render`) until the environment is done or a budget
+ends it (:mod:`.trajectory`). The completion is the trajectory: its token ids (model and
+environment), behaviour log-probs (0 on environment tokens), loss mask, the weight version of
+each token, and an episode record (turns, tool calls and errors, environment reward and time, why
+it ended).
+
+Turns of one episode may run under different weight versions (an update between turns): each
+token keeps the version that sampled it, as partial rollout's tokens do, so staleness bounds and
+importance ratios stay per token. An aborted request (over-sampling, the trainer going) aborts the
+turn in flight and ends its episodes; what they generated comes back only if the trainer paused it
+(and the trainer restarts a paused trajectory from its beginning: its environment is gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from typing import Any
+
+from streamrl_cli.agent.env_host import EnvFailure, EnvHost, EnvSettings
+from streamrl_cli.agent.render import Renderer
+from streamrl_cli.agent.trajectory import ABORTED, DONE, MAX_TOKENS, MAX_TURNS, Trajectory
+from streamrl_cli.generator.engine import (
+    Completion,
+    EngineHealth,
+    GenerationEngine,
+    GenerationRequest,
+    GenerationResult,
+    WeightSource,
+)
+
+
+def turn_seed(seed: int | None, index: int, turn: int) -> int | None:
+    """The sampling seed of one turn of one sample (a request's seed is per group: its samples, run
+    as separate engine requests here, must not share it)."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"{seed}/{index}/{turn}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+def finish_reason(t: Trajectory) -> str:
+    if t.stop == ABORTED:
+        return "abort"
+    return "length" if t.stop == MAX_TOKENS else "stop"
+
+
+def episode_record(t: Trajectory) -> dict[str, Any]:
+    """What the trainer's metrics and `streamrl status` report of one trajectory."""
+    return {
+        "turns": t.turns, "turns_cut": t.turns_cut, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
+        "env_reward": t.env_reward, "env_s": round(t.env_s, 4), "stop": t.stop, "error": t.error[:500],
+        "model_tokens": t.model_tokens, "env_tokens": t.env_tokens,
+    }  # fmt: skip
+
+
+class AgentEngine(GenerationEngine):
+    """An engine whose samples are multi-turn trajectories with an environment and tools."""
+
+    def __init__(
+        self,
+        inner: GenerationEngine,
+        settings: EnvSettings,
+        *,
+        model_path: str,
+        max_turns: int,
+        max_turn_tokens: int,
+        chat_template: str | None = None,
+    ):
+        self.inner = inner
+        self.settings = settings
+        self.host = EnvHost(settings)
+        self.model_path = model_path
+        self.tokenizer: Any = None
+        self.chat_template = chat_template
+        self.max_turns = max_turns
+        self.max_turn_tokens = max_turn_tokens
+        self.renderer: Renderer | None = None
+        self._waiting: dict[str, asyncio.Future] = {}  # turn request id -> its result
+        self._turns: dict[str, set[str]] = {}  # request id -> its turns in the engine
+        self._aborted: set[str] = set()
+        self._subq: asyncio.Queue[GenerationRequest | None] | None = None
+
+    # The generator role reads and sets these on its engine.
+    @property
+    def weight_version(self) -> int:  # type: ignore[override]
+        return self.inner.weight_version
+
+    @property
+    def weights_intact(self) -> bool:  # type: ignore[override]
+        return self.inner.weights_intact
+
+    async def start(self) -> None:
+        from transformers import AutoTokenizer
+
+        from streamrl_cli.agent.tools import load_tool, template_format
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        schemas = [load_tool(spec).schema for spec in self.settings.tools]
+        if self.chat_template is not None:
+            self.tokenizer.chat_template = self.chat_template
+        self.renderer = Renderer(self.tokenizer, tools=schemas)
+        if schemas and template_format(self.tokenizer.chat_template) != self.settings.tool_format:
+            from streamrl_cli.agent.env_host import AgentError
+
+            raise AgentError(
+                "agent.tools: the model's chat template defines no tool-call syntax StreamRL reads "
+                "(supported: hermes, <tool_call>{...}</tool_call>, as in Qwen2/2.5/3 templates)"
+            )
+        await self.host.start()  # the environment loads here, or the generator fails saying why
+        await self.inner.start()
+
+    def generate(
+        self, requests: AsyncIterable[GenerationRequest] | Iterable[GenerationRequest]
+    ) -> AsyncIterator[GenerationResult]:
+        return self._generate(requests)
+
+    async def _generate(
+        self, requests: AsyncIterable[GenerationRequest] | Iterable[GenerationRequest]
+    ) -> AsyncIterator[GenerationResult]:
+        subq: asyncio.Queue[GenerationRequest | None] = asyncio.Queue()
+        self._subq = subq
+        results: asyncio.Queue[GenerationResult | BaseException | None] = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+        submitted = 0
+
+        async def turns() -> AsyncIterator[GenerationRequest]:
+            while (req := await subq.get()) is not None:
+                yield req
+
+        async def pump() -> None:
+            try:
+                async for res in self.inner.generate(turns()):
+                    fut = self._waiting.pop(res.request_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(res)
+            except BaseException as e:  # noqa: BLE001 - the engine failed: so does every episode
+                for fut in self._waiting.values():
+                    if not fut.done():
+                        fut.set_exception(e)
+                await results.put(e)
+
+        async def one(req: GenerationRequest) -> None:
+            try:
+                await results.put(await self._run(req))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+                await results.put(e)
+
+        async def feed() -> None:
+            nonlocal submitted
+            try:
+                if isinstance(requests, AsyncIterable):
+                    async for req in requests:
+                        submitted += 1
+                        spawn(req)
+                else:
+                    for req in requests:
+                        submitted += 1
+                        spawn(req)
+            except Exception as e:  # noqa: BLE001
+                await results.put(e)
+            finally:
+                await results.put(None)
+
+        def spawn(req: GenerationRequest) -> None:
+            task = asyncio.create_task(one(req))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        pumper = asyncio.create_task(pump())
+        feeder = asyncio.create_task(feed())
+        input_done, delivered = False, 0
+        try:
+            while not (input_done and delivered == submitted):
+                item = await results.get()
+                if item is None:
+                    input_done = True
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                delivered += 1
+                yield item
+        finally:
+            feeder.cancel()
+            for t in list(tasks):
+                t.cancel()
+            await subq.put(None)
+            pumper.cancel()
+            with contextlib.suppress(BaseException):
+                await pumper
+
+    async def _run(self, req: GenerationRequest) -> GenerationResult:
+        queued = time.time()
+        self._turns[req.request_id] = set()  # known from now on: an abort finds it between turns
+        try:
+            trajectories = await asyncio.gather(*(self._episode(req, i) for i in range(req.sampling.n)))
+        finally:
+            self._aborted.discard(req.request_id)
+            self._turns.pop(req.request_id, None)
+        versions = [v for t in trajectories if t.model_tokens for v in t.token_versions] or [
+            self.weight_version
+        ]
+        completions = []
+        for i, t in enumerate(trajectories):
+            per_token = t.token_versions
+            completions.append(
+                Completion(
+                    index=i,
+                    token_ids=t.token_ids,
+                    logprobs=t.logprobs,
+                    finish_reason=finish_reason(t),
+                    loss_mask=t.loss_mask,
+                    token_versions=per_token if len(set(per_token)) > 1 else [],
+                    episode=episode_record(t),
+                )  # fmt: skip
+            )
+        return GenerationResult(
+            request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids or []),
+            completions=completions, weight_version=min(versions), weight_version_end=max(versions),
+            priority=req.priority, queued_at=queued, first_token_at=queued, finished_at=time.time(),
+            meta=req.meta,
+        )  # fmt: skip
+
+    async def _episode(self, req: GenerationRequest, index: int) -> Trajectory:
+        assert self.renderer is not None, "start() first"
+        t = Trajectory(max_tokens=req.sampling.max_tokens)
+        session = None
+        try:
+            session = await self.host.open()
+            t0 = time.monotonic()
+            first = await session.reset(dict(req.meta.get("env") or {}))
+            t.env_s += time.monotonic() - t0
+            opening = self.renderer.first_turn(first)
+            if not t.fits(opening):
+                t.end(MAX_TOKENS)
+            else:
+                t.add_env_turn(opening)
+            while not t.stop:
+                if req.request_id in self._aborted:
+                    t.end(ABORTED)
+                    break
+                budget = min(self.max_turn_tokens, t.room)
+                result = await self._turn(req, index, t, budget)
+                c = result.completions[0]
+                if c.token_ids:
+                    t.add_model_turn(list(c.token_ids), list(c.logprobs), result.weight_version)
+                if c.finish_reason == "abort" or req.request_id in self._aborted:
+                    t.end(ABORTED)
+                    break
+                if c.finish_reason == "error":
+                    raise EnvFailure("env_error", f"the engine refused a turn: {result.error}")
+                if c.finish_reason == "length":
+                    t.turns_cut += 1
+                t0 = time.monotonic()
+                step = await session.step(self.renderer.text(list(c.token_ids)))
+                t.env_s += time.monotonic() - t0
+                t.env_reward += step.reward
+                t.tool_calls += step.tool_calls
+                t.tool_errors += step.tool_errors
+                if step.done:
+                    t.end(DONE)
+                elif t.turns >= self.max_turns:
+                    t.end(MAX_TURNS)
+                elif req.request_id in self._aborted:
+                    t.end(ABORTED)
+                else:
+                    answer = self.renderer.env_turn(step.observation, list(c.token_ids))
+                    if t.fits(answer):
+                        t.add_env_turn(answer)
+                    else:
+                        t.end(MAX_TOKENS)
+        except EnvFailure as e:
+            t.end(e.reason, e.detail)
+        finally:
+            if session is not None:
+                await session.close()
+        return t
+
+    async def _turn(self, req: GenerationRequest, index: int, t: Trajectory, budget: int) -> GenerationResult:
+        assert self._subq is not None and self.renderer is not None
+        s = req.sampling
+        sampling = dataclasses.replace(
+            s, n=1, max_tokens=budget, seed=turn_seed(s.seed, index, t.turns),
+            stop_token_ids=sorted({*s.stop_token_ids, *self.renderer.turn_end_ids}),
+        )  # fmt: skip
+        rid = f"{req.request_id}/{index}/t{t.turns}"
+        sub = GenerationRequest(
+            request_id=rid, prompt_token_ids=[*(req.prompt_token_ids or []), *t.token_ids],
+            sampling=sampling, priority=req.priority,
+        )  # fmt: skip
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = fut
+        running = self._turns.setdefault(req.request_id, set())  # (gone: aborted and cleaned up)
+        running.add(rid)
+        await self._subq.put(sub)
+        try:
+            return await fut
+        finally:
+            running.discard(rid)
+            self._waiting.pop(rid, None)
+
+    def stats(self) -> dict[str, Any]:
+        """The environment processes' totals since start, for the generator's metrics."""
+        return {
+            "agent/env_restarts": self.host.restarts,
+            "agent/env_processes": sum(not w.dead for w in self.host.workers),
+            **{f"agent/env_failures/{k}": v for k, v in sorted(self.host.failures.items())},
+        }
+
+    async def abort(self, request_ids: Iterable[str]) -> None:
+        turns = []
+        for rid in request_ids:
+            if rid in self._turns:
+                self._aborted.add(rid)
+                turns += list(self._turns[rid])
+        if turns:
+            await self.inner.abort(turns)
+
+    async def update_weights(self, version: int, source: WeightSource, *, mode: str = "wait") -> dict:
+        return await self.inner.update_weights(version, source, mode=mode)
+
+    async def pause(self, mode: str = "keep") -> None:
+        await self.inner.pause(mode)
+
+    async def resume(self) -> None:
+        await self.inner.resume()
+
+    async def health(self) -> EngineHealth:
+        return await self.inner.health()
+
+    async def close(self) -> None:
+        try:
+            await self.host.close()
+        finally:
+            await self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:  # engine-specific extras (collective_rpc, load_weights)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def wrap(inner: GenerationEngine, spec: Any) -> GenerationEngine:
+    """The generator's engine for its recipe: `inner` itself, or multi-turn around it (agent.*)."""
+    import os
+
+    a, task = spec.agent, spec.task
+    if not a.enabled:
+        return inner
+    template = None
+    if task.chat_template not in (None, "tokenizer"):  # the task's own template renders the turns too
+        from streamrl_cli.tasks.datasets import ChatFormat
+
+        template = ChatFormat(template=task.chat_template)._template_text()
+    settings = EnvSettings(
+        env=a.env, env_args=dict(a.env_args), tools=list(a.tools), workers=a.env_workers,
+        timeout_s=a.step_timeout_s,
+    )  # fmt: skip
+    return AgentEngine(
+        inner, settings, model_path=os.path.expanduser(spec.model.path), max_turns=a.max_turns,
+        max_turn_tokens=a.max_turn_tokens or task.max_output_len, chat_template=template,
+    )  # fmt: skip
