@@ -389,14 +389,13 @@ class SampleRouting:
 
     def _score(self, batch: Batch, key: str, samples: list[Sample]) -> list[Rollout]:
         prompt, tokens = batch.prompts[key]
-        lengths = [len(s.token_ids) for s in samples]
+        lengths = [generated(s) for s in samples]
         self.recent_lengths.extend(lengths)
         # A group is admitted whole and comes back when its longest sample ends: that is its
-        # processing time, so it is what the ranker learns, and is judged on.
+        # processing time, so it is what the ranker learns, and is judged on. (A trajectory's
+        # length is the tokens its model generated over all its turns, not its environment's.)
         batch.observed[key] = max(lengths)
-        batch.lengths[draw_key(key)] = [
-            len(s.token_ids) for s in sorted(samples, key=lambda x: x.sample_index)
-        ]
+        batch.lengths[draw_key(key)] = [generated(s) for s in sorted(samples, key=lambda x: x.sample_index)]
         texts = [self.detokenize(s.token_ids) for s in samples]
         scores = trajectory_rewards(self.cfg.agent, self.task, [prompt] * len(samples), samples, texts)
         import torch
@@ -451,6 +450,11 @@ def trajectory_rewards(
     if agent.on_failure == "drop":
         scores = [None if failed(s) else r for s, r in zip(samples, scores, strict=True)]
     return scores
+
+
+def generated(sample: Sample) -> int:
+    """Tokens the model generated: all of a single-turn sample's, a trajectory's model turns'."""
+    return sum(sample.loss_mask) if sample.loss_mask else len(sample.token_ids)
 
 
 def failed(sample: Sample) -> bool:
