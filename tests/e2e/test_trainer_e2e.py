@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from support.helpers import streamrl
 
 pytestmark = pytest.mark.slow
@@ -136,11 +137,17 @@ def test_a_reproducible_run_gives_the_same_tokens_rewards_and_weights_again(tmp_
     runs = []
     for name in ("first", "second"):
         root = tmp_path / name
-        out = streamrl("run", "local", *FEW, "train.checkpoint_every=0", "--root", str(root), timeout=900)
+        out = streamrl(
+            "run", "local", *FEW, "train.checkpoint_every=0", "algorithm.name=cispo", "--root", str(root),
+            timeout=900,
+        )  # fmt: skip
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         runs.append(only_run(root))
     first, second = ([(r["data/digest"], r["tokens"], r["reward_mean"]) for r in trainer_records(d)]
                      for d in runs)  # fmt: skip
     assert len(first) == 4 and first == second
+    # ... with a preset other than the default: CISPO's clipped, stop-gradient IS weights ran
+    config = yaml.safe_load((runs[0] / "config.yaml").read_text())["algorithm"]
+    assert (config["name"], config["policy_loss"]) == ("cispo", "cispo")
     weights = [hashlib.sha256((d / "model" / "model.safetensors").read_bytes()).hexdigest() for d in runs]
     assert weights[0] == weights[1]

@@ -64,7 +64,7 @@ def user_run(tmp_path_factory):
         "task.dataset=data/train.jsonl", "task.prompt_key=messages",
         "task.chat_template=templates/plain.jinja", "task.reward=rewards/repeat_reward.py:score",
         "task.eval_dataset=data/held_out.jsonl", "task.eval_every=2", "task.eval_samples=6",
-        "algorithm.top_k=40", "algorithm.top_p=0.95", "algorithm.is_correction=on",
+        "algorithm.top_k=40", "algorithm.top_p=0.95", "algorithm.is_correction=on", "algorithm.name=gspo",
         "train.iterations=4", "train.global_batch=4", "train.checkpoint_every=2", "train.keep_checkpoints=3",
         cwd=project, timeout=900,
     )  # fmt: skip
@@ -95,6 +95,9 @@ def test_a_user_task_trains_evaluates_and_exports(user_run):
     # the sampling keys and the absolute task paths are recorded with the run
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["algorithm"]["top_k"] == 40 and config["algorithm"]["top_p"] == 0.95
+    # a preset besides the default, end to end: GSPO's sequence-level ratios and clipping
+    assert (config["algorithm"]["name"], config["algorithm"]["policy_loss"]) == ("gspo", "gspo")
+    assert config["algorithm"]["is_level"] == "geometric"
     assert config["task"]["reward"] == f"{project / 'rewards' / 'repeat_reward.py'}:score"
 
 
