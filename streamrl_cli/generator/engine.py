@@ -129,6 +129,9 @@ class GenerationEngine(ABC):
     # False after a transfer failed midway through loading: the model is part old, part new, so the
     # engine stays paused (requests wait) until a full version is loaded.
     weights_intact: bool = True
+    # True when a version loads beside the one in use (LoRA adapters): no drain before an update,
+    # requests in flight finish on the version they started with, new ones start on the new one.
+    live_swap: bool = False
 
     @abstractmethod
     async def start(self) -> None:

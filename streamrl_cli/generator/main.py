@@ -83,6 +83,25 @@ def engine_kwargs(spec: GeneratorSpec, rank: int = 0) -> dict[str, Any]:
         )
         if cpu
         else None,
+        "lora": lora_serving(spec, rank),
+    }
+
+
+def lora_serving(spec: GeneratorSpec, rank: int = 0) -> dict[str, Any] | None:
+    """With ``model.lora.sync: adapter``, how the engine serves the adapters each version carries:
+    their PEFT config, vLLM's LoRA limits (rank, adapters at once: ``weights.adapter.lora_slots``)
+    and the directory it writes them to (ours alone: several instances may share a host); None
+    otherwise (each version is the whole model, loaded in place)."""
+    from streamrl_cli.weights.adapter import lora_slots, peft_config, vllm_max_lora_rank
+
+    lora = spec.model.lora
+    if lora.rank <= 0 or lora.sync != "adapter":
+        return None
+    return {
+        "config": peft_config(lora, os.path.expanduser(spec.model.path)),
+        "max_rank": vllm_max_lora_rank(lora.rank),
+        "slots": lora_slots(spec.max_staleness),
+        "directory": str(Path(spec.run_dir) / "adapters" / f"generator-{rank}"),
     }
 
 

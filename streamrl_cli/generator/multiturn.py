@@ -101,6 +101,10 @@ class AgentEngine(GenerationEngine):
     def weights_intact(self) -> bool:  # type: ignore[override]
         return self.inner.weights_intact
 
+    @property
+    def live_swap(self) -> bool:  # type: ignore[override]
+        return self.inner.live_swap
+
     async def start(self) -> None:
         from transformers import AutoTokenizer
 

@@ -12,6 +12,14 @@ and `VLLM_CPU_KVCACHE_SPACE` is counted in whole GiB). The settings that make RL
   site's broadcast group and reload weights in place, called with ``collective_rpc``;
 * the prefix cache is reset after every update, or prompts longer than one KV block would be
   served from blocks computed with the old weights.
+
+With ``lora`` (``model.lora.sync: adapter``; ``generator.main.lora_serving``) the engine serves
+each version as a LoRA adapter over the base weights it loaded at start: an update receives the
+adapter (the workers write it to a directory of ours: vLLM 0.32 loads adapters from paths only)
+and has vLLM load it beside the ones in use, with no pause and no drain; every request started
+after that uses it, requests in flight finish on the adapter they started with (each sample is
+still one version's), and an adapter is removed, with its directory, once it is superseded and
+no request uses it. The prefix cache needs no reset: vLLM keys cached blocks by adapter.
 """
 
 from __future__ import annotations
@@ -21,9 +29,11 @@ import contextlib
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Iterable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from streamrl_cli.generator.engine import (
@@ -62,8 +72,15 @@ class VLLMEngine(GenerationEngine):
         cpu_kv_cache_gib: int = 1,
         cpu_cores: str | None = None,  # CPU: VLLM_CPU_OMP_THREADS_BIND of the worker (None: vLLM's "auto")
         extra_engine_args: dict[str, Any] | None = None,
+        lora: dict[str, Any] | None = None,  # serve versions as LoRA adapters (generator.main.lora_serving)
     ):
         self.model = model
+        self.lora = lora
+        # Adapters loaded, by version (the LoRARequest requests name), and the requests in flight
+        # on each: one is removed once superseded and unused. Version 0 is the base: no adapter.
+        self._adapters: dict[int, Any] = {}
+        self._users: dict[int, int] = {}
+        self._retiring: set[asyncio.Task] = set()
         self._args = dict(
             dtype=dtype,
             max_model_len=max_model_len,
@@ -119,6 +136,17 @@ class VLLMEngine(GenerationEngine):
         else:
             args["dtype"] = args["dtype"] or "auto"
             args["enforce_eager"] = bool(args["enforce_eager"])
+        if self.lora is not None:
+            slots = int(self.lora["slots"])
+            args.update(
+                enable_lora=True,
+                max_lora_rank=int(self.lora["max_rank"]),
+                max_loras=slots,
+                max_cpu_loras=slots,
+            )
+            directory = Path(self.lora["directory"])
+            shutil.rmtree(directory, ignore_errors=True)  # an earlier process's versions: not ours
+            directory.mkdir(parents=True, exist_ok=True)
         engine_args = AsyncEngineArgs(
             model=self.model,
             logprobs_mode="processed_logprobs",
@@ -209,13 +237,17 @@ class VLLMEngine(GenerationEngine):
             if aborted:  # aborted while it waited: it never reaches vLLM
                 return self._result(req, req.prompt_token_ids or [], None, "", queued_at, self.weight_version)
         version = self.weight_version  # (no await from here to `_running`: a pause sees it running)
+        adapter = self._adapters.get(version)  # LoRA: the request keeps it to the end, whatever comes
+        self._users[version] = self._users.get(version, 0) + 1
         ids, final, error = req.prompt_token_ids or [], None, ""
         self._running.add(req.request_id)
         try:
             params = _sampling_params(req.sampling)
             if req.prompt_token_ids is None:
                 ids = list(llm.get_tokenizer().encode(req.prompt))
-            async for out in llm.generate(_tokens(ids), params, req.request_id, priority=req.priority):
+            async for out in llm.generate(
+                _tokens(ids), params, req.request_id, priority=req.priority, lora_request=adapter
+            ):
                 final = out
         except _request_errors() as e:
             # This request is bad (too long a prompt, invalid sampling values): report it as a
@@ -224,6 +256,7 @@ class VLLMEngine(GenerationEngine):
             log.warning("request %s failed: %s", req.request_id, error)
         finally:
             self._running.discard(req.request_id)
+            self._release(version)
         return self._result(req, ids, final, error, queued_at, version)
 
     def _result(
@@ -246,7 +279,8 @@ class VLLMEngine(GenerationEngine):
             prompt_token_ids=list(ids),
             completions=completions,
             weight_version=version,
-            weight_version_end=self.weight_version,
+            # LoRA: a request keeps its adapter to the end, whatever version came meanwhile
+            weight_version_end=version if self.lora is not None else self.weight_version,
             priority=req.priority,
             queued_at=queued_at,
             first_token_at=max(queued_at, first),
@@ -255,9 +289,26 @@ class VLLMEngine(GenerationEngine):
             error=error,
         )
 
+    @property
+    def live_swap(self) -> bool:  # type: ignore[override]
+        return self.lora is not None
+
     async def update_weights(self, version: int, source: WeightSource, *, mode: str = "wait") -> dict:
         """Receive `version` over the trainer's broadcast group (joined on first use)."""
         group = dataclasses.asdict(source)
+        if self.lora is not None:
+
+            async def receive_adapter(llm: Any) -> list[dict]:
+                await _alive(
+                    llm,
+                    llm.collective_rpc("streamrl_join_weight_group", args=(group,)),
+                    "joining the weight group",
+                )
+                args = (version, self.lora["directory"], self.lora["config"])
+                call = llm.collective_rpc("streamrl_receive_adapter", args=args)
+                return await _alive(llm, call, "receiving an adapter")
+
+            return await self._swap_adapter(receive_adapter)
 
         async def receive(llm: Any) -> list[dict]:
             await _alive(
@@ -278,6 +329,16 @@ class VLLMEngine(GenerationEngine):
 
         import torch
 
+        if self.lora is not None:  # an adapter version: written here, loaded by vLLM from there
+
+            async def write(llm: Any) -> list[dict]:
+                from streamrl_cli.weights.adapter import write_adapter
+
+                path = Path(self.lora["directory"]) / f"v{version}"
+                size = await asyncio.to_thread(write_adapter, path, state, self.lora["config"])
+                return [{"version": version, "tensors": len(state), "bytes": size, "path": str(path)}]
+
+            return await self._swap_adapter(write)
         buf = io.BytesIO()
         torch.save({k: v.detach().cpu() for k, v in state.items()}, buf)
 
@@ -322,6 +383,74 @@ class VLLMEngine(GenerationEngine):
                     await self.resume()
             timings = {"pause_s": t1 - t0, "receive_s": t2 - t1, "resume_s": time.perf_counter() - t2}
         return {**stats[0], **timings} if len(stats) == 1 else {"workers": stats, **timings}
+
+    async def _swap_adapter(self, receive: Any) -> dict:
+        """A LoRA version: `receive(llm)` puts it in a directory (its stats say which version and
+        where), vLLM loads it from there beside the adapters in use, and every request from now on
+        uses it. Nothing pauses: requests in flight keep their adapter. A failure changes nothing."""
+        from vllm.lora.request import LoRARequest
+
+        llm = self._require()
+        async with self._update_lock:
+            t0 = time.perf_counter()
+            stats = await receive(llm)
+            loaded = {(s["version"], s["path"]) for s in stats}
+            if len(loaded) != 1:  # tensor-parallel workers must agree, or the engine is inconsistent
+                raise EngineError(f"workers received different adapter versions: {sorted(loaded)}")
+            version, path = loaded.pop()
+            t1 = time.perf_counter()
+            if version != self.weight_version or version not in self._adapters:
+                # lora_int_id > 0; the name and path key vLLM's prefix cache: one per version
+                request = LoRARequest(
+                    lora_name=f"streamrl-v{version}", lora_int_id=version + 1, lora_path=path
+                )
+                try:
+                    if not await _alive(llm, llm.add_lora(request), "loading a LoRA adapter"):
+                        raise EngineError(
+                            f"vLLM did not load the adapter of weight version {version} from {path}"
+                        )
+                except BaseException:
+                    if version not in self._adapters:  # not served: its directory is no one's
+                        shutil.rmtree(path, ignore_errors=True)
+                    raise
+                old, self.weight_version = self.weight_version, version
+                self._adapters[version] = request
+                if not self._users.get(old):
+                    self._retire(old)
+            self.weights_intact = True
+            timings = {"pause_s": 0.0, "receive_s": t1 - t0, "resume_s": time.perf_counter() - t1}
+        return {**stats[0], **timings} if len(stats) == 1 else {"workers": stats, **timings}
+
+    def _release(self, version: int) -> None:
+        """A request on `version` finished: an adapter superseded and now unused is removed."""
+        left = self._users.get(version, 0) - 1
+        if left > 0:
+            self._users[version] = left
+            return
+        self._users.pop(version, None)
+        if version != self.weight_version:
+            self._retire(version)
+
+    def _retire(self, version: int) -> None:
+        """Remove `version`'s adapter from vLLM and its directory (in the background)."""
+        request = self._adapters.pop(version, None)
+        if request is None or self._llm is None:
+            return
+
+        async def remove() -> None:
+            try:
+                await _alive(self._llm, self._llm.remove_lora(request.lora_int_id), "removing a LoRA adapter")
+            except Exception as e:  # noqa: BLE001 - the engine's health check reports a dead engine
+                log.warning("adapter of weight version %d not removed from vLLM: %s", version, e)
+            await asyncio.to_thread(shutil.rmtree, request.lora_path, True)
+
+        task = asyncio.create_task(remove())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    def adapters(self) -> list[int]:
+        """The weight versions whose adapters are loaded (LoRA; tests and diagnostics)."""
+        return sorted(self._adapters)
 
     async def pause(self, mode: str = "keep") -> None:
         llm = self._require()
@@ -381,6 +510,8 @@ class VLLMEngine(GenerationEngine):
         if self._llm is not None:
             llm, self._llm = self._llm, None
             llm.shutdown()
+        if self.lora is not None:
+            shutil.rmtree(self.lora["directory"], ignore_errors=True)
 
     def _require(self) -> Any:
         if self._llm is None:

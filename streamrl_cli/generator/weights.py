@@ -6,6 +6,8 @@ names, in each version proposal, the group (store address, id) and every member'
 For each proposal that names this instance (this incarnation), :meth:`WeightPath.update`
 
 1. drains: requests in flight finish on the old weights (every sample comes from one version);
+   an engine serving LoRA adapters (``model.lora.sync: adapter``) does not: it loads the new
+   adapter beside the old, and requests in flight keep theirs;
 2. reports ``receiving v<version> <group id>`` at once (a heartbeat): the trainer sends only when
    every member said so, so a long drain is never mistaken for a dead member;
 3. joins the group (leaving the previous one if the id changed) and receives the version.
@@ -119,13 +121,18 @@ class WeightPath:
         place = layout.source(self.member_id, self.rdv.incarnation)
         if place is None:
             raise StreamRLError(f"{self.member_id} is not a member of weight group {layout.group}")
-        await self.engine.pause(mode="wait")  # drain first: the trainer's send timeout must not see it
+        # Drain first: the trainer's send timeout must not see it. An engine that loads a version
+        # beside the one in use (LoRA adapters) has nothing to drain: it keeps generating.
+        drain = not self.engine.live_swap
+        if drain:
+            await self.engine.pause(mode="wait")
         try:
             self.rdv.set_status(state=receiving_state(version, layout.group))
             await asyncio.to_thread(self.rdv.heartbeat)  # now, not at the next beat: everyone waits for it
             await asyncio.to_thread(_store_listening, place["host"], place["port"])
         except BaseException:
-            await self.engine.resume()
+            if drain:
+                await self.engine.resume()
             raise
         return await self.engine.update_weights(version, WeightSource(**place))  # resumes the engine
 

@@ -17,6 +17,11 @@ every worker with ``collective_rpc``. It is the same code on GPU workers (NCCL) 
 Group ranks are group-local: the trainer is rank 0 and hosts the TCP store; this engine's
 workers are ``first_rank + worker rank``. The group is kept between updates and re-formed only
 when the trainer announces a different one (e.g. after an elastic change of membership).
+
+With ``model.lora.sync: adapter`` a version is a LoRA adapter, not the model: the workers receive
+it over the same group and the first one writes it as a PEFT adapter directory
+(``streamrl_receive_adapter``); the engine then has vLLM load it from there (``add_lora``) beside
+the adapters requests in flight still use. The base weights are never touched.
 """
 
 from __future__ import annotations
@@ -78,20 +83,54 @@ class WeightSyncExtension:
     def streamrl_receive_weights(self, version: int) -> dict[str, Any]:
         """Receive one full set of weights over the group (bucketed broadcast) and load it; the
         stats say which version was loaded (`version`, or newer if the source sent newer)."""
-        group = getattr(self, "_streamrl_group", None)
-        if group is None:
-            raise RuntimeError("streamrl_receive_weights before streamrl_join_weight_group")
-        from streamrl_cli.weights import broadcast  # the data plane's wire format
-
         # Bucket by bucket: the layerwise reload finishes each layer as soon as its tensors are in,
         # so at most a bucket and a layer are held beyond the model itself.
+        return self._streamrl_from_group(version, self._streamrl_load)
+
+    def streamrl_receive_adapter(
+        self, version: int, directory: str, config: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Receive one LoRA adapter version over the group; the first worker writes it, with
+        `config` (its ``adapter_config.json``), to ``directory/v<version>`` for vLLM's ``add_lora``.
+        The stats say which version came (`version`, or newer) and where it is (`path`)."""
+
+        def write(sent: int, tensors: Iterator[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+            from pathlib import Path
+
+            from streamrl_cli.weights.adapter import write_adapter
+
+            start = time.perf_counter()
+            received = dict(tensors)
+            path = Path(directory) / f"v{sent}"
+            # One copy per engine: its tensor-parallel workers read the same file. A version sent
+            # again (a group member takes its rank even when it has it) is the same bytes: kept.
+            if int(self.rank) == 0 and not path.exists():
+                write_adapter(path, received, config)
+            return {
+                "version": sent,
+                "worker": int(self.rank),
+                "tensors": len(received),
+                "bytes": sum(t.numel() * t.element_size() for t in received.values()),
+                "path": str(path),
+                "load_s": round(time.perf_counter() - start, 4),
+            }
+
+        return self._streamrl_from_group(version, write)
+
+    def _streamrl_from_group(self, version: int, load: Any) -> dict[str, Any]:
+        """One transfer from the group, checked to be `version` or newer, handed to `load(sent, pairs)`."""
+        group = getattr(self, "_streamrl_group", None)
+        if group is None:
+            raise RuntimeError("receiving weights before streamrl_join_weight_group")
+        from streamrl_cli.weights import broadcast  # the data plane's wire format
+
         info: dict[str, Any] = {}
         host, port = self._streamrl_group_key[:2]
         weights = broadcast.iter_received(
             group, src=0, device=_model_device(self), info=info, source_gone=broadcast.store_probe(host, port)
         )
         try:
-            return self._streamrl_receive(version, weights, info)
+            return self._streamrl_receive(version, weights, info, load)
         except broadcast.SourceGone:
             # Its source died mid-broadcast: the group is broken, and gloo still waits in it until its
             # timeout. Kept, not destroyed (that could wait on the pending receive); the next version
@@ -100,7 +139,9 @@ class WeightSyncExtension:
             self._streamrl_group = self._streamrl_group_key = None
             raise
 
-    def _streamrl_receive(self, version: int, weights: Iterator, info: dict[str, Any]) -> dict[str, Any]:
+    def _streamrl_receive(
+        self, version: int, weights: Iterator, info: dict[str, Any], load: Any
+    ) -> dict[str, Any]:
         from streamrl_cli.weights import WeightTransferError
 
         first = next(weights, None)  # reads the header: check the version before loading anything
@@ -109,7 +150,7 @@ class WeightSyncExtension:
             # Newer is fine (a relay superseded mid-fetch sends the newest); older never is.
             weights.close()  # receives and drops the rest, so the group stays in step
             raise WeightTransferError(f"expected weight version {version} or newer, the source sent {sent}")
-        return self._streamrl_load(sent, itertools.chain([first] if first else [], weights))
+        return load(sent, itertools.chain([first] if first else [], weights))
 
     def streamrl_load_weights(self, version: int, state: bytes) -> dict[str, Any]:
         """Load a state dict passed in the RPC itself (`torch.save` bytes: vLLM's RPC encoder turns

@@ -107,6 +107,7 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
             task=copy.deepcopy(r.task),
             train=copy.deepcopy(r.train),
             agent=copy.deepcopy(r.agent),
+            max_staleness=r.algorithm.max_staleness,
             **common,
         ),
         "rendezvous": RendezvousSpec(

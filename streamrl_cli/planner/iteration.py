@@ -48,9 +48,11 @@ def weight_sync_s(
     sites: one copy over the inter-site link to a relay, which rebroadcasts locally while it
     receives (pipelined too: the slower of the two links sets the time).
 
-    A version is the whole model in its dtype, with LoRA too: the trainer sends the merged weights,
-    base + (alpha / rank)·B·A, under the base model's names (trainer.lora.merged_state via
-    Learner.full_state), never the adapters alone; so the bytes do not depend on model.lora.
+    A version is the whole model in its dtype, with LoRA too: with model.lora.sync merged (the
+    default) the trainer sends the merged weights, base + (alpha / rank)·B·A, under the base model's
+    names (trainer.lora.merged_state via Learner.full_state); so the bytes do not depend on
+    model.lora. With sync adapter only the adapters move: not modelled here, costed as merged (an
+    overestimate).
     """
     local_bw = min(gen_hw.internode_bw, train_hw.internode_bw) * train_hw.eff.comm
     local = model.weight_bytes / local_bw

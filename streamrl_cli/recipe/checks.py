@@ -528,7 +528,8 @@ def _task(r: Recipe) -> Iterator[Problem]:
 
 def _lora(r: Recipe) -> Iterator[Problem]:
     """model.lora: its numbers, and targets that exist in the model (recipe.lora reads its names).
-    PPO's critic is not adapted: it trains in full beside the actor's adapters (README, LoRA)."""
+    PPO's critic is not adapted: it trains in full beside the actor's adapters (README, LoRA); it
+    never goes to the generators, so model.lora.sync does not concern it."""
     from streamrl_cli.recipe.lora import matches, target_names
 
     c = r.model.lora
@@ -537,8 +538,15 @@ def _lora(r: Recipe) -> Iterator[Problem]:
             "model.lora.rank",
             f"must be 0 (LoRA off) or a positive adapter rank such as 8 or 16, got {c.rank}",
         )
+    if c.sync == "adapter" and c.rank == 0:
+        yield (
+            "model.lora.sync",
+            "adapter sends the LoRA adapters, but model.lora.rank is 0 (LoRA off): set a rank, or "
+            "sync: merged (valid: merged, adapter)",
+        )
     if c.rank <= 0:
         return
+    yield from _lora_sync(r)
     if not c.alpha > 0:
         yield "model.lora.alpha", f"the adapters' scale is alpha / rank: must be positive, got {c.alpha}"
     if not 0 <= c.dropout < 1:
@@ -559,6 +567,32 @@ def _lora(r: Recipe) -> Iterator[Problem]:
             "model.lora.target_modules",
             f"{', '.join(map(repr, missing))} match(es) no linear layer of {r.model.path}; valid: "
             f"{', '.join(valid)}",
+        )
+
+
+def _lora_sync(r: Recipe) -> Iterator[Problem]:
+    """model.lora.sync adapter: what vLLM's LoRA support serves, and the path adapter versions take."""
+    from streamrl_cli.recipe.lora import VLLM_MAX_LORA_RANKS, vllm_max_lora_rank
+
+    c = r.model.lora
+    if c.sync != "adapter":
+        return
+    if vllm_max_lora_rank(c.rank) is None:
+        yield (
+            "model.lora.rank",
+            f"{c.rank} is above the largest adapter rank vLLM serves ({VLLM_MAX_LORA_RANKS[-1]}) with "
+            "model.lora.sync adapter: use a rank of at most that, or sync: merged",
+        )
+    trainer, generator = r.clusters.get(r.roles.trainer.cluster), r.clusters.get(r.roles.generator.cluster)
+    if trainer is not None and generator is not None and trainer.site != generator.site:
+        # The cross-site relay (weights.relay*) moves merged versions only; an adapter version
+        # would reach the far site's engines as if it were the model.
+        yield (
+            "model.lora.sync",
+            f"adapter versions are sent inside the trainer's site only, and the generators are at "
+            f"site {generator.site!r} (the trainer at {trainer.site!r}: the cross-site relay sends "
+            "merged weights): use sync: merged (valid: merged, adapter), or generators at the "
+            "trainer's site",
         )
 
 

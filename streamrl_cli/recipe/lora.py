@@ -15,6 +15,9 @@ from pathlib import Path
 
 from streamrl_cli.recipe.schema import LORA_LINEAR_NAMES, ModelConfig
 
+# vLLM's LoRAConfig.max_lora_rank takes only these values (vllm.config.lora.MaxLoRARanks): the
+# adapter ranks model.lora.sync adapter can serve.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # Architectures (config.json's model_type) whose blocks' linear layers are LORA_LINEAR_NAMES.
 LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral"})
 # 2-D weights that are not a block's linear layers: embeddings, and the output head (tied to the
@@ -65,3 +68,8 @@ def target_names(model: ModelConfig) -> list[str] | None:
 def matches(target: str, modules: list[str]) -> bool:
     """PEFT's rule for a target_modules string: a module's full name, or its last dotted parts."""
     return any(m == target or m.endswith("." + target) for m in modules)
+
+
+def vllm_max_lora_rank(rank: int) -> int | None:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds `rank`; None when none does."""
+    return next((r for r in VLLM_MAX_LORA_RANKS if r >= rank), None)

@@ -27,6 +27,7 @@ MODES = ("sync-stream", "async", "baseline")
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("vllm",)
 RELAY_SYNC = ("delta", "full")
+LORA_SYNC = ("merged", "adapter")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_MODES = ("loss", "penalty", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -199,7 +200,7 @@ LORA_LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 @dataclass(kw_only=True)
 class LoraConfig:
     """LoRA adapters on the policy (PEFT): the base weights stay frozen and only the adapters train.
-    The generators receive the merged weights (base + B·A·alpha/rank) under the base model's names."""
+    What each weight version sends the generators is `sync`'s choice."""
 
     rank: int = 0  # adapter rank r (0: off, every weight trains)
     alpha: float = 16.0  # scaling numerator: the adapter's update is (alpha / rank) · B·A
@@ -207,6 +208,11 @@ class LoraConfig:
     # Modules that get an adapter, by the last part of their name (PEFT's target_modules): linear
     # layers of the model's blocks. Default: every attention and MLP projection of Llama/Qwen blocks.
     target_modules: list[str] = field(default_factory=lambda: list(LORA_LINEAR_NAMES))
+    # What each weight version sends the generators. merged: the whole model, base + (alpha / rank)
+    # · B·A under the base model's names (loaded in place, as without LoRA); adapter: the adapters
+    # alone, served by vLLM's LoRA support over the base the generators loaded once from model.path
+    # (a version is a few MB instead of the model; broadcast inside the trainer's site only).
+    sync: str = choices(*LORA_SYNC, default="merged")
 
 
 @dataclass(kw_only=True)

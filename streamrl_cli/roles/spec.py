@@ -80,6 +80,9 @@ class GeneratorSpec(RoleSpec):
     task: TaskConfig = field(default_factory=TaskConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn: environment, tools, budgets
+    # algorithm.max_staleness: how many versions requests in flight may lag the newest one (with
+    # model.lora.sync adapter, the engine serves that many adapters at once, plus the newest).
+    max_staleness: int = 1
 
 
 @dataclass(kw_only=True)

@@ -328,10 +328,20 @@ class Learner:
         }
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """The policy's full weights by HF name (ZeRO-3: gathered; every rank must call it). With
-        LoRA: the merged weights, base + (alpha / rank) · B·A, under the base model's names, so the
-        generators load them as any other version (trainer.lora.merged_state)."""
+        """The policy's weights as the generators get them (ZeRO-3: gathered; every rank must call
+        it): every weight by HF name. With LoRA, model.lora.sync says which: `merged`, the merged
+        weights, base + (alpha / rank) · B·A, under the base model's names, so the generators load
+        them as any other version (trainer.lora.merged_state); `adapter`, the adapters alone under
+        PEFT's saved names (trainer.lora.adapter_state), served by vLLM's LoRA support."""
         module = self.actor.module
+        if self.lora is not None and self.lora.sync == "adapter":
+            if self.opt.trainer.zero_stage == 3:  # gathered: the adapters only, not the frozen base
+                import deepspeed
+
+                adapters = [p for n, p in module.named_parameters() if lora_.is_adapter(n)]
+                with deepspeed.zero.GatheredParameters(adapters):
+                    return lora_.adapter_state(module, clone=True)
+            return lora_.adapter_state(module)
         if self.opt.trainer.zero_stage == 3:
             import deepspeed
 

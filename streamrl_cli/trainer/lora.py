@@ -8,10 +8,12 @@ What changes with LoRA on, and why:
 - the reference model is the same network with its adapters switched off
   (``disable_adapter()``): the frozen base *is* the initial policy, so no second copy is loaded;
 - checkpoints hold the adapters and their optimizer state, plus ``adapter_config.json``;
-- the generators get the merged weights, base + (alpha / rank) · B·A, under the base model's
-  parameter names (:func:`merged_state`), so the weight broadcast, the cross-site relay and
-  vLLM's weight loading are the same as without LoRA. Sending only the adapters (vLLM's LoRA
-  support) is not built yet.
+- what the generators get is ``model.lora.sync``'s choice: ``merged`` (the default), the merged
+  weights, base + (alpha / rank) · B·A, under the base model's parameter names
+  (:func:`merged_state`), so the weight broadcast, the cross-site relay and vLLM's weight loading
+  are the same as without LoRA; ``adapter``, the adapters alone under PEFT's saved names
+  (:func:`adapter_state`, ``weights.adapter``), which vLLM serves as a LoRA adapter over the base
+  it loaded once.
 """
 
 from __future__ import annotations
@@ -79,6 +81,19 @@ def merged_state(model: nn.Module, *, clone: bool = False) -> dict[str, torch.Te
         w = p.detach()
         out[hf_name(name)] = (w + deltas[name].to(w.dtype)) if name in deltas else (w.clone() if clone else w)
     return out
+
+
+def adapter_state(model: nn.Module, *, clone: bool = False) -> dict[str, torch.Tensor]:
+    """The adapters alone (``model.lora.sync: adapter``): every ``lora_A``/``lora_B`` by its name in
+    PEFT's saved adapter (``weights.adapter.wire_name``), the parameters' own data unless ``clone``.
+    Its parameters must be whole (under ZeRO-3: inside ``GatheredParameters``, with ``clone``)."""
+    from streamrl_cli.weights.adapter import wire_name
+
+    return {
+        wire_name(name): (p.detach().clone() if clone else p.detach())
+        for name, p in model.named_parameters()
+        if is_adapter(name)
+    }
 
 
 def save_config(model: nn.Module, directory: Path) -> None:

@@ -221,3 +221,41 @@ def test_a_lora_checkpoint_exports_merged_and_as_a_peft_adapter_with_the_trainer
     with pytest.raises(ExportError, match="no adapter to export"):
         export_checkpoint(tmp_path / "iter-full", model_dir, tmp_path / "nothing", adapter=True)
     assert not (tmp_path / "nothing").exists()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_with_adapter_sync_the_published_weights_are_the_adapters_as_peft_saves_them(model_dir, stage):
+    """model.lora.sync adapter: each version is the adapters alone (gathered under ZeRO-3), by the names
+    of PEFT's saved adapter (what vLLM's LoRA loader reads), and they give the trained policy."""
+    import dataclasses
+
+    from peft.utils import get_peft_model_state_dict
+
+    lrn = learner(model_dir, stage, lora=dataclasses.replace(LORA, sync="adapter"))
+    train(lrn, seed=30)
+    got = lrn.full_state()
+    module = lrn.actor.module
+    if stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):
+            want = {n: t.detach().clone() for n, t in get_peft_model_state_dict(module).items()}
+            everything = {n: p.detach().clone() for n, p in module.named_parameters()}
+    else:
+        want = get_peft_model_state_dict(module)
+        everything = {n: p.detach().clone() for n, p in module.named_parameters()}
+    assert set(got) == set(want) and all(lora_.is_adapter(n) for n in got)
+    for name in want:
+        assert got[name].shape == want[name].shape and torch.equal(got[name], want[name]), name
+    assert any(t.abs().max() > 0 for n, t in got.items() if "lora_B" in n)  # trained: B left 0
+    base = sum(p.numel() for p in load_policy(model_dir, torch.float32).parameters())
+    assert sum(t.numel() for t in got.values()) < base / 10
+    # the base with these adapters loaded (as a generator would) is the trained policy
+    copy = lora_.apply(load_policy(model_dir, torch.float32), LORA)
+    copy.load_state_dict(everything, strict=False)
+    from peft.utils import set_peft_model_state_dict
+
+    fresh = lora_.apply(load_policy(model_dir, torch.float32), LORA)
+    set_peft_model_state_dict(fresh, got)
+    rows = rollouts(4, seed=31)
+    torch.testing.assert_close(logp(fresh, rows), logp(copy, rows), atol=1e-6, rtol=0)

@@ -123,3 +123,86 @@ def test_a_good_lora_section_reaches_the_trainers_spec(runs_root):
     [trainer_yaml] = run_dir.glob("roles/trainer*.yaml")
     lora = load_spec(trainer_yaml).model.lora  # the trainer parses its slice back into LoraConfig
     assert (lora.rank, lora.alpha, lora.target_modules) == (8, 16.0, ["q_proj", "v_proj"])
+
+
+# ---- model.lora.sync: what each weight version sends the generators ----
+
+
+def sync_problems(recipe: Recipe) -> list[tuple[str, str]]:
+    return [p for p in checks.check(recipe) if p[0].startswith("model.lora")]
+
+
+def two_sites(lora: LoraConfig) -> Recipe:
+    from streamrl_cli.recipe.schema import ClusterConfig
+
+    r = Recipe(model=ModelConfig(path="/nowhere", lora=lora))
+    r.clusters = {
+        "a": ClusterConfig(launcher="local", site="north"),
+        "b": ClusterConfig(launcher="local", site="south"),
+    }
+    r.roles.trainer.cluster, r.roles.generator.cluster = "a", "b"
+    return r
+
+
+def test_adapter_sync_is_accepted_inside_the_trainers_site():
+    for sync in ("merged", "adapter"):
+        lora = LoraConfig(rank=8, sync=sync)
+        assert lora_problems(ModelConfig(path="/nowhere", lora=lora)) == []
+    # the relay carries merged versions: merged is fine across sites
+    assert sync_problems(two_sites(LoraConfig(rank=8))) == []
+
+
+def test_adapter_sync_needs_lora_on():
+    [(key, msg)] = lora_problems(ModelConfig(path="/nowhere", lora=LoraConfig(rank=0, sync="adapter")))
+    assert key == "model.lora.sync"
+    assert "model.lora.rank is 0 (LoRA off)" in msg and "valid: merged, adapter" in msg
+
+
+def test_adapter_sync_refuses_a_rank_vllm_cannot_serve():
+    assert lora_problems(ModelConfig(path="/nowhere", lora=LoraConfig(rank=512, sync="adapter"))) == []
+    [(key, msg)] = lora_problems(ModelConfig(path="/nowhere", lora=LoraConfig(rank=513, sync="adapter")))
+    assert key == "model.lora.rank"
+    assert "above the largest adapter rank vLLM serves (512)" in msg and "sync: merged" in msg
+    # merged versions are whole models: any rank goes
+    assert lora_problems(ModelConfig(path="/nowhere", lora=LoraConfig(rank=1024))) == []
+
+
+def test_adapter_sync_is_refused_with_generators_at_another_site():
+    [(key, msg)] = sync_problems(two_sites(LoraConfig(rank=8, sync="adapter")))
+    assert key == "model.lora.sync"
+    assert "site 'south' (the trainer at 'north'" in msg and "valid: merged, adapter" in msg
+
+
+def test_an_unknown_sync_names_the_valid_values(runs_root):
+    out = streamrl(
+        "run", "local", "model.lora.rank=8", "model.lora.sync=delta", "--root", str(runs_root), "--dry-run"
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    text = " ".join((out.stdout + out.stderr).split())
+    assert "model.lora.sync" in text and "merged" in text and "adapter" in text and "Traceback" not in text
+
+
+def test_adapter_sync_reaches_both_roles_and_the_generator_serves_adapters(runs_root):
+    from pathlib import Path
+
+    from streamrl_cli.generator.main import engine_kwargs
+    from streamrl_cli.roles.spec import load_spec
+
+    out = streamrl(
+        "run", "local", "model.lora.rank=4", "model.lora.sync=adapter", "algorithm.max_staleness=2",
+        "--root", str(runs_root), "--dry-run",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    run_dir = Path(out.stdout.strip().splitlines()[-1])
+    [trainer_yaml] = run_dir.glob("roles/trainer*.yaml")
+    [generator_yaml] = run_dir.glob("roles/generator*.yaml")
+    assert load_spec(trainer_yaml).model.lora.sync == "adapter"
+    gen = load_spec(generator_yaml)
+    assert gen.model.lora.sync == "adapter" and gen.max_staleness == 2
+    lora = engine_kwargs(gen, rank=1)["lora"]
+    assert lora["max_rank"] == 8 and lora["slots"] == 4  # vLLM's next rank; staleness 2 + 2
+    assert lora["directory"] == str(run_dir / "adapters" / "generator-1")
+    assert (lora["config"]["r"], lora["config"]["lora_alpha"], lora["config"]["bias"]) == (4, 16.0, "none")
+    # merged (the default): the engine loads whole versions in place, no LoRA
+    gen.model.lora.sync = "merged"
+    assert engine_kwargs(gen)["lora"] is None
