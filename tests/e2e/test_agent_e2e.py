@@ -162,8 +162,8 @@ def test_status_and_plot_show_the_trajectories(agent_run, tmp_path):
 def test_a_textarena_game_runs_unchanged(tmp_path):
     out = streamrl(
         "run", "local-agent", "--root", str(tmp_path / "runs"), "train.iterations=2", "train.global_batch=2",
-        "algorithm.group_size=2", "agent.env=streamrl_cli.agent.textarena:TextArenaEnv",
-        "agent.env_args={env_id:GuessTheNumber-v0}", "agent.tools=[]", "agent.max_turns=3",
+        "algorithm.group_size=2", "algorithm.name=rloo", "agent.tools=[]", "agent.max_turns=3",
+        "agent.env=streamrl_cli.agent.textarena:TextArenaEnv", "agent.env_args={env_id:GuessTheNumber-v0}",
         "agent.max_turn_tokens=12", "task.max_output_len=512", timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
