@@ -153,15 +153,16 @@ def cancel(
     """
     from streamrl_cli import rundir
     from streamrl_cli import status as st
-    from streamrl_cli.launch import local, slurm
+    from streamrl_cli.launch import launcher as launchers
     from streamrl_cli.launch import run as launcher
 
     r = rundir.find(run_name)
-    jobs = slurm.run_job_states(r.jobs()) if r.jobs() else []
-    state = st.current_state(r, jobs)
+    reports = launchers.reports(r)  # what each launcher knows of the run: its jobs, its processes
+    state = st.current_state(r, reports)
     # Live processes and unfinished jobs (jobs.json) of the run always get stopped, whatever its
-    # (possibly damaged or missing) run.json says.
-    running = any(p.running() for p in local.procs(r)) or slurm.unfinished(jobs, unknown=state == "unknown")
+    # (possibly damaged or missing) run.json says; without a readable state, so do jobs whose state
+    # SLURM cannot tell.
+    running = any(rep.live(unknown=state == "unknown") for rep in reports)
     if state not in st.ACTIVE_STATES and not running:
         how = {
             "dry-run": "was a dry run",

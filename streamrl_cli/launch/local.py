@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 
 from streamrl_cli import environ
+from streamrl_cli.launch.launcher import Added, Instance, Launcher, Report, Submission
 from streamrl_cli.launch.plan import JobSpec
 from streamrl_cli.rundir import RunDir, read_json_checked, warn_once, write_json
 
@@ -109,12 +110,6 @@ def spawn(run: RunDir, role: str, rank: int, argv: list[str], env: dict[str, str
     _PROCS[proc.pid] = proc
     write_json(run.local_json, [*map(asdict, procs(run)), asdict(rec)])
     return rec
-
-
-def start_job(run: RunDir, job: JobSpec, spec_path: Path) -> list[LocalProc]:
-    return [
-        spawn(run, job.role, rank, role_command(spec_path, rank), job.env) for rank in range(job.processes)
-    ]
 
 
 def procs(run: RunDir) -> list[LocalProc]:
@@ -280,3 +275,88 @@ def log_tail(path: str | Path, lines: int = 15) -> str:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+class LocalLauncher(Launcher):
+    """Roles as processes on this machine (`launcher: local`), watched by the `streamrl run` that
+    started them; their records are local.json's."""
+
+    name = "local"
+    foreground = True
+
+    def render(self, job: JobSpec, run: RunDir, run_name: str, spec_path: Path) -> tuple[str, int]:
+        return render(job, spec_path), 0o644
+
+    def start(
+        self,
+        run: RunDir,
+        job: JobSpec,
+        spec_path: Path,
+        *,
+        added: Added | None = None,
+        replaces: dict | None = None,
+        note: dict | None = None,
+    ) -> Submission:
+        """One process per rank of the job (spawn records each in local.json); ``replaces`` and
+        ``note`` have nothing to add to those records."""
+        first = added.rank if added is not None else 0
+        for i in range(job.processes):
+            env = dict(job.env)
+            if added is not None:
+                # Its place among the instances that will share this host, so that its engine gets
+                # cores of its own instead of the first instance's (see generator.main.cpu_binding).
+                env[environ.CPU_SLOT] = f"{added.slot + i}/{added.slots}"
+            spawn(run, job.role, first + i, role_command(spec_path, first + i), env)
+        return Submission(
+            job=job,
+            event=("started", {"role": job.role, "cluster": job.cluster, "processes": job.processes}),
+            line=f"started {job.processes} local {job.role} process(es)",
+        )
+
+    def report(self, run: RunDir) -> Report:
+        recs = procs(run)
+        units: dict[str, list[dict]] = {}
+        for p in recs:
+            units.setdefault(p.role, []).append(
+                {"rank": p.rank, "pid": p.pid, "state": "running" if p.alive() else "exited", "log": p.log}
+            )
+        # The run's roles; a local rendezvous server (of a SLURM run too) is none of them.
+        roles = [p for p in recs if p.role != "rendezvous"]
+        running = any(p.alive() for p in roles)
+        return Report(
+            key="processes",
+            units=units,
+            started=bool(roles),
+            running=running,
+            ended="ended" if roles and not running else None,
+            ended_note="local processes are gone but the run was not marked finished",
+            # A dead role's leftover engine processes, and the server, still need stopping.
+            stoppable=lambda unknown: any(p.running() for p in recs),
+        )
+
+    def cancel(self, run: RunDir) -> tuple[list[str], list[str]]:
+        recs = procs(run)
+        live = [p for p in recs if p.running()]  # a dead role's leftover engine processes too
+        # Roles first, the rendezvous last: members can still say goodbye while it is up.
+        stopped = stop([p for p in live if p.role != "rendezvous"])
+        stopped += stop([p for p in live if p.role == "rendezvous"])
+        # A recorded pid that another process holds now is named: nothing of ours is there to stop.
+        stopped += stop([p for p in recs if p not in live and p.successor() is not None])
+        return [s.describe() for s in stopped], [s.describe() for s in stopped if not s.ended]
+
+    def instances(self, run: RunDir, role: str) -> list[Instance]:
+        return [
+            Instance(rank=p.rank, launcher=self.name, pid=p.pid)
+            for p in procs(run)
+            if p.role == role and p.alive()
+        ]
+
+    def release(self, run: RunDir, going: list[Instance], grace_s: float) -> list[str]:
+        """SIGTERM: the instance aborts what is in flight, hands over what finished, leaves the
+        rendezvous and exits; its process group is killed after ``grace_s`` if it does not."""
+        recs = {p.pid: p for p in procs(run)}
+        stop([recs[i.pid] for i in going if i.pid in recs], grace_s=grace_s)
+        return []
+
+    def ranks(self, run: RunDir, role: str) -> list[int]:
+        return [p.rank for p in procs(run) if p.role == role]

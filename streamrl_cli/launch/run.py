@@ -2,7 +2,8 @@
 
     recipe ──► plan.jobs + plan.role_specs ──► run dir (config.yaml, roles/*.yaml, secret, jobs/*)
            ──► rendezvous server: a local process on this host (or its own SLURM job)
-           ──► each job: SLURM through submitit (-M cluster) │ local processes
+           ──► each job: its cluster's launcher (launch.launcher): SLURM through submitit
+               (-M cluster) │ local processes
            ──► local jobs: watched in the foreground until they end; Ctrl-C stops every role
 
 A SLURM-only run returns once submitted; its rendezvous server stays up on this host and stops
@@ -19,17 +20,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from rich.console import Console
 
 from streamrl_cli import rundir
 from streamrl_cli.errors import ClusterError, RendezvousError, ResumeError, StreamRLError
-from streamrl_cli.launch import keeper, local, plan, slurm
+from streamrl_cli.launch import keeper, launcher, local, plan
 from streamrl_cli.launch.plan import JobSpec
 from streamrl_cli.recipe.load import Composed
 from streamrl_cli.rendezvous import create_secret
 from streamrl_cli.roles.restart import mark_trainer_start, trainer_restarts_left
-from streamrl_cli.roles.spec import RoleSpec, TrainerSpec, load_spec, spec_yaml
+from streamrl_cli.roles.spec import RoleSpec, TrainerSpec, spec_yaml
 from streamrl_cli.rundir import RunDir, write_atomic
 
 ENDED_STATES = ("finished", "failed", "cancelled", "dry-run")
@@ -64,12 +64,8 @@ def prepare(composed: Composed, root: Path | None = None, dry_run: bool = False)
     scripts = {}
     for job in jobs:
         scripts[job.key] = run.job_script(job.key, job.launcher)
-        if job.launcher == "slurm":
-            write_atomic(
-                scripts[job.key], slurm.render(job, r.run.name, run.path), mode=slurm.script_mode(job)
-            )
-        else:
-            write_atomic(scripts[job.key], local.render(job, spec_paths[job.role]))
+        text, mode = launcher.get(job.launcher).render(job, run, r.run.name, spec_paths[job.role])
+        write_atomic(scripts[job.key], text, mode=mode)
     run.update_info(
         name=r.run.name,
         run_id=run.name,
@@ -97,29 +93,18 @@ def reopen(run: RunDir) -> Prepared:
     list, the old server's address — moves to ``attempts/<n>/``; checkpoints, metrics and the
     rendezvous journal stay (the trainer resumes from the checkpoints, the server from the journal).
     """
-    from omegaconf import OmegaConf
+    from streamrl_cli.errors import RecipeError
+    from streamrl_cli.launch import run_state
 
-    from streamrl_cli.recipe.schema import Recipe
-
-    alive = [r for r in local.procs(run) if r.running()]
-    if alive or (run.jobs() and not slurm.all_ended(slurm.run_job_states(run.jobs()))):
+    # A job whose state its cluster cannot tell may still run, too.
+    if any(rep.live(unknown=True) for rep in launcher.reports(run)):
         raise ClusterError(
             f"run {run.name} still has roles running: stop it first (`streamrl cancel {run.name}`)"
         )
-    from omegaconf.errors import OmegaConfBaseException
-
-    from streamrl_cli.errors import RecipeError
-    from streamrl_cli.recipe import safe_yaml
-
-    config = run.config
     try:
-        safe_yaml.check_document(config, safe_yaml.read_text(config))
-        tree = OmegaConf.load(config)
-        recipe = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Recipe), tree))
+        recipe = run_state.recipe(run)
     except RecipeError as e:
         raise ResumeError(f"cannot resume run {run.name}: {'; '.join(e.problems)}") from None
-    except (OSError, ValueError, OmegaConfBaseException, yaml.YAMLError) as e:
-        raise ResumeError(f"cannot resume run {run.name}: {config} is damaged: {e}") from None
     # The trainer resumes from run_dir/checkpoints/iter-N/ (complete once its state.json exists).
     ckpts = run.checkpoints
     if not (ckpts.is_dir() and any((p / "state.json").is_file() for p in ckpts.glob("iter-*"))):
@@ -133,8 +118,8 @@ def reopen(run: RunDir) -> Prepared:
             run.attempt(n).mkdir(parents=True, exist_ok=True)
             os.replace(path, run.attempt(n) / path.name)
     jobs = plan.jobs(recipe)
-    spec_paths = {role: run.role_spec(role) for role in ("trainer", "generator", "rendezvous")}
-    specs = {role: load_spec(path) for role, path in spec_paths.items()}
+    spec_paths = {role: run.role_spec(role) for role in plan.ROLES}
+    specs = {role: run_state.role_spec(run, role) for role in plan.ROLES}
     scripts = {j.key: run.job_script(j.key, j.launcher) for j in jobs}
     run.update_info(state="created", resumed=time.time(), attempt=n + 1, trainer_restarts=0)
     run.event("resumed", attempt=n + 1)
@@ -176,26 +161,23 @@ def launch(p: Prepared, console: Console) -> int:
     prepare_model(p, console)
     rdv_job = next((j for j in p.jobs if j.role == "rendezvous"), None)
     role_jobs = [j for j in p.jobs if j.role != "rendezvous"]
+    # Does this command stay to watch roles (local processes), or return once they are submitted?
+    foreground = any(launcher.get(j.launcher).foreground for j in role_jobs)
     try:
-        if rdv_job is None:
+        if rdv_job is None:  # the server runs on this host
             command = local.role_command(p.spec_paths["rendezvous"], 0)
-            if not any(j.launcher == "local" for j in role_jobs):
+            if not foreground:
                 # This command returns once the jobs are submitted: a keeper restarts the server.
                 command = [sys.executable, "-u", "-m", keeper.__name__, str(run.path), "--", *command]
             local.spawn(run, "rendezvous", 0, command)
         else:
-            _submit(p, rdv_job, console)
+            _submit(run, rdv_job, console)
         if rdv_job is not None:
             console.print("waiting for the rendezvous job to start ...")
         url = wait_rendezvous(run, RENDEZVOUS_START_S if rdv_job is None else RENDEZVOUS_JOB_START_S)
         console.print(f"rendezvous: {url}")
         for job in role_jobs:
-            if job.launcher == "slurm":
-                _submit(p, job, console)
-            else:
-                local.start_job(run, job, p.spec_paths[job.role])
-                run.event("started", role=job.role, cluster=job.cluster, processes=job.processes)
-                console.print(f"started {job.processes} local {job.role} process(es)")
+            _submit(run, job, console)
     except BaseException as e:
         # Whatever started stays accounted for: stop local processes, cancel submitted jobs.
         cancel(run, reason=f"launch failed: {e}")
@@ -203,7 +185,7 @@ def launch(p: Prepared, console: Console) -> int:
         raise
     run.update_info(state="running", started=time.time())
     mark_trainer_start(run)
-    if any(j.launcher == "local" for j in role_jobs):
+    if foreground:
         return watch_local(run, console, restart=_trainer_restarter(p))
     console.print(
         f"submitted; follow with `streamrl status {run.name}`, stop with `streamrl cancel {run.name}`"
@@ -211,28 +193,8 @@ def launch(p: Prepared, console: Console) -> int:
     return 0
 
 
-def _submit(p: Prepared, job: JobSpec, console: Console) -> None:
-    from streamrl_cli.roles.entry import run_role
-
-    name = p.run.info()["name"]
-    if job.run_root:  # the script carries the rendezvous address, known only now
-        write_atomic(p.scripts[job.key], slurm.render(job, name, p.run.path), mode=slurm.script_mode(job))
-    job_id = slurm.submit(job, name, p.run.path, run_role, p.spec_paths[job.role])
-    rec = {
-        "role": job.role,
-        "cluster": job.cluster,
-        "slurm_cluster": job.slurm_cluster,
-        "job_id": job_id,
-        "array": job.array,
-        "partition": job.partition,
-        "submitted": time.time(),
-        "script": str(p.scripts[job.key]),
-    }
-    p.run.add_job(rec)
-    p.run.event("submitted", **{k: rec[k] for k in ("role", "cluster", "job_id")})
-    where = f"{job.slurm_cluster or 'default cluster'}/{job.partition}"
-    array = f" array of {job.array}" if job.array else ""
-    console.print(f"submitted {job.role}{array} to {where}: job {job_id}")
+def _submit(run: RunDir, job: JobSpec, console: Console) -> None:
+    console.print(launcher.submit(run, job).line)
 
 
 def wait_rendezvous(run: RunDir, timeout: float) -> str:
@@ -250,17 +212,17 @@ def wait_rendezvous(run: RunDir, timeout: float) -> str:
     raise RendezvousError(f"the rendezvous server did not start within {timeout:.0f} s (see {run.path}/logs)")
 
 
-def _trainer_restarter(p: Prepared) -> Callable[[], list[local.LocalProc]] | None:
-    """Starts the local trainer job again (it resumes from the newest checkpoint), if it is local."""
-    job = next((j for j in p.jobs if j.role == "trainer" and j.launcher == "local"), None)
-    if job is None:
+def _trainer_restarter(p: Prepared) -> Callable[[], object] | None:
+    """Starts the trainer job again (it resumes from the newest checkpoint), if this command watches
+    it (else the rendezvous role's job watcher does, see launch.server_role)."""
+    job = next((j for j in p.jobs if j.role == "trainer"), None)
+    if job is None or not launcher.get(job.launcher).foreground:
         return None
-    return lambda: local.start_job(p.run, job, p.spec_paths["trainer"])
+    # Its restart is the run's event (`trainer_restarted`), not the start of a job.
+    return lambda: launcher.submit(p.run, job, announce=False)
 
 
-def watch_local(
-    run: RunDir, console: Console, restart: Callable[[], list[local.LocalProc]] | None = None
-) -> int:
+def watch_local(run: RunDir, console: Console, restart: Callable[[], object] | None = None) -> int:
     """Wait for the local role processes, with a live table; Ctrl-C (or SIGTERM) stops them all.
 
     A trainer that dies is started again by ``restart`` while roles.trainer.restarts allows; a
@@ -321,8 +283,8 @@ def watch_local(
                     and trainer_restarts_left(run) > 0
                 ):
                     replaced |= {r.pid for r in trainers}
-                    roles += _restart_trainer(run, trainers, failed, restart, console)
-                    continue
+                    _restart_trainer(run, trainers, failed, restart, console)
+                    continue  # its new processes are in local.json: the next pass watches them
                 if failed or all(codes[r.pid] is not None for r in trainers):
                     break
                 live.update(live_view(run))
@@ -370,9 +332,9 @@ def _restart_trainer(
     run: RunDir,
     trainers: list[local.LocalProc],
     failed: list[local.LocalProc],
-    restart: Callable[[], list[local.LocalProc]],
+    restart: Callable[[], object],
     console: Console,
-) -> list[local.LocalProc]:
+) -> None:
     """The trainer died: stop its other ranks (they would wait in a collective), stop what the dead
     ones left, and start the job again; it resumes from the newest checkpoint and the generators,
     which wait for it, serve the new process once they load the weights it pushes first."""
@@ -390,7 +352,7 @@ def _restart_trainer(
             f"starting the trainer again from the newest checkpoint (restart {n}); last lines of {r.log}:"
         )
         console.print(local.log_tail(r.log, 5), markup=False, highlight=False)
-    return restart()
+    restart()
 
 
 def _generator_failed(run: RunDir, rec: local.LocalProc, code: int | None, console: Console) -> None:
@@ -449,15 +411,14 @@ def _wait_exit(recs: list[local.LocalProc], timeout: float) -> None:
 
 def _scale_follower(run: RunDir, console: Console):  # type: ignore[no-untyped-def]
     """The follower of scale requests when this process is the one that applies them (local generators)."""
-    from streamrl_cli.launch import scale_executor
+    from streamrl_cli.launch import run_state
     from streamrl_cli.launch.scale_follow import ScaleFollower
     from streamrl_cli.rendezvous import RendezvousClient
-    from streamrl_cli.roles.spec import load_spec
 
     try:
-        if scale_executor.launcher_of(run) != "local":
+        if not launcher.of_role(run, "generator").foreground:
             return None  # the rendezvous role's job watcher applies them
-        ca = load_spec(run.role_spec("rendezvous")).rendezvous_ca
+        ca = run_state.role_spec(run, "rendezvous").rendezvous_ca
         # Short retries: the watch loop must stay responsive while the server restarts or stops.
         return ScaleFollower(run, RendezvousClient.from_run_dir(run.path, tls_ca=ca, retry_s=2.0))
     except StreamRLError as e:
@@ -487,42 +448,23 @@ def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:
     """Cancel every job of the run on every cluster and stop its local processes. Returns what was
     done: one line per job, and per process what actually happened to it (stopped, killed, or why
     it was not signalled)."""
-    done, errors = [], []
+    done: list[str] = []
+    errors: list[str] = []
     ended_as = run.info().get("state")
     if ended_as not in ENDED_STATES:
         ended_as = None
-    elif not any(r.running() for r in local.procs(run)) and not (
-        run.jobs() and slurm.unfinished(slurm.run_job_states(run.jobs()))
-    ):
+    elif not any(rep.live() for rep in launcher.reports(run)):
         return done  # nothing of it runs: its record of how it ended stays as it is
     if ended_as is None:
         # Said before any signal is sent, so that a `streamrl run` watching the roles reads their
         # exits as a cancel, not as a failure.
         run.update_info(state="cancelling")
-    _, damaged = rundir.read_json_checked(run.jobs_json)
-    if damaged:
-        errors.append(
-            f"{damaged}: cannot tell which SLURM jobs to cancel; find them with "
-            f"`squeue --name {run.info().get('name') or run.name}` and scancel them"
-        )
-    for job in run.jobs():  # jobs.json, not run.json, says which jobs the run has
-        try:
-            slurm.cancel(job.get("slurm_cluster"), job["job_id"])
-            done.append(
-                f"scancel {job['job_id']} ({job.get('role', '?')} on "
-                f"{job.get('slurm_cluster') or 'default cluster'})"
-            )
-        except ClusterError as e:
-            errors.append(str(e))
-    procs = local.procs(run)
-    live = [r for r in procs if r.running()]  # a dead role's leftover engine processes too
-    # Roles first, the rendezvous last: members can still say goodbye while it is up.
-    stopped = local.stop([r for r in live if r.role != "rendezvous"])
-    stopped += local.stop([r for r in live if r.role == "rendezvous"])
-    # A recorded pid that another process holds now is named: nothing of ours is there to stop.
-    stopped += local.stop([r for r in procs if r not in live and r.successor() is not None])
-    done += [s.describe() for s in stopped]
-    errors += [s.describe() for s in stopped if not s.ended]
+    # Every launcher, whichever the run's clusters use: queued jobs first, local processes (this
+    # host's rendezvous server among them, last) after.
+    for each in launcher.every():
+        did, failed = each.cancel(run)
+        done += did
+        errors += failed
     if ended_as is None:
         run.update_info(state="cancelled", ended=time.time())
         run.event("cancelled", reason=reason, actions=done, errors=errors)

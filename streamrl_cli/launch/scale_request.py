@@ -37,14 +37,14 @@ def target_count(spec: str, current: int) -> int:
 
 def request(run: RunDir, spec: str, *, wait_s: float, reason: str = "") -> dict[str, Any]:
     """Post the request and wait for its outcome (the `scaled` / `scale_failed` event)."""
+    from streamrl_cli.launch import run_state
     from streamrl_cli.rendezvous import RendezvousClient
-    from streamrl_cli.roles.spec import load_spec
 
     state = run.info().get("state")
     if state != "running":
         raise ClusterError(f"run {run.name} is {state or 'not started'}: only a running run can be scaled")
     target = target_count(spec, len(scale_executor.instances(run)))
-    ca = load_spec(run.role_spec("rendezvous")).rendezvous_ca
+    ca = run_state.role_spec(run, "rendezvous").rendezvous_ca
     with RendezvousClient.from_run_dir(run.path, tls_ca=ca, retry_s=5.0) as client:
         seq = client.request_scale(
             target, source="user", reason=reason or f"streamrl scale --generators {spec}"

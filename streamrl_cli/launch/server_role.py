@@ -119,8 +119,8 @@ def _restart_trainer(run: RunDir, states: list[dict]) -> bool:
     while roles.trainer.restarts allows; the new job resumes from the newest checkpoint. True when
     it was. A cancelled run, or a trainer job SLURM requeues itself, is left alone."""
     from streamrl_cli.errors import StreamRLError
-    from streamrl_cli.launch.scale_executor import role_job
-    from streamrl_cli.roles.entry import run_role
+    from streamrl_cli.launch import launcher
+    from streamrl_cli.launch.run_state import role_job
     from streamrl_cli.roles.restart import mark_trainer_start, trainer_restarts_left
 
     trainer = [j for j in states if j["role"] == "trainer"]
@@ -132,17 +132,15 @@ def _restart_trainer(run: RunDir, states: list[dict]) -> bool:
         return False
     if run.info().get("state") in ("cancelling", "cancelled") or trainer_restarts_left(run) <= 0:
         return False
+    n = int(run.info().get("trainer_restarts") or 0) + 1
     try:
-        job = role_job(run, "trainer")
-        job_id = slurm.submit(
-            job, run.info().get("name", run.name), run.path, run_role, run.role_spec("trainer")
-        )
+        # Its record takes the place of the old job's; the restart is the run's event, said below.
+        job_id = launcher.submit(
+            run, role_job(run, "trainer"), replaces=old, announce=False, restart=n
+        ).job_id
     except StreamRLError as e:
         log.error("the trainer job %s ended %s and could not be submitted again: %s", old["job_id"], ended, e)
         return False
-    n = int(run.info().get("trainer_restarts") or 0) + 1
-    run.replace_job(old, {**{k: v for k, v in old.items() if k != "tasks"}, "job_id": job_id,
-                          "submitted": time.time(), "restart": n})  # fmt: skip
     run.update_info(trainer_restarts=n)
     mark_trainer_start(run)
     run.event("trainer_restarted", restart=n, job_id=job_id, replaces=old["job_id"], states=sorted(ended))
@@ -152,16 +150,17 @@ def _restart_trainer(run: RunDir, states: list[dict]) -> bool:
 
 
 def _apply_scale_requests(run: RunDir, spec: RendezvousSpec) -> None:
-    """For a run whose generators are SLURM jobs, this process applies scale requests (scale_follow)."""
+    """For a run whose generators no `streamrl run` watches (SLURM jobs), this process applies scale
+    requests (scale_follow)."""
     from streamrl_cli.errors import StreamRLError
-    from streamrl_cli.launch import scale_executor
+    from streamrl_cli.launch import launcher
     from streamrl_cli.launch.scale_follow import ScaleFollower
     from streamrl_cli.rendezvous import RendezvousClient
     from streamrl_cli.roles.preflight import wait_for_file
 
     try:
-        if scale_executor.launcher_of(run) != "slurm":
-            return  # local generators: `streamrl run` applies them
+        if launcher.of_role(run, "generator").foreground:
+            return  # generators `streamrl run` watches (local processes): it applies them
         wait_for_file(Path(spec.rendezvous_file), 60.0)
         follower = ScaleFollower(run, RendezvousClient.from_run_dir(run.path, tls_ca=spec.rendezvous_ca))
     except (StreamRLError, OSError) as e:

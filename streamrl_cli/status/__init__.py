@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamrl_cli import rundir
-from streamrl_cli.launch import local, slurm
+from streamrl_cli.launch import launcher
 from streamrl_cli.rundir import RunDir
 
 if TYPE_CHECKING:
+    from streamrl_cli.launch.launcher import Report
     from streamrl_cli.recipe.schema import TrainConfig
 
 ROLE_ORDER = ("rendezvous", "trainer", "generator")
@@ -30,8 +30,7 @@ SCHEMA_VERSION = 1
 def collect(run: RunDir) -> dict[str, Any]:
     """The whole status of one run as one JSON-able document."""
     info = run.info()
-    jobs = slurm.run_job_states(run.jobs()) if run.jobs() else []
-    procs = local.procs(run)
+    reports = launcher.reports(run)  # each launcher's units: SLURM jobs, local processes
     rdv = _rendezvous(run)
     members = rdv.pop("_members", [])
     roles = []
@@ -41,12 +40,11 @@ def collect(run: RunDir) -> dict[str, Any]:
             {
                 "role": role,
                 "cluster": spec.get("cluster"),
-                "jobs": [j for j in jobs if j["role"] == role],
-                "processes": [_proc(p) for p in procs if p.role == role],
+                **{rep.key: rep.units.get(role, []) for rep in reports},
                 "members": _members(run, role, members, reachable=bool(rdv.get("reachable"))),
             }
         )
-    state, problems = _derive_state(info.get("state", "unknown"), jobs, procs)
+    state, problems = _derive_state(info.get("state", "unknown"), reports)
     stall_after_s = _trainer_train(run).stall_after_s
     stalled = stalled_for(state, rdv, info, stall_after_s, time.time())
     if stalled is not None:
@@ -201,11 +199,12 @@ def _trainer_train(run: RunDir) -> TrainConfig:
     """The trainer's typed train section, or the schema's defaults where its spec is gone or
     unreadable (status must work without it)."""
     from streamrl_cli.errors import StreamRLError
+    from streamrl_cli.launch import run_state
     from streamrl_cli.recipe.schema import TrainConfig
-    from streamrl_cli.roles.spec import TrainerSpec, load_spec
+    from streamrl_cli.roles.spec import TrainerSpec
 
     try:
-        spec = load_spec(run.role_spec("trainer"))
+        spec = run_state.role_spec(run, "trainer")
     except StreamRLError:
         return TrainConfig()
     return spec.train if isinstance(spec, TrainerSpec) else TrainConfig()
@@ -284,43 +283,35 @@ def _member_errors(run: RunDir) -> list[str]:
     return out
 
 
-def _proc(p: local.LocalProc) -> dict[str, Any]:
-    return {"rank": p.rank, "pid": p.pid, "state": "running" if p.alive() else "exited", "log": p.log}
+ENDINGS = ("failed", "finished", "ended")  # how a run's roles ended, the most telling first
 
 
-def _derive_state(recorded: str, jobs: list[dict], procs: list[local.LocalProc]) -> tuple[str, list[str]]:
+def _derive_state(recorded: str, reports: list[Report]) -> tuple[str, list[str]]:
     """The run's state now; ``recorded`` is what run.json says (it may lag what SLURM knows, or be
-    "unknown" when run.json is damaged or gone: then the jobs and processes tell what they can)."""
-    problems = []
-    for j in jobs:
-        for t in j["tasks"]:
-            if t["state"] in slurm.TERMINAL - {"COMPLETED"} and recorded not in ("cancelled",):
-                task = f"[{t['task']}]" if t["task"] is not None else ""
-                where = j.get("slurm_cluster") or "default cluster"
-                problems.append(f"{j['role']} job {j['job_id']}{task} on {where}: {t['state']}")
+    "unknown" when run.json is damaged or gone: then the launchers tell what they can)."""
+    problems = [] if recorded == "cancelled" else [p for rep in reports for p in rep.problems]
     if recorded not in ("running", "created", "unknown"):
         return recorded, problems
-    role_procs = [p for p in procs if p.role != "rendezvous"]
-    local_alive = any(p.alive() for p in role_procs)
-    if jobs and slurm.all_ended(jobs) and not local_alive:
-        final = {t["state"] for j in jobs for t in j["tasks"]}
-        return ("finished" if final == {"COMPLETED"} else "failed"), problems
-    if not jobs and role_procs and not local_alive:
-        return "ended", problems + ["local processes are gone but the run was not marked finished"]
-    pending = any(t["state"] == "PENDING" for j in jobs for t in j["tasks"])
-    running = local_alive or any(t["state"] == "RUNNING" for j in jobs for t in j["tasks"])
+    started = [rep for rep in reports if rep.started]
+    if started and all(rep.ended is not None for rep in started):
+        # Every launcher that started roles saw them all end: how tells the run's state.
+        state = min((rep.ended for rep in started), key=ENDINGS.index)
+        notes = [rep.ended_note for rep in started if rep.ended == state and rep.ended_note]
+        return state, problems + notes
+    running = any(rep.running for rep in reports)
+    pending = any(rep.pending for rep in reports)
     return ("running" if running else "pending" if pending else recorded), problems
 
 
 ACTIVE_STATES = ("created", "pending", "running", "stalled", "cancelling")
 
 
-def current_state(run: RunDir, jobs: list[dict] | None = None) -> str:
-    """The run's state now, from run.json, SLURM and its local processes (no server is asked);
-    ``jobs``: the run's jobs with their tasks' states, when the caller already asked SLURM."""
-    if jobs is None:
-        jobs = slurm.run_job_states(run.jobs()) if run.jobs() else []
-    state, _ = _derive_state(run.info().get("state", "unknown"), jobs, local.procs(run))
+def current_state(run: RunDir, reports: list[Report] | None = None) -> str:
+    """The run's state now, from run.json and what its launchers know (no server is asked);
+    ``reports``: theirs, when the caller already asked them (launcher.reports)."""
+    if reports is None:
+        reports = launcher.reports(run)
+    state, _ = _derive_state(run.info().get("state", "unknown"), reports)
     return state
 
 
@@ -414,10 +405,9 @@ def runs_summary() -> list[dict[str, Any]]:
         jobs = run.jobs()
         progress = _progress_from_metrics(run)
         state = info.get("state", "unknown")
-        if state == "running" and not jobs:  # a local run: are its processes there?
-            state = (
-                "running" if any(p.alive() for p in local.procs(run) if p.role != "rendezvous") else "ended"
-            )
+        if state == "running":  # do its roles still run? (SLURM is asked only about runs with jobs)
+            reports = launcher.reports(run)
+            state = _derive_state(state, reports)[0] if any(r.started for r in reports) else "ended"
         out.append(
             {
                 "run": run.name,
@@ -434,14 +424,4 @@ def runs_summary() -> list[dict[str, Any]]:
                 "jobs": len(jobs),
             }
         )
-    if any(r["state"] == "running" and r["jobs"] for r in out):
-        _refresh_slurm_states(out)
     return out
-
-
-def _refresh_slurm_states(rows: list[dict[str, Any]]) -> None:
-    for row in rows:
-        if row["state"] == "running" and row["jobs"]:
-            jobs = slurm.run_job_states(RunDir(Path(row["path"])).jobs())
-            state, _ = _derive_state("running", jobs, [])
-            row["state"] = state

@@ -302,7 +302,7 @@ def test_cancel_of_a_slurm_run_with_a_damaged_run_json_scancels_the_jobs_of_jobs
     assert sub.returncode == 0, sub.stderr
     job_id = sub.stdout.strip().split(";")[0]
     try:
-        # jobs.json as `streamrl run` writes it (launch.run._submit), the job a harmless sleep.
+        # jobs.json as `streamrl run` writes it (launch.launcher.submit), the job a harmless sleep.
         script = dry_run / "jobs" / "trainer.sbatch"
         partition = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%P"], capture_output=True, text=True)
         job = {
