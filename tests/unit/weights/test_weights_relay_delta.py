@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -103,8 +104,8 @@ def test_twenty_versions_cross_as_deltas_and_arrive_bit_exact(server):
         assert_same(got, w)
         assert got.version == version and got.stats["mode"] == "delta" and got.stats["base"] == version - 1
         k = kinds(got)
-        assert k["noise"] == "raw" and k["empty"] == "same"
-        assert k["embed"] in ("sparse", "xor") and k["layer.0.w"] in ("sparse", "xor", "same")
+        assert k["noise"] == "raw" and k["empty"] == k["mask"] == "same"  # changed wholly, not at all
+        assert k["embed"] == "sparse16" and k["layer.0.w"] in ("sparse16", "same")
         assert got.stats["bytes_received"] < got.stats["full_bytes"] / 5, got.stats
         sizes.append(got.stats["bytes_received"])
         spare, held = held.buffer, got  # what a relay does: the version before's buffer is reused
@@ -371,7 +372,7 @@ def test_every_kind_round_trips_bit_exact_nan_payloads_and_signed_zeros_included
 
 
 @pytest.mark.parametrize("share", [0.001, 0.9])
-def test_scattered_changes_go_sparse_and_dense_ones_go_xor(share):
+def test_scattered_changes_go_sparse_and_dense_ones_go_xor_planes(share):
     g = torch.Generator().manual_seed(12)
     old = {"w": torch.randn(100_000, generator=g).to(torch.bfloat16)}
     picked = torch.rand(100_000, generator=g) < share
@@ -382,11 +383,154 @@ def test_scattered_changes_go_sparse_and_dense_ones_go_xor(share):
     assert entries[0].changed == int(
         (raw(new["w"]).view(torch.int16) != raw(old["w"]).view(torch.int16)).sum()
     )
-    assert entries[0].kind == ("sparse" if share < 0.01 else "xor")
+    assert entries[0].kind == ("sparse16" if share < 0.01 else "xor_planes")
     assert len(payload) < math.ceil(b.nbytes * (0.05 if share < 0.01 else 0.9))
     out = np.empty_like(b)
     assert rd.apply(np.frombuffer(payload, dtype=np.uint8), entries, specs, a, specs, out) is None
     assert bytes(out) == bytes(b)
+
+
+def _apply(payload: bytes, entries, specs, base, base_specs) -> tuple[str | None, np.ndarray]:
+    out = np.full(rd.stream_size(specs), 0xAB, dtype=np.uint8)
+    return rd.apply(np.frombuffer(payload, dtype=np.uint8), entries, specs, base, base_specs, out), out
+
+
+def test_twenty_versions_of_every_dtype_and_density_rebuild_bit_exact_whatever_the_threads(monkeypatch):
+    """Pure encode/apply over 20 versions: per version a different share of each tensor changes (none,
+    a few, a third, most, all), in 1-, 2-, 4- and 8-byte dtypes, plus a tensor that never changes,
+    one whose bits all change, one whose changes lie further apart than 16 bits can say and one
+    that changes only in its second part. The delta is the same bytes on one thread as on several
+    and a block at a time in small blocks as in large ones, and every kind is used."""
+    g = torch.Generator().manual_seed(15)
+    shares = [0.0, 0.002, 0.05, 0.3, 0.7, 1.0]
+    w = {
+        "bf16": torch.randn(40_000, generator=g).to(torch.bfloat16),
+        "fp32": torch.randn(123, 77, generator=g),
+        "u8": torch.randint(0, 256, (9_999,), dtype=torch.uint8, generator=g),
+        "i64": torch.randint(-(2**40), 2**40, (3_000,), generator=g),
+        "frozen": torch.randn(1_000, generator=g).to(torch.bfloat16),
+        "noise": noise(g),
+        "far": torch.zeros(70_000, dtype=torch.uint8),  # changes at both ends only: a gap over 2**16
+        "tail": torch.randn(30_000, generator=g).to(torch.bfloat16),  # its last 60% change wholly
+    }
+    seen = set()
+    for version in range(20):
+        new = {k: v.clone() for k, v in w.items()}
+        for i, name in enumerate(("bf16", "fp32", "u8", "i64")):
+            t = new[name].view(-1)
+            picked = torch.rand(t.shape, generator=g) < shares[(version + i) % len(shares)]
+            flipped = random_bits(g, t.dtype, t.numel())
+            t.copy_(torch.where(picked, flipped, t))
+        new["noise"] = noise(g)
+        new["far"][0] += 1
+        new["far"][-1] += 1
+        new["tail"][12_000:] = random_bits(g, torch.bfloat16, 18_000)
+        a, a_specs = _stream(w)
+        b, specs = _stream(new)
+        digests = rd.digests(b, specs)
+        entries, payload = rd.encode(b, specs, a, a_specs, digests)
+        monkeypatch.setattr(rd, "THREADS", 1)
+        monkeypatch.setattr(rd, "BLOCK", 4096)  # many blocks per tensor: dense found mid-tensor
+        assert rd.encode(b, specs, a, a_specs, digests) == (entries, payload)
+        monkeypatch.undo()
+        why, out = _apply(payload, entries, specs, a, a_specs)
+        assert why is None and bytes(out) == bytes(b), (version, why)
+        k = {s.name: e.kind for s, e in zip(specs, entries, strict=True)}
+        assert k["frozen"] == "same" and k["noise"] == "raw" and k["far"] == "sparse32", k
+        assert k["tail"] == "xor_planes", k
+        for s, e in zip(specs, entries, strict=True):
+            unit = np.dtype(f"u{new[s.name].element_size()}")
+            diff = np.count_nonzero(raw(w[s.name]).numpy().view(unit) != raw(new[s.name]).numpy().view(unit))
+            assert e.changed == diff or e.kind == "raw", (s.name, e)
+        seen |= set(k.values())
+        w = new
+    assert seen == set(rd.KINDS)
+
+
+def test_a_tensor_the_base_lacks_or_a_stream_too_short_is_refused_not_guessed():
+    g = torch.Generator().manual_seed(16)
+    old = {"w": torch.randn(5_000, generator=g).to(torch.bfloat16)}
+    new = {"w": old["w"].clone()}
+    new["w"][::100] += 1
+    a, specs = _stream(old)
+    b, _ = _stream(new)
+    entries, payload = rd.encode(b, specs, a, specs, rd.digests(b, specs))
+    assert entries[0].kind == "sparse16"
+    other, other_specs = _stream({"v": old["w"]})  # a base without a tensor of that name
+    assert _apply(payload, entries, specs, other, other_specs)[0] == (
+        "tensor 'w' (sparse16): the base holds no such tensor"
+    )
+    why, _ = _apply(payload[:-1], entries, specs, a, specs)
+    assert why is not None and why.startswith("tensor 'w' (sparse16): entry out of the delta stream")
+
+
+def test_an_earlier_streamrls_sparse_and_xor_deltas_are_still_rebuilt():
+    """Before byte planes (same protocol): ``sparse`` held int32 gaps and the values as they are,
+    ``xor`` the XOR as it is. A relay of this version rebuilds both."""
+    import zstandard
+
+    g = torch.Generator().manual_seed(17)
+    old = {"s": torch.randn(20_000, generator=g).to(torch.bfloat16), "x": torch.randn(999, generator=g)}
+    new = {k: v.clone() for k, v in old.items()}
+    new["s"][::37] *= 1.5
+    new["x"] += 1.0
+    a, specs = _stream(old)
+    b, _ = _stream(new)
+    xs = (raw(new["s"]).numpy().view(np.uint16)) ^ (raw(old["s"]).numpy().view(np.uint16))
+    pos = np.flatnonzero(xs)
+    sparse = zstandard.compress(np.diff(pos, prepend=0).astype(np.int32).tobytes() + xs[pos].tobytes())
+    xor = zstandard.compress((raw(new["x"]).numpy() ^ raw(old["x"]).numpy()).tobytes())
+    digests = rd.digests(b, specs)
+    entries = [
+        rd.TensorDelta("sparse", 0, len(sparse), len(pos), digests[0]),
+        rd.TensorDelta("xor", len(sparse), len(xor), 999, digests[1]),
+    ]
+    why, out = _apply(sparse + xor, entries, specs, a, specs)
+    assert why is None and bytes(out) == bytes(b)
+
+
+def test_a_delta_of_a_kind_this_relay_does_not_know_comes_whole_and_is_logged(server, caplog):
+    """What a relay of an older StreamRL does with a newer trainer's encoding (the kinds name their
+    format): it refuses the delta, says which kind, and fetches the whole version."""
+    g = torch.Generator().manual_seed(18)
+    w = model(18)
+    server.publish(1, w)
+    held = fetch_weights(server.address, TOKEN)
+    w = step(w, g)
+    server.publish(2, w)
+    stream = server._current.deltas[1]
+    entries = [msgspec.structs.replace(e, kind="sparse7") if e.kind == "sparse16" else e
+               for e in stream.manifest.delta]  # fmt: skip
+    stream.manifest = msgspec.structs.replace(stream.manifest, delta=entries)
+    with caplog.at_level("WARNING", logger="streamrl.weights.relay"):
+        got = fetch_weights(server.address, TOKEN, base=held)
+    assert_same(got, w)
+    assert (got.stats["mode"], got.stats["reason"]) == ("full", "checksum")
+    assert "unknown kind 'sparse7'" in caplog.text
+
+
+def test_a_relay_restarted_between_a_base_and_its_delta_gets_the_whole_version_and_says_so(server):
+    """The relay held version 1; the trainer published 2 (a delta from 1 waits for it); the relay
+    process died and a new one started, holding nothing: version 2 comes whole, recorded as
+    ``no_base`` in its metrics, and version 3 as a delta from 2 again."""
+    g = torch.Generator().manual_seed(19)
+    w = model(19)
+    server.publish(1, w)
+    assert _relay("delta")._fetch(server.address, 1).stats["mode"] == "full"  # then it dies
+    w = step(w, g)
+    server.publish(2, w)
+    assert 1 in server._current.deltas
+    relay = _relay("delta")  # the new relay process
+    got = relay._fetch(server.address, 2)
+    assert_same(got, w)
+    m = transfer_metrics(2, 0.5, {"bytes": 10, "relay": got.stats})
+    assert (m["weights/wan_mode"], m["weights/wan_reason"]) == ("full", "no_base")
+    assert m["weights/wan_bytes"] == m["weights/wan_full_bytes"]
+    w = step(w, g)
+    server.publish(3, w)
+    got = relay._fetch(server.address, 3)
+    assert_same(got, w)
+    assert (got.stats["mode"], got.stats["base"]) == ("delta", 2)
 
 
 # ---- who switches it: roles.generator.relay_sync, read by the relay and by the trainer ----
