@@ -15,7 +15,16 @@ import time
 from pathlib import Path
 
 import pytest
-from support.helpers import REPO, SHRINKING, STREAMRL, none_alive, shrinking_dataset, streamrl
+from support.helpers import (
+    ENDS_AT_SHORT_WORD,
+    REPO,
+    SHORT_WORD,
+    SHRINKING,
+    STREAMRL,
+    none_alive,
+    shrinking_dataset,
+    streamrl,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -88,18 +97,26 @@ def changes(run_dir: Path) -> list[dict]:
 
 
 def test_the_rule_grows_then_releases_as_outputs_shorten(runs_root, tmp_path):
-    """1 -> 2 -> 1 by the rule alone. Long outputs first: one instance running one group at a time
-    cannot keep up (Δ > Δ′), so the trainer asks for a second. Then one-word answers: training (one
-    sample per micro-batch) is the slow side, the generators idle, and one fewer would still keep
-    up, so the rule releases the instance it added once it serves. Every sample trained once.
+    """1 -> 2 -> 1 by the rule alone. Long outputs first: one instance running one sequence at a
+    time cannot keep up (Δ > Δ′), so the trainer asks for a second. Then one-word answers, short by
+    construction from the first short iteration on (each ends at its first fox: ENDS_AT_SHORT_WORD):
+    training (one sample per micro-batch) is the slow side, the generators idle, and one fewer would
+    still keep up, so the rule releases the instance it added once it serves (the short phase may
+    begin before it does: with one instance serving, the rule holds). Every sample trained once.
     (Patience 2: an instance counted as serving for one iteration may not have taken work yet.)"""
     e = "roles.generator.elastic"
     batch = 8
+    data = shrinking_dataset(
+        tmp_path / "shrinking.jsonl",
+        long_prompts=20 * batch,
+        short_prompts=100 * batch,
+        short_word=SHORT_WORD,
+    )
     proc, run_dir = start(
-        runs_root, shrinking_dataset(tmp_path / "shrinking.jsonl", long_prompts=20 * batch), *SHRINKING,
+        runs_root, data, *SHRINKING, *ENDS_AT_SHORT_WORD,
         "train.iterations=100000", f"train.global_batch={batch}", "train.micro_batch=1",
         "roles.generator.instances=1", f"{e}.enabled=true", f"{e}.max=2", f"{e}.patience=2",
-        f"{e}.cooldown=1", common=(f"algorithm.group_size={GROUP}", f"roles.generator.max_num_seqs={GROUP}",
+        f"{e}.cooldown=1", common=(f"algorithm.group_size={GROUP}", "roles.generator.max_num_seqs=1",
                                    "train.checkpoint_every=0"),
     )  # fmt: skip
     try:

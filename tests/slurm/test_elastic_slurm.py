@@ -15,7 +15,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support.helpers import SHRINKING, job_logs, metrics_records, shrinking_dataset, streamrl, wait_on_run
+from support.helpers import (
+    ENDS_AT_SHORT_WORD,
+    SHORT_WORD,
+    SHRINKING,
+    job_logs,
+    metrics_records,
+    shrinking_dataset,
+    streamrl,
+    wait_on_run,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -81,7 +90,9 @@ def test_far_site_goes_to_zero_and_back_through_the_relay(slurm_remote, runs_roo
     """`two-site-testbed`: the far site's generators are all released (0); two new ones come up as a
     new array job there and get the current weights through their site's relay (one copy per
     version crosses). The run completes, every iteration trained once with a full batch."""
-    iters = 60
+    # Enough that the run is still going when the far site is scaled (it halts there within a few
+    # iterations of its first), and goes on after the newcomers get weights through the relay.
+    iters = 30
     out = streamrl(
         "run", "two-site-testbed", f"train.iterations={iters}", "train.checkpoint_every=0",
         "train.global_batch=4", "--root", str(runs_root), env=FAST,
@@ -129,7 +140,9 @@ def test_the_far_site_survives_losing_its_relay(slurm_remote, runs_root):
     fetching, broadcasting to its site, serving). The other generator there takes over as relay
     within its lease: a member waiting in a broadcast whose source died notices it within seconds,
     not at the group's timeout. The run completes, every iteration trained once."""
-    iters = 40
+    # Enough that the run is still going when the relay is killed (a few iterations after its
+    # third) and goes on for versions past the kill (`late` below).
+    iters = 24
     out = streamrl(
         "run", "two-site-testbed", f"train.iterations={iters}", "train.checkpoint_every=0",
         "train.global_batch=4", "--root", str(runs_root), env=FAST,
@@ -163,17 +176,25 @@ def test_the_far_site_survives_losing_its_relay(slurm_remote, runs_root):
 
 def test_the_policy_grows_then_releases_slurm_generators(slurm, runs_root, tmp_path):
     """`slurm-local` goes 1 -> 2 -> 1 by the elastic rule alone. Long outputs first: one instance
-    running one group at a time cannot keep up (Δ > Δ′), so the trainer asks for a second and the
-    rendezvous role's job watcher submits it as a new array job, whose task gets the current
-    weights and takes work. Then one-word answers: training (one sample per micro-batch) is the
-    slow side, the generators idle, one fewer would still keep up, so the rule releases the new
-    task, which is cancelled alone. Every iteration is trained once across both events. (Patience
-    2: an instance counted as serving for one iteration may not have taken work yet.)"""
+    running one sequence at a time cannot keep up (Δ > Δ′), so the trainer asks for a second and
+    the rendezvous role's job watcher submits it as a new array job, whose task gets the current
+    weights and takes work. Then one-word answers, short by construction from the first short
+    iteration on (each ends at its first fox: ENDS_AT_SHORT_WORD): training (one sample per
+    micro-batch) is the slow side, the generators idle, one fewer would still keep up, so the rule
+    releases the new task once it serves (with one instance serving, the rule holds), which is
+    cancelled alone. Every iteration is trained once across both events. (Patience 2: an instance
+    counted as serving for one iteration may not have taken work yet.)"""
     e, batch = "roles.generator.elastic", 8
+    data = shrinking_dataset(
+        tmp_path / "shrinking.jsonl",
+        long_prompts=20 * batch,
+        short_prompts=100 * batch,
+        short_word=SHORT_WORD,
+    )
     out = streamrl(
-        "run", "slurm-local", shrinking_dataset(tmp_path / "shrinking.jsonl", long_prompts=20 * batch),
-        *SHRINKING, "train.iterations=100000", "train.checkpoint_every=0", f"train.global_batch={batch}",
-        "train.micro_batch=1", f"algorithm.group_size={GROUP}", f"roles.generator.max_num_seqs={GROUP}",
+        "run", "slurm-local", data, *SHRINKING, *ENDS_AT_SHORT_WORD, "train.iterations=100000",
+        "train.checkpoint_every=0", f"train.global_batch={batch}", "train.micro_batch=1",
+        f"algorithm.group_size={GROUP}", "roles.generator.max_num_seqs=1",
         "roles.generator.instances=1", f"{e}.enabled=true", f"{e}.max=2", f"{e}.patience=2",
         f"{e}.cooldown=1", "--root", str(runs_root), env=FAST,
     )  # fmt: skip

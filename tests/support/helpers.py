@@ -146,20 +146,35 @@ SHRINKING = (
     "task.reward=streamrl_cli.tasks.rewards:repeat_verifier",
 )
 
+# The short phase made short by construction (`shrinking_dataset(..., short_word=SHORT_WORD)`): its
+# prompts are all "repeat fox 1:", the long phase never asks for fox, and the stop string " fox" ends
+# a completion at its first fox. The warmed policy copies the prompt's word first (and the long phase
+# rewards copying it), so a short answer is that one word, from the first short iteration on: no
+# waiting for the policy to unlearn the long answers the long phase taught it. With a short phase of
+# a bounded length the dataset comes round again (epochs, in file order): a run whose one instance
+# happened to keep up through a long phase (measured times on a loaded machine vary) gets another
+# long phase, instead of a short one for ever.
+SHORT_WORD = "fox"
+ENDS_AT_SHORT_WORD = (f"algorithm.stop=[' {SHORT_WORD}']",)
 
-def shrinking_dataset(path: Path, long_prompts: int, short_prompts: int = 4000) -> str:
+
+def shrinking_dataset(
+    path: Path, long_prompts: int, short_prompts: int = 4000, short_word: str | None = None
+) -> str:
     """A "repeat <word> <count>:" dataset whose outputs shrink: `long_prompts` asking for 60 copies,
     then `short_prompts` asking for one (a word and EOS). Trained in file order (task.shuffle=false),
     a run is generation-bound first and training-bound after: the elastic rule's grow-then-release
-    workload. Returns the `task.dataset=` override."""
+    workload. With `short_word`, every short prompt asks for that word and no long one does (see
+    ENDS_AT_SHORT_WORD). Returns the `task.dataset=` override."""
     import json
 
     from streamrl_cli.tasks.builtin import WORDS
 
+    long_words = [w for w in WORDS if w != short_word]
     with path.open("w") as f:
         for phase, n, count in (("long", long_prompts, 60), ("short", short_prompts, 1)):
             for k in range(n):
-                word = WORDS[k % len(WORDS)]
+                word = short_word if short_word and phase == "short" else long_words[k % len(long_words)]
                 prompt = f"repeat {word} {count}:"
                 f.write(
                     json.dumps({"id": f"{phase}/{k}", "prompt": prompt, "word": word, "count": count}) + "\n"
