@@ -102,18 +102,36 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("slow") is not None and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
-    # e2e, then SLURM, then unit: the heavy tiers go out first, as one scope (pytest_xdist_make_scheduler)
-    items.sort(key=lambda item: TIER_ORDER[tier(item.nodeid)])
+    # e2e, then SLURM, then unit, then the side modules: the heavy tiers go out first, as one scope
+    # (pytest_xdist_make_scheduler)
+    items.sort(key=lambda item: (item.nodeid.split("::", 1)[0] in SIDE, TIER_ORDER[tier(item.nodeid)]))
+
+
+# End-to-end modules that run on the unit tests' worker once the unit tests are done, beside the
+# heavy scope: summed from a full run's durations, the unit tier took a quarter of the heavy one's
+# time and that worker then stood idle. Local runs only (no SLURM job of theirs waits for the heavy scope's to leave a
+# node), and each waits on its run's events with liveness bounds, not speeds, so a second run on the
+# machine makes it slower, never wrong.
+SIDE = frozenset(
+    f"tests/e2e/{m}.py"
+    for m in (
+        "test_local_faults",
+        "test_agent_e2e",
+        "test_long_tail_e2e",
+        "test_generator_elastic",
+        "test_user_task_e2e",
+    )
+)
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """`-n 2` (make test): every e2e and SLURM test on one worker, one after another, and the unit
-    tests, module by module (some run in order on one module fixture), on the other. Two real runs
-    at once (engines, trainers, SLURM jobs on the test clusters' two CPUs) each took about twice as
-    long on 2 cores, and SLURM jobs of one waited for the other's to leave the node: nothing was
-    gained and timeouts were raced. Unit tests, light, fit beside them. Scopes go out in collection
-    order (the heavy one first, see the sort above); a worker holding a scope takes nothing else
-    until it is done. `make test-fast` (unit tier only) spreads the modules over both workers."""
+    """`-n 2` (make test): the e2e and SLURM tests on one worker, one after another (one scope), and
+    the unit tests, module by module (some run in order on one module fixture), on the other, then
+    the SIDE modules there. Two SLURM runs at once waited for each other's jobs to leave the test
+    clusters' nodes and raced their timeouts, so SLURM tests stay in the one scope. Scopes go out in
+    collection order (the heavy one first, see the sort above); a worker holding a scope takes
+    nothing else until it is done. `make test-fast` (unit tier only) spreads the modules over both
+    workers."""
     from xdist.scheduler import LoadScopeScheduling
 
     class TierScheduling(LoadScopeScheduling):
@@ -123,6 +141,7 @@ def pytest_xdist_make_scheduler(config, log):
 
         def _split_scope(self, nodeid: str) -> str:
             # a unit module stays on one worker: some run their tests in order on one module fixture
-            return "heavy" if tier(nodeid) in ("e2e", "slurm") else nodeid.split("::", 1)[0]
+            module = nodeid.split("::", 1)[0]
+            return "heavy" if tier(nodeid) in ("e2e", "slurm") and module not in SIDE else module
 
     return TierScheduling(config, log)
