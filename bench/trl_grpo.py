@@ -64,7 +64,7 @@ def train(s: dict) -> dict:
         seed=s["seed"],
         use_cpu=True,
         bf16=False,
-        logging_steps=max(1, s["steps"] // 4),
+        logging_steps=1,  # every step: the per-step entropy beside the reward
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
@@ -85,6 +85,8 @@ def train(s: dict) -> dict:
         "tokens": counted["tokens"],
         "reward_first": rewards[0] if rewards else None,
         "reward_last": sum(rewards[-4:]) / len(rewards[-4:]) if rewards else None,
+        "rewards": rewards,
+        "entropy": [h["entropy"] for h in trainer.state.log_history if "entropy" in h],
     }
 
 

@@ -185,10 +185,13 @@ def test_the_policy_grows_then_releases_slurm_generators(slurm, runs_root, tmp_p
     cancelled alone. Every iteration is trained once across both events. (Patience 2: an instance
     counted as serving for one iteration may not have taken work yet.)"""
     e, batch = "roles.generator.elastic", 8
+    # A short phase long enough to hold the release (~1 s an iteration): the added task's engine
+    # starts in its own job and must serve before the rule may release it; measured, it came up
+    # after 100 short iterations had passed, and the release waited for the next round.
     data = shrinking_dataset(
         tmp_path / "shrinking.jsonl",
         long_prompts=20 * batch,
-        short_prompts=100 * batch,
+        short_prompts=300 * batch,
         short_word=SHORT_WORD,
     )
     out = streamrl(
