@@ -126,7 +126,15 @@ def evaluate(s: dict) -> dict:
             [r["prompt"] for r in batch], texts, [r["word"] for r in batch], [r["count"] for r in batch]
         )
     n = len(scores)
-    return {"reward": sum(scores) / n, "length": sum(lengths) / n, "prompts": len(prompts)}
+    # Standard error over prompts (a prompt's samples are not independent of each other).
+    k = s["samples"]
+    per_prompt = [sum(scores[i : i + k]) / k for i in range(0, n, k)]
+    mean = sum(per_prompt) / len(per_prompt)
+    var = sum((x - mean) ** 2 for x in per_prompt) / max(len(per_prompt) - 1, 1)
+    return {
+        "reward": sum(scores) / n, "se": (var / len(per_prompt)) ** 0.5, "length": sum(lengths) / n,
+        "prompts": len(prompts),
+    }  # fmt: skip
 
 
 if __name__ == "__main__":
