@@ -1,7 +1,7 @@
 """StreamRL against Hugging Face TRL's GRPOTrainer: same task, model, data, reward and GRPO settings.
 
     .venv/bin/python bench/peer_trl.py [--sizes tiny,x20] [--modes sync-stream,async] [--threads 2]
-    .venv/bin/python bench/peer_trl.py --sizes x80 --iterations 40     # ~9 min here
+    .venv/bin/python bench/peer_trl.py --sizes x80 --seed 1             # ~9 min here; another seed
 
 For each model size, back to back on this machine:
 - TRL `GRPOTrainer` (TRL 1.16, plain `model.generate`, no vLLM) with each `--threads` torch thread
@@ -60,6 +60,10 @@ SIZES = {
     "x80": ({"hidden_size": 384, "num_layers": 5, "num_attention_heads": 6, "num_kv_heads": 6}, 120),
 }
 GROUP, PROMPTS_PER_STEP, MAX_COMPLETION, CLIP, SEED = 8, 8, 256, 0.2, 0
+# Both tools' training seed (`--seed`): with the same seed a run repeats itself exactly (TRL, and
+# StreamRL's reproducible sync-stream), so a second run says something only with another seed. The
+# data, its order and the evaluation keep SEED.
+TRAIN_SEED = SEED
 LR = {"tiny": 1e-3, "x20": 3e-4, "x80": 1e-4}
 ITERATIONS = {"tiny": 40, "x20": 20, "x80": 40}
 HELD_OUT = 200
@@ -140,7 +144,7 @@ def run_trl(py: Path, size: str, model: Path, train: Path, iterations: int, thre
     settings = {
         "model": str(model), "train": str(train), "out": str(work), "threads": threads,
         "steps": iterations, "prompts_per_step": PROMPTS_PER_STEP, "group_size": GROUP,
-        "max_completion": MAX_COMPLETION, "lr": LR[size], "clip": CLIP, "seed": SEED,
+        "max_completion": MAX_COMPLETION, "lr": LR[size], "clip": CLIP, "seed": TRAIN_SEED,
     }  # fmt: skip
     res, wall = trl_call(py, "train", settings, f"{size}: TRL GRPOTrainer, {threads} thread(s)")
     console.print(f"{size}: TRL with {threads} thread(s): loop {res['loop_s']:.1f} s, wall {wall:.1f} s")
@@ -155,7 +159,8 @@ def run_streamrl(
         f"task.max_output_len={MAX_COMPLETION}", f"algorithm.group_size={GROUP}", f"algorithm.lr={LR[size]}",
         f"algorithm.clip_ratio={CLIP}", "algorithm.kl_mode=none", "algorithm.grpo_std_norm=true",
         "algorithm.loss_agg=token-mean", "algorithm.max_grad_norm=1.0", f"algorithm.mode={mode}",
-        f"train.global_batch={PROMPTS_PER_STEP}", f"train.iterations={iterations}", f"train.seed={SEED}",
+        f"train.global_batch={PROMPTS_PER_STEP}", f"train.iterations={iterations}",
+        f"train.seed={TRAIN_SEED}",
         f"train.micro_batch={MICRO_BATCH}",
         *model_args,
     ]  # fmt: skip
@@ -241,7 +246,10 @@ def main() -> None:
     ap.add_argument("--threads", default="2", help="TRL's torch thread counts to try")
     ap.add_argument("--modes", default="sync-stream,async", help="StreamRL's pipelining modes to run")
     ap.add_argument("--iterations", default="", help="steps per size, in --sizes order (default: per size)")
+    ap.add_argument("--seed", type=int, default=SEED, help="both tools' training seed (data, eval: 0)")
     args = ap.parse_args()
+    global TRAIN_SEED
+    TRAIN_SEED = args.seed
     sizes = args.sizes.split(",")
     if unknown := [x for x in sizes if x not in ("tiny", *SIZES)]:
         raise SystemExit(f"unknown size {unknown[0]!r}; valid: tiny, {', '.join(SIZES)}")
