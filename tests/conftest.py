@@ -109,9 +109,9 @@ def pytest_collection_modifyitems(config, items):
 
 # End-to-end modules that run on the unit tests' worker once the unit tests are done, beside the
 # heavy scope: summed from a full run's durations, the unit tier took a quarter of the heavy one's
-# time and that worker then stood idle. Local runs only (no SLURM job of theirs waits for the heavy scope's to leave a
-# node), and each waits on its run's events with liveness bounds, not speeds, so a second run on the
-# machine makes it slower, never wrong.
+# time and that worker then stood idle. Local runs only (no SLURM job of theirs waits for the heavy
+# scope's to leave a node), and each waits on its run's events with liveness bounds, not speeds, so
+# a second run on the machine makes it slower, never wrong.
 SIDE = frozenset(
     f"tests/e2e/{m}.py"
     for m in (
