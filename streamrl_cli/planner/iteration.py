@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from streamrl_cli.planner.generation import GenPlan
 from streamrl_cli.planner.hardware import GPUSpec
 from streamrl_cli.planner.training import TrainPlan
-from streamrl_cli.planner.workload import ModelShape, Workload
+from streamrl_cli.planner.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -40,30 +40,30 @@ class IterationEstimate:
 
 
 def weight_sync_s(
-    model: ModelShape, gen_hw: GPUSpec, train_hw: GPUSpec, cross_site: bool, cross_site_bw: float
+    nbytes: float, gen_hw: GPUSpec, train_hw: GPUSpec, cross_site: bool, cross_site_bw: float
 ) -> float:
-    """Seconds to move one weight version from the trainer to every generator.
+    """Seconds to move one weight version of `nbytes` (Workload.version_bytes) from the trainer to
+    every generator.
 
     Inside a site: a bucketed broadcast, pipelined, so about one pass over the slower NIC. Across
     sites: one copy over the inter-site link to a relay, which rebroadcasts locally while it
     receives (pipelined too: the slower of the two links sets the time).
 
-    A version is the whole model in its dtype, with LoRA too: with model.lora.sync merged (the
-    default) the trainer sends the merged weights, base + (alpha / rank)·B·A, under the base model's
-    names (trainer.lora.merged_state via Learner.full_state); so the bytes do not depend on
-    model.lora. With sync adapter only the adapters move: not modelled here, costed as merged (an
-    overestimate).
+    A version is the whole model in its dtype, with LoRA too when model.lora.sync is merged (the
+    default: base + (alpha / rank)·B·A under the base model's names, trainer.lora.merged_state);
+    with sync adapter it is the adapters alone, inside a site.
     """
     local_bw = min(gen_hw.internode_bw, train_hw.internode_bw) * train_hw.eff.comm
-    local = model.weight_bytes / local_bw
+    local = nbytes / local_bw
     if not cross_site:
         return local
-    return max(local, model.weight_bytes / cross_site_bw)
+    return max(local, nbytes / cross_site_bw)
 
 
-def engine_swap_s(model: ModelShape, gen: GenPlan, gen_hw: GPUSpec) -> float:
-    """Generators pause to copy received weights into the engine: read + write each shard once."""
-    return 2 * model.weight_bytes / gen.tp / gen_hw.hbm_bw
+def engine_swap_s(nbytes: float, gen: GenPlan, gen_hw: GPUSpec) -> float:
+    """Generators pause to copy a received version into the engine: read + write each shard once
+    (an adapter: its own bytes, loaded beside the one in use)."""
+    return 2 * nbytes / gen.tp / gen_hw.hbm_bw
 
 
 def compose(wl: Workload, gen: GenPlan, train: TrainPlan, sync_s: float, swap_s: float) -> IterationEstimate:

@@ -33,10 +33,18 @@ def trainer_doc(wl: Workload) -> dict:
         else None,
         "critic": wl.critic,
         "reference": reference,
-        # The generators get the merged model (trainer.lora.merged_state), never the adapters alone.
-        "weight_sync_bytes": round(m.weight_bytes),
-        "weight_sync": "merged weights (base + adapters), whole model" if wl.lora else "whole model",
+        # Inside a site (Workload.version_bytes); a far site's relay always gets the merged model.
+        "weight_sync_bytes": round(wl.version_bytes(cross_site=False)),
+        "weight_sync": _sync_doc(wl),
     }
+
+
+def _sync_doc(wl: Workload) -> str:
+    if not wl.lora:
+        return "whole model"
+    if wl.lora_sync == "adapter":
+        return "the adapters alone inside a site (model.lora.sync adapter); merged across sites"
+    return "merged weights (base + adapters), whole model"
 
 
 def lora_note(wl: Workload) -> str:
@@ -44,11 +52,17 @@ def lora_note(wl: Workload) -> str:
     if not wl.lora:
         return ""
     m = wl.model
+    if wl.lora_sync == "adapter":
+        sends = (f"each weight version sends the adapters alone inside a site "
+                 f"({wl.version_bytes(False) / 1e6:.3g} MB; the merged model, {m.weight_bytes / 1e9:.3g} GB, "
+                 "across sites)")  # fmt: skip
+    else:
+        sends = f"each weight version still sends the merged model ({m.weight_bytes / 1e9:.3g} GB)"
     return (
         f"LoRA r{wl.lora_rank} on {', '.join(wl.lora_targets)}: {wl.adapter_params / 1e6:.3g}M "
         f"trainable of {m.params / 1e9:.3g}B ({wl.adapter_params / m.params:.2%}); "
-        f"{'no reference copy; ' if wl.reference else ''}each weight version still sends the merged "
-        f"model ({m.weight_bytes / 1e9:.3g} GB). Memory per GPU: LoRA / full fine-tune, same layout."
+        f"{'no reference copy; ' if wl.reference else ''}{sends}. Memory per GPU: LoRA / full "
+        "fine-tune, same layout."
     )
 
 

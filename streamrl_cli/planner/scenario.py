@@ -30,8 +30,9 @@ def ptl_curve(planner: Planner, pool: Pool, gen: GenPlan) -> tuple[tuple[float, 
 
 
 def _config(
-    planner: Planner, gpool: Pool, gen: GenPlan, train: TrainPlan, sync_s: float, mode: str, **kw: object
-) -> SimConfig:
+    planner: Planner, gpool: Pool, gen: GenPlan, train: TrainPlan, sync_s: float, mode: str,
+    cross_site: bool = False, **kw: object,
+) -> SimConfig:  # fmt: skip
     wl, hw = planner.wl, planner.spec(gpool)
     return SimConfig(
         mode=mode,
@@ -47,7 +48,7 @@ def _config(
         sample_s_per_token=train.last_sample_s / wl.max_seq,
         optimizer_s=train.optimizer_s,
         sync_s=sync_s,
-        swap_s=engine_swap_s(wl.model, gen, hw),
+        swap_s=engine_swap_s(wl.version_bytes(cross_site), gen, hw),
         train_chunk_tokens=float(train.dp * wl.max_seq),
         staleness=wl.staleness,
         **kw,  # type: ignore[arg-type]
@@ -56,8 +57,9 @@ def _config(
 
 def from_option(planner: Planner, option: Option, mode: str, **kw: object) -> SimConfig:
     """Simulate `option` in `mode` (baseline, sync-stream or async)."""
+    cross = option.gen_pool.site != option.train_pool.site
     return _config(
-        planner, option.gen_pool, option.gen, option.train, option.estimate.weight_sync_s, mode, **kw
+        planner, option.gen_pool, option.gen, option.train, option.estimate.weight_sync_s, mode, cross, **kw
     )
 
 

@@ -133,8 +133,10 @@ class Planner:
     def evaluate(self, label: str, gp: Pool, gen: GenPlan, tp: Pool, train: TrainPlan) -> Option:
         """Compose one allocation into an option (iteration time, cost, released GPUs)."""
         ghw, thw = self.spec(gp), self.spec(tp)
-        sync = weight_sync_s(self.wl.model, ghw, thw, gp.site != tp.site, self.hardware.cross_site_bw)
-        est = compose(self.wl, gen, train, sync, engine_swap_s(self.wl.model, gen, ghw))
+        cross = gp.site != tp.site
+        nbytes = self.wl.version_bytes(cross)
+        sync = weight_sync_s(nbytes, ghw, thw, cross, self.hardware.cross_site_bw)
+        est = compose(self.wl, gen, train, sync, engine_swap_s(nbytes, gen, ghw))
         if gp == tp:
             released = ((gp.name, gp.gpus - gen.gpus - train.gpus),)
         else:

@@ -124,6 +124,7 @@ class Workload:
     reference: bool = True
     lora_rank: int = 0  # model.lora.rank (0: every weight of the actor trains)
     lora_targets: tuple[str, ...] = ()  # model.lora.target_modules
+    lora_sync: str = "merged"  # model.lora.sync: "adapter" sends the adapters alone inside a site
 
     @property
     def samples(self) -> int:
@@ -177,6 +178,15 @@ class Workload:
     def adapter_params(self) -> int:
         """The actor's LoRA adapter parameters (0 without LoRA)."""
         return adapter_params(self.model, self.lora_rank, self.lora_targets) if self.lora else 0
+
+    def version_bytes(self, cross_site: bool) -> float:
+        """Bytes of one weight version as the generators receive it: the whole model (with LoRA the
+        merged weights, trainer.lora.merged_state), or with model.lora.sync adapter the adapters
+        alone, inside a site only (the recipe check keeps adapter sync off far sites: the relay sends
+        merged versions)."""
+        if self.lora and self.lora_sync == "adapter" and not cross_site:
+            return self.adapter_params * self.model.dtype_bytes
+        return self.model.weight_bytes
 
     @property
     def actor_trainable(self) -> float:
@@ -251,4 +261,5 @@ def workload_from_recipe(r: Recipe, mode: str | None = None) -> Workload:
         reference=a.kl_coef != 0 and a.kl_mode != "none",
         lora_rank=max(0, lora.rank),
         lora_targets=tuple(lora.target_modules) if lora.rank > 0 else (),
+        lora_sync=lora.sync if lora.rank > 0 else "merged",
     )
