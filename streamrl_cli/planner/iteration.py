@@ -34,6 +34,7 @@ class IterationEstimate:
     training_s: float  # forward/backward work (streamed in sync-stream and async)
     optimizer_s: float
     weight_sync_s: float
+    swap_s: float  # generators loading a received version into the engine
     iteration_s: float
     samples_per_s: float
     bubble: float  # fraction of the allocated GPU-time idle in pipeline bubbles
@@ -87,6 +88,7 @@ def compose(wl: Workload, gen: GenPlan, train: TrainPlan, sync_s: float, swap_s:
         training_s=t,
         optimizer_s=o,
         weight_sync_s=s,
+        swap_s=swap_s,
         iteration_s=it,
         samples_per_s=wl.samples / it,
         bubble=bubble,

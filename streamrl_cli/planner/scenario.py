@@ -30,9 +30,15 @@ def ptl_curve(planner: Planner, pool: Pool, gen: GenPlan) -> tuple[tuple[float, 
 
 
 def _config(
-    planner: Planner, gpool: Pool, gen: GenPlan, train: TrainPlan, sync_s: float, mode: str,
-    cross_site: bool = False, **kw: object,
-) -> SimConfig:  # fmt: skip
+    planner: Planner,
+    gpool: Pool,
+    gen: GenPlan,
+    train: TrainPlan,
+    sync_s: float,
+    swap_s: float,
+    mode: str,
+    **kw: object,
+) -> SimConfig:
     wl, hw = planner.wl, planner.spec(gpool)
     return SimConfig(
         mode=mode,
@@ -48,7 +54,7 @@ def _config(
         sample_s_per_token=train.last_sample_s / wl.max_seq,
         optimizer_s=train.optimizer_s,
         sync_s=sync_s,
-        swap_s=engine_swap_s(wl.version_bytes(cross_site), gen, hw),
+        swap_s=swap_s,
         train_chunk_tokens=float(train.dp * wl.max_seq),
         staleness=wl.staleness,
         **kw,  # type: ignore[arg-type]
@@ -57,10 +63,8 @@ def _config(
 
 def from_option(planner: Planner, option: Option, mode: str, **kw: object) -> SimConfig:
     """Simulate `option` in `mode` (baseline, sync-stream or async)."""
-    cross = option.gen_pool.site != option.train_pool.site
-    return _config(
-        planner, option.gen_pool, option.gen, option.train, option.estimate.weight_sync_s, mode, cross, **kw
-    )
+    e = option.estimate
+    return _config(planner, option.gen_pool, option.gen, option.train, e.weight_sync_s, e.swap_s, mode, **kw)
 
 
 def colocated(planner: Planner, pool: Pool, **kw: object) -> SimConfig:
@@ -71,7 +75,8 @@ def colocated(planner: Planner, pool: Pool, **kw: object) -> SimConfig:
     hw = planner.spec(pool)
     # Switching stages offloads one role's weights and states to host memory and loads the other's.
     per_gpu = planner.wl.model.weight_bytes / gen.tp
-    cfg = _config(planner, pool, gen, train, 0.0, "colocated", **kw)
+    swap = engine_swap_s(planner.wl.version_bytes(cross_site=False), gen, hw)
+    cfg = _config(planner, pool, gen, train, 0.0, swap, "colocated", **kw)
     return dataclasses.replace(cfg, switch_s=2 * per_gpu / hw.pcie_bw)
 
 
