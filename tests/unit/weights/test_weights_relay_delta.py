@@ -66,6 +66,18 @@ def step(w: dict[str, torch.Tensor], g: torch.Generator, share: float = 0.01) ->
     return out
 
 
+def two_versions(server, seed: int):  # type: ignore[no-untyped-def]
+    """Version 1 published and fetched whole (the relay's base), then version 2 published (a delta
+    from 1 waits): (version 1, the fetched base, version 2)."""
+    g = torch.Generator().manual_seed(seed)
+    first = model(seed)
+    server.publish(1, first)
+    held = fetch_weights(server.address, TOKEN)
+    second = step(first, g)
+    server.publish(2, second)
+    return first, held, second
+
+
 def raw(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
@@ -131,12 +143,7 @@ def test_only_the_dtype_the_generators_load_is_compared_not_fp32_masters(server)
 
 
 def test_the_base_is_never_received_into(server):
-    g = torch.Generator().manual_seed(14)
-    w1 = model(14)
-    server.publish(1, w1)
-    held = fetch_weights(server.address, TOKEN)
-    w2 = step(w1, g)
-    server.publish(2, w2)
+    w1, held, w2 = two_versions(server, 14)
     got = fetch_weights(server.address, TOKEN, base=held, out=held.buffer)  # as a careless caller might
     assert_same(got, w2)
     assert_same(held, w1)  # still version 1, whole
@@ -177,12 +184,7 @@ def _corrupt_delta(server: WeightServer, base: int) -> int:
 
 
 def test_a_delta_whose_bytes_were_flipped_fails_its_checksum_and_the_version_comes_whole(server):
-    g = torch.Generator().manual_seed(5)
-    w = model(5)
-    server.publish(1, w)
-    held = fetch_weights(server.address, TOKEN)
-    w = step(w, g)
-    server.publish(2, w)
+    _, held, w = two_versions(server, 5)
     size = _corrupt_delta(server, 1)
     got = fetch_weights(server.address, TOKEN, base=held)
     assert_same(got, w)
@@ -492,12 +494,7 @@ def test_an_earlier_streamrls_sparse_and_xor_deltas_are_still_rebuilt():
 def test_a_delta_of_a_kind_this_relay_does_not_know_comes_whole_and_is_logged(server, caplog):
     """What a relay of an older StreamRL does with a newer trainer's encoding (the kinds name their
     format): it refuses the delta, says which kind, and fetches the whole version."""
-    g = torch.Generator().manual_seed(18)
-    w = model(18)
-    server.publish(1, w)
-    held = fetch_weights(server.address, TOKEN)
-    w = step(w, g)
-    server.publish(2, w)
+    _, held, w = two_versions(server, 18)
     stream = server._current.deltas[1]
     entries = [msgspec.structs.replace(e, kind="sparse7") if e.kind == "sparse16" else e
                for e in stream.manifest.delta]  # fmt: skip
