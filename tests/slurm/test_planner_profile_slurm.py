@@ -14,6 +14,7 @@ import time
 
 import pytest
 from support.helpers import REPO, STREAMRL, streamrl
+from support.local_runs import wait_until
 
 from streamrl_cli.launch import slurm as sbatch
 from streamrl_cli.planner.profile import load_profile, summary
@@ -131,19 +132,27 @@ def test_a_failed_job_ends_with_its_log_tail(slurm, tmp_path):
 def test_ctrl_c_cancels_the_jobs_on_both_clusters(slurm_remote, tmp_path):
     # two-site: the generator's kind is profiled on cluster `remote` (-M remote for state and cancel)
     args = ["profile", "two-site-testbed", f"model.path={tmp_path}/tiny-qwen2", "--out", str(tmp_path)]
-    proc = subprocess.Popen(
-        [*STREAMRL, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
-    )
-    jobs_file, deadline = tmp_path / JOBS_FILE, time.monotonic() + 60
-    while time.monotonic() < deadline and not (
-        jobs_file.exists() and len(json.loads(jobs_file.read_text())) == 2
-    ):
-        time.sleep(0.2)
+    # stderr to a file: a pipe nobody reads while the tiny model is built could fill and block it
+    err_path = tmp_path / "profile.stderr"
+    with err_path.open("w") as err:
+        proc = subprocess.Popen(
+            [*STREAMRL, *args], stdout=subprocess.DEVNULL, stderr=err, text=True, cwd=REPO
+        )
+    jobs_file = tmp_path / JOBS_FILE
+
+    def both_submitted():
+        if proc.poll() is not None:  # an event, not a deadline: the command ended before submitting
+            raise AssertionError(f"profile ended ({proc.returncode}) early:\n{err_path.read_text()[-4000:]}")
+        return jobs_file.exists() and len(json.loads(jobs_file.read_text())) == 2
+
+    # the tiny model is built before anything is submitted: minutes on a loaded machine
+    wait_until(both_submitted, timeout=600, what="both profile jobs submitted")
     jobs = json.loads(jobs_file.read_text())
     assert [(j["kind"], j["slurm_cluster"]) for j in jobs] == [("h20", "remote"), ("h800", None)]
     assert int(jobs[0]["job_id"]) >= 1_000_000  # the remote cluster's ids
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
+    proc.wait(timeout=120)
+    stderr = err_path.read_text()
     assert proc.returncode == 130, stderr
     for j in jobs:
         assert f"cancelled profile job {j['job_id']} ({j['kind']})" in stderr
@@ -151,7 +160,7 @@ def test_ctrl_c_cancels_the_jobs_on_both_clusters(slurm_remote, tmp_path):
     def states() -> list[str]:
         return [sbatch.query(j["slurm_cluster"], [j["job_id"]])[j["job_id"]][0]["state"] for j in jobs]
 
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # ends as soon as both say so
     while time.monotonic() < deadline and states() != ["CANCELLED", "CANCELLED"]:
         time.sleep(0.5)
     assert states() == ["CANCELLED", "CANCELLED"]
