@@ -120,7 +120,8 @@ SIDE = frozenset(
         "test_long_tail_e2e",
         "test_generator_elastic",
         "test_user_task_e2e",
-        "test_elastic_run",
+        "test_export",
+        "test_planner_profile",
         "test_chaos",
     )
 )

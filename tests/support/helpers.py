@@ -7,6 +7,7 @@ Imported as ``from support.helpers import ...`` (pytest puts tests/ on the path:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -119,14 +120,19 @@ def job_logs(run: Path, tail: int | None = 2500) -> str:
     return "\n".join(f"== {p}\n" + p.read_text(errors="replace")[-(tail or 0) :] for p in files)
 
 
-def wait_on_run(pred, timeout: float, what: str, run: Path) -> None:  # type: ignore[no-untyped-def]
-    """Poll `pred` until it holds; past `timeout`, fail with the run's job logs."""
+def wait_on_run(pred, timeout: float, what: str, run: Path):  # type: ignore[no-untyped-def]
+    """Poll `pred` until it holds and return what it gave; if the run failed first, or past
+    `timeout` (a liveness bound), fail with the run's job logs."""
     import time
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if pred():
-            return
+        value = pred()
+        if value:
+            return value
+        info = run / "run.json"
+        if info.exists() and json.loads(info.read_text()).get("state") == "failed":
+            raise AssertionError(f"the run failed before {what}\n{job_logs(run)}")
         time.sleep(2)
     raise AssertionError(f"timed out waiting for {what}\n{job_logs(run)}")
 
