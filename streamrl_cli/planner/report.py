@@ -33,8 +33,7 @@ def trainer_doc(wl: Workload) -> dict:
         else None,
         "critic": wl.critic,
         "reference": reference,
-        # Inside a site (Workload.version_bytes); a far site's relay always gets the merged model.
-        "weight_sync_bytes": round(wl.version_bytes(cross_site=False)),
+        "weight_sync_bytes": round(wl.version_bytes),  # inside a site and across (Workload.version_bytes)
         "weight_sync": _sync_doc(wl),
     }
 
@@ -43,7 +42,7 @@ def _sync_doc(wl: Workload) -> str:
     if not wl.lora:
         return "whole model"
     if wl.lora_sync == "adapter":
-        return "the adapters alone inside a site (model.lora.sync adapter); merged across sites"
+        return "the adapters alone (model.lora.sync adapter), inside a site and across sites"
     return "merged weights (base + adapters), whole model"
 
 
@@ -53,9 +52,8 @@ def lora_note(wl: Workload) -> str:
         return ""
     m = wl.model
     if wl.lora_sync == "adapter":
-        sends = (f"each weight version sends the adapters alone inside a site "
-                 f"({wl.version_bytes(False) / 1e6:.3g} MB; the merged model, {m.weight_bytes / 1e9:.3g} GB, "
-                 "across sites)")  # fmt: skip
+        sends = (f"each weight version sends the adapters alone, inside a site and across "
+                 f"({wl.version_bytes / 1e6:.3g} MB; the merged model: {m.weight_bytes / 1e9:.3g} GB)")  # fmt: skip
     else:
         sends = f"each weight version still sends the merged model ({m.weight_bytes / 1e9:.3g} GB)"
     return (

@@ -75,7 +75,7 @@ def colocated(planner: Planner, pool: Pool, **kw: object) -> SimConfig:
     hw = planner.spec(pool)
     # Switching stages offloads one role's weights and states to host memory and loads the other's.
     per_gpu = planner.wl.model.weight_bytes / gen.tp
-    swap = engine_swap_s(planner.wl.version_bytes(cross_site=False), gen, hw)
+    swap = engine_swap_s(planner.wl.version_bytes, gen, hw)
     cfg = _config(planner, pool, gen, train, 0.0, swap, "colocated", **kw)
     return dataclasses.replace(cfg, switch_s=2 * per_gpu / hw.pcie_bw)
 

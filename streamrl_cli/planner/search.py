@@ -134,7 +134,7 @@ class Planner:
         """Compose one allocation into an option (iteration time, cost, released GPUs)."""
         ghw, thw = self.spec(gp), self.spec(tp)
         cross = gp.site != tp.site
-        nbytes = self.wl.version_bytes(cross)
+        nbytes = self.wl.version_bytes
         sync = weight_sync_s(nbytes, ghw, thw, cross, self.hardware.cross_site_bw)
         est = compose(self.wl, gen, train, sync, engine_swap_s(nbytes, gen, ghw))
         if gp == tp:

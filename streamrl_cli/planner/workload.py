@@ -179,12 +179,12 @@ class Workload:
         """The actor's LoRA adapter parameters (0 without LoRA)."""
         return adapter_params(self.model, self.lora_rank, self.lora_targets) if self.lora else 0
 
-    def version_bytes(self, cross_site: bool) -> float:
-        """Bytes of one weight version as the generators receive it: the whole model (with LoRA the
-        merged weights, trainer.lora.merged_state), or with model.lora.sync adapter the adapters
-        alone, inside a site only (the recipe check keeps adapter sync off far sites: the relay sends
-        merged versions)."""
-        if self.lora and self.lora_sync == "adapter" and not cross_site:
+    @property
+    def version_bytes(self) -> float:
+        """Bytes of one weight version as the generators receive it, on the broadcast and through the
+        cross-site relay alike: the whole model (with LoRA the merged weights,
+        trainer.lora.merged_state), or with model.lora.sync adapter the adapters alone."""
+        if self.lora and self.lora_sync == "adapter":
             return self.adapter_params * self.model.dtype_bytes
         return self.model.weight_bytes
 

@@ -571,7 +571,8 @@ def _lora(r: Recipe) -> Iterator[Problem]:
 
 
 def _lora_sync(r: Recipe) -> Iterator[Problem]:
-    """model.lora.sync adapter: what vLLM's LoRA support serves, and the path adapter versions take."""
+    """model.lora.sync adapter: what vLLM's LoRA support serves (on every path: the broadcast inside a
+    site and the cross-site relay carry adapter versions alike)."""
     from streamrl_cli.recipe.lora import VLLM_MAX_LORA_RANKS, vllm_max_lora_rank
 
     c = r.model.lora
@@ -582,17 +583,6 @@ def _lora_sync(r: Recipe) -> Iterator[Problem]:
             "model.lora.rank",
             f"{c.rank} is above the largest adapter rank vLLM serves ({VLLM_MAX_LORA_RANKS[-1]}) with "
             "model.lora.sync adapter: use a rank of at most that, or sync: merged",
-        )
-    trainer, generator = r.clusters.get(r.roles.trainer.cluster), r.clusters.get(r.roles.generator.cluster)
-    if trainer is not None and generator is not None and trainer.site != generator.site:
-        # The cross-site relay (weights.relay*) moves merged versions only; an adapter version
-        # would reach the far site's engines as if it were the model.
-        yield (
-            "model.lora.sync",
-            f"adapter versions are sent inside the trainer's site only, and the generators are at "
-            f"site {generator.site!r} (the trainer at {trainer.site!r}: the cross-site relay sends "
-            "merged weights): use sync: merged (valid: merged, adapter), or generators at the "
-            "trainer's site",
         )
 
 

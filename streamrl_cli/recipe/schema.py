@@ -211,7 +211,7 @@ class LoraConfig:
     # What each weight version sends the generators. merged: the whole model, base + (alpha / rank)
     # · B·A under the base model's names (loaded in place, as without LoRA); adapter: the adapters
     # alone, served by vLLM's LoRA support over the base the generators loaded once from model.path
-    # (a version is a few MB instead of the model; broadcast inside the trainer's site only).
+    # (a version is a few MB instead of the model, on the broadcast and through the cross-site relay).
     sync: str = choices(*LORA_SYNC, default="merged")
 
 

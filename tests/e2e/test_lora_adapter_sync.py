@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from support.helpers import streamrl
+from support.lora import adapter_and_model_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -40,21 +40,6 @@ def run(tmp_path_factory):
     )  # fmt: skip
     (run_dir,) = [p for p in root.iterdir() if p.is_dir()]
     return out, run_dir
-
-
-def adapter_and_model_bytes(run_dir: Path) -> tuple[int, int]:
-    """What one adapter version and the whole model weigh, from the run's own model and LoRA config."""
-    from transformers import AutoModelForCausalLM
-
-    from streamrl_cli.roles.spec import load_spec
-    from streamrl_cli.trainer import lora as lora_
-
-    [spec_file] = run_dir.glob("roles/generator*.yaml")
-    spec = load_spec(spec_file)
-    model = AutoModelForCausalLM.from_pretrained(Path(spec.model.path).expanduser(), dtype=torch.float32)
-    whole = sum(p.numel() * p.element_size() for p in model.parameters())
-    adapters = lora_.adapter_state(lora_.apply(model, spec.model.lora))
-    return sum(t.numel() * t.element_size() for t in adapters.values()), whole
 
 
 def test_a_lora_run_with_adapter_sync_trains_and_sends_only_the_adapters(run):

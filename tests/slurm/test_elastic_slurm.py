@@ -4,7 +4,8 @@
 rendezvous role's job watcher submits a new array job of the generator role (recorded in jobs.json
 with its first rank), whose task receives the current weights and takes work; the release cancels
 that task only. `two-site-testbed` is scaled by hand (`streamrl scale`) to zero at its far site and
-back, through the relay. Every iteration is trained exactly once across the scale events.
+back, through the relay, with LoRA adapter versions. Every iteration is trained exactly once across
+the scale events.
 
 A request by hand and one by the rule take the same way from the rendezvous on (its scale request,
 then the launcher's follower); the command's own messages are asserted on a local run
@@ -29,11 +30,13 @@ from support.helpers import (
     streamrl,
     wait_on_run,
 )
+from support.lora import adapter_and_model_bytes
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 FAST = {"STREAMRL_JOB_POLL_S": "1"}
 GROUP = 4
+LORA = ("model.lora.rank=4", "model.lora.alpha=16", "model.lora.sync=adapter")
 
 
 def iterations(run: Path) -> list[int]:
@@ -63,17 +66,19 @@ def relay_fetches(run: Path) -> dict[int, set[str]]:
 
 
 def test_far_site_goes_to_zero_and_back_then_survives_losing_its_relay(slurm_remote, runs_root):
-    """`two-site-testbed`, one run, two events. First the far site's generators are all released
-    (0) by hand; two new ones come up as a new array job there and get the current weights through
-    their site's relay (one copy per version crosses). Then that relay is killed (at any point of a
-    version's way: fetching, broadcasting to its site, serving): the other newcomer takes over as
-    relay within its lease (a member waiting in a broadcast whose source died notices it within
-    seconds, not at the group's timeout), and later versions cross through it. Every iteration is
-    trained once with a full batch across both events. (The run is open-ended and cancelled once
-    the last event has shown: a fixed length could end before an event on a fast machine.)"""
+    """`two-site-testbed` with LoRA adapter versions (model.lora.sync adapter), one run, two
+    events. First the far site's generators are all released (0) by hand; two new ones come up as
+    a new array job there, load the base from model.path, and get the current adapter through their
+    site's relay (one copy per version crosses: the adapters' bytes, never the model's). Then that
+    relay is killed (at any point of a version's way: fetching, broadcasting to its site, serving):
+    the other newcomer takes over as relay within its lease (a member waiting in a broadcast whose
+    source died notices it within seconds, not at the group's timeout), and later versions cross
+    through it. Every iteration is trained once with a full batch across both events. (The run is
+    open-ended and cancelled once the last event has shown: a fixed length could end before an
+    event on a fast machine. Full versions through the relay: tests/slurm/test_two_sites.py.)"""
     out = streamrl(
         "run", "two-site-testbed", "train.iterations=100000", "train.checkpoint_every=0",
-        "train.global_batch=4", "--root", str(runs_root), env=FAST,
+        "train.global_batch=4", *LORA, "--root", str(runs_root), env=FAST,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     (run,) = list(runs_root.iterdir())
@@ -110,6 +115,14 @@ def test_far_site_goes_to_zero_and_back_then_survives_losing_its_relay(slurm_rem
     fetched = relay_fetches(run)
     assert all(len(ids) == 1 for ids in fetched.values()), fetched  # one copy per version crossed
     assert late() and late() <= newcomers - {relay}, (relay, fetched)
+    # Every version any far generator loaded, from the relay or its site's group, was one adapter;
+    # what crossed was at most that (a delta against the relay's last version, or the whole adapter).
+    adapter, whole = adapter_and_model_bytes(run)
+    loads = [r for r in metrics_records(run, "generator") if "weights/bytes" in r]
+    assert loads and {r["weights/bytes"] for r in loads} == {adapter} and adapter < whole / 10, loads
+    crossed = [r for r in loads if r.get("weights/relay")]
+    assert {r["weights/wan_full_bytes"] for r in crossed} == {adapter}
+    assert all(0 < r["weights/wan_bytes"] <= adapter for r in crossed), crossed
 
 
 def test_the_policy_grows_then_releases_slurm_generators(slurm, runs_root, tmp_path):

@@ -156,8 +156,8 @@ def test_weight_sync_sends_the_merged_model_with_lora_and_the_simulator_uses_the
     h800 = HW.get("h800")
     # The whole model crosses the site link (1 GB/s here): its bytes do not depend on LoRA.
     for wl in (full, lora):
-        assert wl.version_bytes(True) == wl.version_bytes(False) == wl.model.weight_bytes
-        assert weight_sync_s(wl.version_bytes(True), h800, h800, True, 1e9) == wl.model.weight_bytes / 1e9
+        assert wl.version_bytes == wl.model.weight_bytes
+        assert weight_sync_s(wl.version_bytes, h800, h800, True, 1e9) == wl.model.weight_bytes / 1e9
     planner = Planner(lora, HW, AnalyticCostModel())
     best = planner.search([Pool("h800", "h800", 32)]).recommended
     cfg = from_option(planner, best, "sync-stream")
@@ -188,25 +188,24 @@ def test_tune_split_reports_lora_and_the_memory_it_saves():
     assert rec["memory_gb_per_gpu"] == rec["memory_gb_per_gpu_full_finetune"]
 
 
-def test_adapter_sync_is_costed_as_the_adapters_inside_a_site_and_merged_across():
-    """model.lora.sync adapter: a version inside a site is the adapters' bytes (rank 8 on the 7B's
-    default targets: ~20M parameters, 40 MB in bf16, against 15 GB merged); the relay of a far site
-    gets merged versions, so across sites it costs the whole model. tune-split's choice and report
-    follow."""
+def test_adapter_sync_is_costed_as_the_adapters_inside_a_site_and_across():
+    """model.lora.sync adapter: a version is the adapters' bytes (rank 8 on the 7B's default
+    targets: ~20M parameters, 40 MB in bf16, against 15 GB merged), on the broadcast and through a
+    far site's relay alike. tune-split's choice and report follow."""
     merged = workload_from_recipe(load("paper/qwen2.5-7b-grpo", ["model.lora.rank=8"]).recipe)
     adapter = workload_from_recipe(
         load("paper/qwen2.5-7b-grpo", ["model.lora.rank=8", "model.lora.sync=adapter"]).recipe
     )
     assert adapter.lora_sync == "adapter" and merged.lora_sync == "merged"
-    inside = adapter.version_bytes(cross_site=False)
+    inside = adapter.version_bytes
     assert inside == adapter.adapter_params * adapter.model.dtype_bytes
     assert inside < adapter.model.weight_bytes / 100
-    assert adapter.version_bytes(cross_site=True) == adapter.model.weight_bytes
     h800 = HW.get("h800")
-    assert (
-        weight_sync_s(inside, h800, h800, False, 1e9)
-        < weight_sync_s(merged.version_bytes(False), h800, h800, False, 1e9) / 100
-    )
+    for cross in (False, True):  # inside a site, and over a 1 GB/s link to another
+        assert (
+            weight_sync_s(inside, h800, h800, cross, 1e9)
+            < weight_sync_s(merged.version_bytes, h800, h800, cross, 1e9) / 100
+        )
     pools = [Pool("h800", "h800", 32)]
     fast = Planner(adapter, HW, AnalyticCostModel()).search(pools).recommended
     slow = Planner(merged, HW, AnalyticCostModel()).search(pools).recommended
@@ -214,5 +213,5 @@ def test_adapter_sync_is_costed_as_the_adapters_inside_a_site_and_merged_across(
     tuned = recipe_tuned("model.lora.rank=8", "model.lora.sync=adapter")
     t = document(tuned)["trainer"]
     assert t["weight_sync_bytes"] == round(inside)
-    assert t["weight_sync"].startswith("the adapters alone inside a site")
-    assert "adapters alone inside a site" in str(table(tuned).caption)
+    assert t["weight_sync"] == "the adapters alone (model.lora.sync adapter), inside a site and across sites"
+    assert "adapters alone, inside a site and across" in str(table(tuned).caption)
