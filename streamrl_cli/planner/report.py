@@ -52,8 +52,10 @@ def lora_note(wl: Workload) -> str:
         return ""
     m = wl.model
     if wl.lora_sync == "adapter":
-        sends = (f"each weight version sends the adapters alone, inside a site and across "
-                 f"({wl.version_bytes / 1e6:.3g} MB; the merged model: {m.weight_bytes / 1e9:.3g} GB)")  # fmt: skip
+        sends = (
+            f"each weight version sends the adapters alone, inside a site and across "
+            f"({wl.version_bytes / 1e6:.3g} MB; the merged model: {m.weight_bytes / 1e9:.3g} GB)"
+        )
     else:
         sends = f"each weight version still sends the merged model ({m.weight_bytes / 1e9:.3g} GB)"
     return (
