@@ -41,13 +41,16 @@ DEFAULT = [a for a in ALGORITHMS if a != "ppo"]
 GROUP, PROMPTS_PER_STEP, MAX_COMPLETION, LR = 8, 8, 64, 1e-3
 
 
-def run(name: str, lr: float, train: Path, test: Path, iterations: int, work: Path) -> dict:
+def run(
+    name: str, lr: float, train: Path, test: Path, iterations: int, work: Path, extra: tuple[str, ...] = ()
+) -> dict:
+    """One preset's run at this benchmark's settings (`extra`: more overrides, e.g. LoRA's)."""
     overrides = [
         f"task.dataset={train}", "task.name=bench-repeat", f"task.eval_dataset={test}",
         "task.eval_temperature=1.0", f"task.max_output_len={MAX_COMPLETION}",
         "task.reward=streamrl_cli.tasks.rewards:repeat_verifier", f"algorithm.name={name}",
         f"algorithm.group_size={GROUP}", f"algorithm.lr={lr}", f"train.global_batch={PROMPTS_PER_STEP}",
-        f"train.iterations={iterations}", "train.seed=0",
+        f"train.iterations={iterations}", "train.seed=0", *extra,
     ]  # fmt: skip
     started = time.monotonic()
     run_dir = run_local(f"{name} (lr {lr:g})", work, overrides)
