@@ -16,9 +16,10 @@ Two things every engine must get right, because the trainer's loss depends on th
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,6 +178,73 @@ class GenerationEngine(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Stop the engine and free its memory and processes."""
+
+
+Requests = AsyncIterable[GenerationRequest] | Iterable[GenerationRequest]
+
+
+async def each_its_own_task(
+    requests: Requests,
+    run: Callable[[GenerationRequest], Awaitable[GenerationResult]],
+    results: asyncio.Queue | None = None,
+) -> AsyncIterator[GenerationResult]:
+    """`run` each request in a task of its own, as it arrives, and yield the results as they finish:
+    a long request never holds up the admission of the next. The first error (of a request, or of
+    reading `requests`) is raised to the consumer when it comes. When the consumer stops (or
+    fails), every request still running is cancelled, which makes the engine abort it.
+
+    `results`: the queue to collect in, for a caller that must fail the stream from outside (an
+    exception put there is raised like a request's)."""
+    out: asyncio.Queue[GenerationResult | BaseException | None] = (
+        results if results is not None else asyncio.Queue()
+    )
+    tasks: set[asyncio.Task] = set()
+    submitted = 0
+
+    async def one(req: GenerationRequest) -> None:
+        try:
+            await out.put(await run(req))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+            await out.put(e)
+
+    def spawn(req: GenerationRequest) -> None:
+        nonlocal submitted
+        submitted += 1
+        task = asyncio.create_task(one(req))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def feed() -> None:
+        try:
+            if isinstance(requests, AsyncIterable):
+                async for req in requests:
+                    spawn(req)
+            else:
+                for req in requests:
+                    spawn(req)
+        except Exception as e:  # noqa: BLE001 - re-raised by the consumer
+            await out.put(e)  # the consumer raises it as soon as it gets it
+        finally:
+            await out.put(None)  # end of input
+
+    feeder = asyncio.create_task(feed())
+    input_done, delivered = False, 0
+    try:
+        while not (input_done and delivered == submitted):
+            item = await out.get()
+            if item is None:
+                input_done = True
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            delivered += 1
+            yield item
+    finally:
+        feeder.cancel()
+        for t in list(tasks):
+            t.cancel()
 
 
 # engine type -> "module:Class"; imported only when chosen, so `streamrl --help` never loads vLLM.

@@ -38,6 +38,7 @@ from streamrl_cli.generator.engine import (
     GenerationRequest,
     GenerationResult,
     WeightSource,
+    each_its_own_task,
 )
 
 
@@ -136,14 +137,14 @@ class AgentEngine(GenerationEngine):
         subq: asyncio.Queue[GenerationRequest | None] = asyncio.Queue()
         self._subq = subq
         results: asyncio.Queue[GenerationResult | BaseException | None] = asyncio.Queue()
-        tasks: set[asyncio.Task] = set()
-        submitted = 0
 
         async def turns() -> AsyncIterator[GenerationRequest]:
             while (req := await subq.get()) is not None:
                 yield req
 
         async def pump() -> None:
+            """Every turn of every episode through the inner engine's one stream; its failure fails
+            every episode waiting on it and the whole stream at once (not one episode at a time)."""
             try:
                 async for res in self.inner.generate(turns()):
                     fut = self._waiting.pop(res.request_id, None)
@@ -155,52 +156,12 @@ class AgentEngine(GenerationEngine):
                         fut.set_exception(e)
                 await results.put(e)
 
-        async def one(req: GenerationRequest) -> None:
-            try:
-                await results.put(await self._run(req))
-            except asyncio.CancelledError:
-                raise
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
-                await results.put(e)
-
-        async def feed() -> None:
-            nonlocal submitted
-            try:
-                if isinstance(requests, AsyncIterable):
-                    async for req in requests:
-                        submitted += 1
-                        spawn(req)
-                else:
-                    for req in requests:
-                        submitted += 1
-                        spawn(req)
-            except Exception as e:  # noqa: BLE001
-                await results.put(e)
-            finally:
-                await results.put(None)
-
-        def spawn(req: GenerationRequest) -> None:
-            task = asyncio.create_task(one(req))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-
         pumper = asyncio.create_task(pump())
-        feeder = asyncio.create_task(feed())
-        input_done, delivered = False, 0
         try:
-            while not (input_done and delivered == submitted):
-                item = await results.get()
-                if item is None:
-                    input_done = True
-                    continue
-                if isinstance(item, BaseException):
-                    raise item
-                delivered += 1
-                yield item
+            async with contextlib.aclosing(each_its_own_task(requests, self._run, results)) as out:
+                async for result in out:
+                    yield result
         finally:
-            feeder.cancel()
-            for t in list(tasks):
-                t.cancel()
             await subq.put(None)
             pumper.cancel()
             with contextlib.suppress(BaseException):

@@ -45,6 +45,7 @@ from streamrl_cli.generator.engine import (
     GenerationResult,
     SamplingSpec,
     WeightSource,
+    each_its_own_task,
 )
 
 log = logging.getLogger("streamrl.generator.vllm")
@@ -174,56 +175,12 @@ class VLLMEngine(GenerationEngine):
         self, requests: AsyncIterable[GenerationRequest] | Iterable[GenerationRequest]
     ) -> AsyncIterator[GenerationResult]:
         llm = self._require()
-        results: asyncio.Queue[GenerationResult | BaseException | None] = asyncio.Queue()
-        tasks: set[asyncio.Task] = set()
-        submitted = 0
-
-        async def one(req: GenerationRequest) -> None:
-            try:
-                await results.put(await self._run_one(llm, req))
-            except asyncio.CancelledError:
-                raise
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
-                await results.put(e)
-
-        def spawn(req: GenerationRequest) -> None:
-            nonlocal submitted
-            submitted += 1
-            task = asyncio.create_task(one(req))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-
-        async def feed() -> None:
-            # Each request is its own task, so a long one never holds up the admission of the next.
-            try:
-                if isinstance(requests, AsyncIterable):
-                    async for req in requests:
-                        spawn(req)
-                else:
-                    for req in requests:
-                        spawn(req)
-            except Exception as e:  # noqa: BLE001 - re-raised by the consumer
-                await results.put(e)  # the consumer raises it as soon as it gets it
-            finally:
-                await results.put(None)  # end of input
-
-        feeder = asyncio.create_task(feed())
-        input_done, delivered = False, 0
-        try:
-            while not (input_done and delivered == submitted):
-                item = await results.get()
-                if item is None:
-                    input_done = True
-                    continue
-                delivered += 1
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            # Consumer gone (or failed): cancelling the tasks makes vLLM abort their requests.
-            feeder.cancel()
-            for t in list(tasks):
-                t.cancel()
+        # Cancelling a request's task (the consumer gone or failed) makes vLLM abort it.
+        async with contextlib.aclosing(
+            each_its_own_task(requests, lambda req: self._run_one(llm, req))
+        ) as out:
+            async for result in out:
+                yield result
 
     async def _run_one(self, llm: Any, req: GenerationRequest) -> GenerationResult:
         queued_at = time.time()
