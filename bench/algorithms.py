@@ -12,7 +12,8 @@ is where every preset starts and its samples/s is the pipeline's cost without a 
 Held-out reward: StreamRL's own evaluation after the last step (`task.eval_dataset`, 200 prompts of
 (word, count) pairs no training prompt has, sampled at temperature 1 with per-request seeds, the
 same for every run), with its standard error. Also shown: samples/s of the training loop, the
-training reward over the first and last five steps, and what dynamic sampling dropped (DAPO).
+training reward over the first and last five steps, and what dynamic sampling dropped (DAPO);
+every run's training reward per step on one plot (bench/plots/algorithms_rewards.png).
 The target: every preset ends above the fixed policy's held-out reward.
 """
 
@@ -31,7 +32,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_trl import write_data  # noqa: E402
-from rl_modes import console, run_local  # noqa: E402
+from rl_modes import console, plot_rewards, run_local  # noqa: E402
 
 from streamrl_cli.metrics.read import read_iterations  # noqa: E402
 from streamrl_cli.recipe.schema import ALGORITHMS  # noqa: E402
@@ -68,6 +69,7 @@ def run(
         "held_out": final["eval/reward_mean"],
         "se": final.get("eval/reward_std", 0.0) / math.sqrt(n),
         "dropped": sum(r.get("dynamic_sampling/dropped_groups", 0) for r in recs),
+        "rewards": rewards,
     }
 
 
@@ -101,6 +103,11 @@ def main() -> None:
             f"{r['held_out'] - base['held_out']:+.3f}" if r is not base else "-",
         )  # fmt: skip
     console.print(table)
+    plot = Path(__file__).resolve().parent / "plots" / "algorithms_rewards.png"
+    plot_rewards(
+        results, plot, f"algorithm presets, tiny model, repeat task ({PROMPTS_PER_STEP}×{GROUP} per step)"
+    )
+    console.print(f"reward curves: {plot}")
     worst = min(names, key=lambda a: results[a]["held_out"])
     learned = [a for a in names if results[a]["held_out"] > base["held_out"]]
     low = results[worst]["held_out"]

@@ -18,7 +18,8 @@
   reference copy either, which this step does not load: KL off).
 * **learn** — `streamrl run local` on the repeat task (bench/algorithms.py's data and settings:
   8 prompts × 8, lr 1e-3, seed 0): LoRA rank 8 with `sync: adapter` against a full fine-tune and a
-  policy that does not move (lr 0), held-out reward with its standard error.
+  policy that does not move (lr 0), held-out reward with its standard error; the training reward
+  per step of the three on one plot (bench/plots/lora_rewards.png).
 
 Ends with one JSON line: the rank-8 adapter's time per version through the relay on the largest
 model against the whole model's (ratio = whole ÷ adapter; target: 10× faster).
@@ -46,7 +47,7 @@ from algorithms import GROUP, LR, PROMPTS_PER_STEP  # noqa: E402
 from algorithms import run as run_algorithm  # noqa: E402
 from fixed_costs import sized_model, synthetic_rollouts  # noqa: E402
 from peer_trl import write_data  # noqa: E402
-from rl_modes import console, model_path  # noqa: E402
+from rl_modes import console, model_path, plot_rewards  # noqa: E402
 from weight_broadcast import recv_exact  # noqa: E402
 
 from streamrl_cli.recipe.schema import LoraConfig  # noqa: E402
@@ -258,6 +259,9 @@ def part_learn(iterations: int, work: Path) -> Table:
     for label, r in runs.items():
         table.add_row(label, f"{r['samples_per_s']:.1f}", f"{r['first']:.3f}→{r['last']:.3f}",
                       f"{r['held_out']:.3f} ± {r['se']:.3f}")  # fmt: skip
+    plot = Path(__file__).resolve().parent / "plots" / "lora_rewards.png"
+    plot_rewards(runs, plot, "LoRA r8 (sync: adapter) vs full fine-tune, tiny model, repeat task")
+    console.print(f"reward curves: {plot}")
     return table
 
 
