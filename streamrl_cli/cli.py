@@ -565,8 +565,9 @@ def profile(
                 "--kind names the profile of this machine (with --local); on SLURM each profile is "
                 "of its partition's gpu_type"
             )
+        out = profile_jobs.out_dir(out or Path("profiles"))  # before the model is built (minutes, maybe)
         base = prof.request_from_recipe(r, trainer=trainer, batches=batches, where="in the SLURM jobs")
-        written = profile_jobs.profile_on_slurm(r, base, out or Path("profiles"), err)
+        written = profile_jobs.profile_on_slurm(r, base, out, err)
     else:
         kind = kind or "cpu"
         default = Path(f"profile-{r.model.name}-{kind}.json")

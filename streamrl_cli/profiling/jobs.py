@@ -196,6 +196,15 @@ def job_main(request_file: str) -> str:
 # --- on this host ---------------------------------------------------------------------------------
 
 
+def out_dir(out: Path) -> Path:
+    """`--out` of a SLURM profile, checked before anything is built or submitted: a directory (one
+    profile per hardware kind), existing or to be made."""
+    out = out.expanduser().resolve()
+    if out.suffix == ".json" or (out.exists() and not out.is_dir()):
+        raise ProfileError(f"--out {out}: on SLURM it names a directory (one profile per hardware kind)")
+    return out
+
+
 def profile_on_slurm(
     r: Recipe, base: ProfileRequest, out: Path, console: Console
 ) -> list[tuple[Path, Profile]]:
@@ -205,9 +214,7 @@ def profile_on_slurm(
     Ctrl-C or SIGTERM cancels the jobs still queued or running.
     """
     jobs = plan(r)
-    out = out.expanduser().resolve()
-    if out.suffix == ".json":
-        raise ProfileError(f"--out {out}: on SLURM it names a directory (one profile per hardware kind)")
+    out = out_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     records: list[dict] = []
     ended: set[str] = set()

@@ -25,11 +25,14 @@ from streamrl_cli.profiling.jobs import JOBS_FILE
 def test_kind_and_out_file_are_for_profiling_here(tmp_path):
     res = streamrl("profile", "slurm-local", "--kind", "h20")
     assert res.returncode == 1 and "--kind names the profile of this machine" in res.stderr
-    # (it builds the tiny model at model.path before it reads --out: minutes on a loaded machine)
-    res = streamrl(
-        "profile", "slurm-local", f"model.path={tmp_path}/m", "--out", str(tmp_path / "p.json"), timeout=600
-    )
+    # --out is checked before the model at model.path is built (minutes) or anything is submitted
+    res = streamrl("profile", "slurm-local", f"model.path={tmp_path}/m", "--out", str(tmp_path / "p.json"))
     assert res.returncode == 1 and "names a directory" in res.stderr
+    assert not (tmp_path / "m").exists()
+    (tmp_path / "a-file").write_text("kept\n")
+    res = streamrl("profile", "slurm-local", f"model.path={tmp_path}/m", "--out", str(tmp_path / "a-file"))
+    assert res.returncode == 1 and "names a directory" in res.stderr
+    assert (tmp_path / "a-file").read_text() == "kept\n" and not (tmp_path / "m").exists()
     assert "Traceback" not in res.stderr + res.stdout
     # --local measures this machine even for a SLURM recipe (and then --kind names its profile)
     res = streamrl("profile", "slurm-local", "--local", "--kind", "h20", "--trainer", "jax")

