@@ -87,6 +87,11 @@ def test_far_site_goes_to_zero_and_back_then_survives_losing_its_relay(slurm_rem
         wait_on_run(lambda: len(iterations(run)) >= 1, 900, "a first iteration", run)
         out = streamrl("scale", str(run), "--generators", "0", timeout=300)
         assert out.returncode == 0 and "generators 2 -> 0" in out.stdout, out.stdout + out.stderr
+        assert (
+            "released generator-" in out.stdout
+            and "generator-0" in out.stdout
+            and "generator-1" in out.stdout
+        )
         out = streamrl("scale", str(run), "--generators", "2", timeout=300)
         assert out.returncode == 0 and "generators 0 -> 2" in out.stdout, out.stdout + out.stderr
         assert "started generator-2, generator-3" in out.stdout and "array job " in out.stdout, out.stdout
@@ -104,6 +109,8 @@ def test_far_site_goes_to_zero_and_back_then_survives_losing_its_relay(slurm_rem
             return {m for v, ids in relay_fetches(run).items() if v > killed_at + 2 for m in ids}
 
         wait_on_run(late, 900, "versions after the kill to cross through the other newcomer", run)
+        # and `streamrl status` names the one left as the far site's relay
+        wait_on_run(lambda: relay_of(run, "remote") in newcomers - {relay}, 120, "status to name it", run)
     finally:
         streamrl("cancel", str(run), timeout=200)
     done = iterations(run)
@@ -180,9 +187,12 @@ def test_the_policy_grows_then_releases_slurm_generators(slurm, runs_root, tmp_p
     assert any(r.get("total_samples", 0) > 0 for r in metrics_records(run, "generator") if r["rank"] == 1)
     recs = [r for r in metrics_records(run, "trainer") if "iteration" in r]
     grew = next(r for r in recs if r["elastic/target"] == 2)  # the rule, on what was measured
-    assert grew["elastic/delta"] > grew["elastic/delta_prime"]
+    assert grew["elastic/delta"] > grew["elastic/delta_prime"] and grew["elastic/instances"] == 1
+    assert grew["t/generation"] - grew["t/train"] == pytest.approx(grew["elastic/delta"])
     shrank = next(r for r in recs if r["elastic/instances"] == 2 and r["elastic/target"] == 1)
     assert shrank["idle/generator"] > 0.5 and 2 * shrank["t/generation"] <= shrank["t/train"]
     done = iterations(run)
     assert done == list(range(len(done)))
-    assert all(r["samples"] == batch * GROUP for r in recs)
+    for r in recs:  # every sample of every iteration, once: whole groups of every prompt
+        assert r["samples"] == batch * GROUP and len(r["lengths/by_prompt"]) == batch
+        assert all(len(v) == GROUP for v in r["lengths/by_prompt"].values())
