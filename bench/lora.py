@@ -14,8 +14,9 @@
 * **train** — one trainer step on the ~136 MB model (`--train-mb`; the DeepSpeed ZeRO-1 learner, packed
   micro-batches of 8, 32 synthetic rollouts): full fine-tune against LoRA at each rank, each in a
   process of its own: seconds per step (best of 2 after a warm-up), trainable parameters and the
-  process's peak resident memory (weights, gradients, Adam states and activations; LoRA keeps no
-  reference copy either, which this step does not load: KL off).
+  process's peak resident memory (weights, gradients, Adam states, activations, and with the KL
+  term on, the reference: a frozen copy of the model for the full fine-tune, none for LoRA, whose
+  base with the adapters off is the reference).
 * **learn** — `streamrl run local` on the repeat task (bench/algorithms.py's data and settings:
   8 prompts × 8, lr 1e-3, seed 0): LoRA rank 8 with `sync: adapter`, at that lr and at 10×,
   against a full fine-tune and a policy that does not move (lr 0), held-out reward with its
@@ -190,7 +191,9 @@ def train_worker(rank: int, mb: int) -> dict:
     rows = synthetic_rollouts(32, 0)
     store, address = open_group_store(1, "127.0.0.1")
     init_distributed(0, 1, address, "gloo", store)
-    algorithm = AlgorithmConfig(kl_coef=0.0, is_correction="on", lr=1e-5)
+    # A KL term, as GRPO with a reference policy has: the full fine-tune holds a frozen copy of the
+    # model for it, LoRA none (the base with its adapters switched off is the reference).
+    algorithm = AlgorithmConfig(kl_coef=0.001, is_correction="on", lr=1e-5)
     cfg = LossConfig.from_recipe(algorithm, 128)
     opt = OptimConfig(algorithm=algorithm, trainer=TrainerConfig(zero_stage=1))
     learner = Learner(str(model_path(f"sync-{mb}mb")), cfg, opt, torch.device("cpu"), torch.float32,
@@ -208,7 +211,9 @@ def train_worker(rank: int, mb: int) -> dict:
     step()  # warm-up: Adam's states are allocated here
     best = min(step() for _ in range(2))
     tokens = sum(len(r.prompt_tokens) + r.response_len for r in rows)
-    return {"step_s": best, "tokens": tokens, "trainable": trainable, "peak_bytes": peak_rss()}
+    reference = "frozen copy" if learner.ref is not None else "base, adapters off"
+    return {"step_s": best, "tokens": tokens, "trainable": trainable, "peak_bytes": peak_rss(),
+            "reference": reference}  # fmt: skip
 
 
 def part_train(ranks: list[int], mb: int) -> Table:
@@ -229,11 +234,20 @@ def part_train(ranks: list[int], mb: int) -> Table:
         title=f"one trainer step on the {nbytes_of_model(mb) / 1e6:.0f} MB model: DeepSpeed ZeRO-1 on CPU, "
         f"{full['tokens']} tokens, packed micro-batches of 8"
     )
-    for col in ("trainer", "trainable params", "s per step", "vs full", "peak RSS GB", "vs full"):
+    for col in (
+        "trainer",
+        "trainable params",
+        "reference for KL",
+        "s per step",
+        "vs full",
+        "peak RSS GB",
+        "vs full",
+    ):
         table.add_column(col, justify="right")
     for label, r in results.items():
         table.add_row(
-            label, f"{r['trainable']:,}", f"{r['step_s']:.2f}", f"{r['step_s'] / full['step_s']:.2f}",
+            label, f"{r['trainable']:,}", r["reference"],
+            f"{r['step_s']:.2f}", f"{r['step_s'] / full['step_s']:.2f}",
             f"{r['peak_bytes'] / 1e9:.2f}", f"{r['peak_bytes'] / full['peak_bytes']:.2f}",
         )  # fmt: skip
     return table
