@@ -152,10 +152,7 @@ def test_the_far_site_survives_losing_its_relay(slurm_remote, runs_root):
     assert killed_at < iters, "the run ended before the relay was killed"
     assert iterations(run) == list(range(iters))  # each once, in order
     # After the kill, the versions crossed to the far site through the other generator, one copy each.
-    fetched: dict[int, set[str]] = {}
-    for r in metrics_records(run, "generator"):
-        if r.get("weights/relay"):
-            fetched.setdefault(r["weights/version"], set()).add(r["member_id"])
+    fetched = relay_fetches(run)
     assert all(len(ids) == 1 for ids in fetched.values()), fetched
     late = {m for v, ids in fetched.items() if v > killed_at + 2 for m in ids}
     assert late and relay not in late, (relay, fetched)
