@@ -253,11 +253,14 @@ class ZmqSampleReceiver(SampleReceiver):
                 self._by_routing.pop(peer.routing_id, None)
                 peer.routing_id, hook = rid, None
             self._by_routing[rid] = g
+        # The hooks learn of the generator before it is welcomed, so that a generator whose
+        # wait_connected() returned is one the dispatcher already places work on (a request
+        # submitted right after the welcome must not wait for the hook).
+        assigned = (self._call_hook(hook, g) or {}) if hook is not None else {}
         self._send(sock, rid, w.message(w.WELCOME, w.Welcome(w.PROTOCOL, self.session)))
         self._send_requests(sock, peer, list(peer.unacked.items()))
-        if hook is not None:
-            for gen, reqs in (self._call_hook(hook, g) or {}).items():
-                self._enqueue_requests(sock, gen, list(reqs))
+        for gen, reqs in assigned.items():
+            self._enqueue_requests(sock, gen, list(reqs))
 
     def _evict_idle(self) -> bool:
         """Make room in a full peer table: drop the oldest peer that owes nothing and that the

@@ -307,6 +307,30 @@ def test_a_cancelled_prompt_reaches_its_generator_after_its_request_and_late_sam
         r.close()
 
 
+class _SlowJoin(Dispatcher):
+    """A dispatcher whose join hook takes a while, as a busy trainer's can."""
+
+    def generator_joined(self, generator: str):  # noqa: ANN201 - Dispatcher's own type
+        time.sleep(0.5)
+        return super().generator_joined(generator)
+
+
+def test_a_welcomed_generator_is_one_the_dispatcher_already_places_work_on(cfg):
+    """The join hook runs before the welcome: when wait_connected() returns, work submitted next
+    goes to this generator at once (CI once saw a pause sent before the hook ran reach nobody)."""
+    d = _SlowJoin()
+    r = make_receiver(cfg, token=TOKEN, hooks=d)
+    gen = make_sender(cfg, address=r.address, token=TOKEN, generator="generator-0")
+    try:
+        gen.wait_connected(10)
+        assert d.generators() == ["generator-0"]
+        req = Request(prompt_id="a", prompt_token_ids=[1], sample_indices=[0])
+        assert list(d.submit([req])) == ["generator-0"]
+    finally:
+        gen.close()
+        r.close()
+
+
 def test_a_paused_prompt_reaches_its_generator_and_its_samples_are_still_owed(cfg):
     """Partial rollout's pause: a cancel with `keep` reaches the generator the same way, but the
     ledger still owes the prompt's samples (the generator sends each as far as it got); if the
