@@ -156,7 +156,7 @@ def is_event(rec: dict) -> bool:
 # What marks a directory as a run directory when its run.json is gone: files only `streamrl run`
 # writes there. config.yaml alone is too common a name, so it counts only beside the secret.
 RUN_MARKERS = ("run.json", "local.json", "jobs.json", "events.jsonl", "rendezvous.json")
-ROLE_NAMES = ("trainer", "generator", "rendezvous")
+ROLE_NAMES = ("trainer", "generator", "teacher", "rendezvous")
 
 
 @dataclass

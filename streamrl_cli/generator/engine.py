@@ -44,6 +44,9 @@ class SamplingSpec:
     seed: int | None = None  # per-request seed (reproducible sampling)
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens besides EOS
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
+    # Also score the prompt: the log-prob of each prompt token given the ones before it (the
+    # distillation teacher's work: the prompt is the policy's prompt and sampled tokens).
+    prompt_logprobs: bool = False
 
 
 @dataclass(kw_only=True)
@@ -92,6 +95,9 @@ class GenerationResult:
     finished_at: float  # wall-clock time the last completion finished
     meta: dict[str, Any] = field(default_factory=dict)
     error: str = ""  # why the request failed (finish_reason "error"); the engine still serves
+    # With SamplingSpec.prompt_logprobs: log p(prompt token i | tokens before it), raw (temperature 1),
+    # one per prompt token; the first, which nothing predicts, is 0.0.
+    prompt_logprobs: list[float] = field(default_factory=list)
 
     @property
     def aborted(self) -> bool:

@@ -38,13 +38,19 @@ from typing import TYPE_CHECKING, Any
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.generator.admission import Admission
-from streamrl_cli.generator.engine import EngineError, GenerationEngine, GenerationRequest, make_engine
+from streamrl_cli.generator.engine import (
+    EngineError,
+    GenerationEngine,
+    GenerationRequest,
+    GenerationResult,
+    make_engine,
+)
 from streamrl_cli.generator.stream import Meter, prompt_of, to_engine_request, to_samples, unstarted_samples
 from streamrl_cli.generator.weights import WeightPath, make_weight_path
 from streamrl_cli.rendezvous.client import RendezvousClient, RendezvousRequestError
 from streamrl_cli.roles.entry import cpu_slot
 from streamrl_cli.roles.requeue import under_slurm
-from streamrl_cli.roles.spec import GeneratorSpec
+from streamrl_cli.roles.spec import GeneratorSpec, TeacherSpec
 from streamrl_cli.weights.layout import STARTING, WAITING
 
 if TYPE_CHECKING:
@@ -159,13 +165,19 @@ def transfer_metrics(version: int, seconds: float, stats: dict[str, Any]) -> dic
 class GeneratorRole:
     """One generator instance: engine, rendezvous membership, sample stream, weight updates."""
 
-    def __init__(self, spec: GeneratorSpec, rank: int, *, engine: GenerationEngine | None = None):
-        if spec.weight_transport not in ("broadcast", "relay"):
+    role = "generator"  # its rendezvous role: member ids are "<role>-<rank>"
+    stream = "samples"  # the trainer's address (in its rendezvous record) this role streams to
+    follows_weights = True  # serves the trainer's weight versions (a distillation teacher does not)
+
+    def __init__(
+        self, spec: GeneratorSpec | TeacherSpec, rank: int, *, engine: GenerationEngine | None = None
+    ):
+        if self.follows_weights and spec.weight_transport not in ("broadcast", "relay"):
             raise StreamRLError(
                 f"generator: unknown weight transport {spec.weight_transport!r} (broadcast or relay)"
             )
         self.spec, self.rank = spec, rank
-        self.member_id = f"generator-{rank}"
+        self.member_id = f"{self.role}-{rank}"
         if engine is None:
             from streamrl_cli.generator.multiturn import (
                 wrap,  # multi-turn trajectories, if the recipe has them
@@ -210,7 +222,7 @@ class GeneratorRole:
         try:
             self.weights = self.make_weights(token)
             self.rdv.register(
-                "generator",
+                self.role,
                 self.rank,
                 cluster=self.spec.cluster,
                 site=self.spec.site,
@@ -220,13 +232,13 @@ class GeneratorRole:
             )
             self.rdv.set_status(state=STARTING, weight_version=self.engine.weight_version)
             self.rdv.start_heartbeat()
-            await asyncio.to_thread(ensure_model, self.spec)
+            await asyncio.to_thread(self.ensure_model)
             await self.engine.start()
             versions = self.rdv.versions()
             since = versions["event_seq"]  # proposals from here on are ours to follow
             newest = max([versions["current"] or 0] + [p["version"] for p in versions["pending"]])
             self.trainer = await asyncio.to_thread(self._find_trainer)
-            if newest > self.engine.weight_version:
+            if self.follows_weights and newest > self.engine.weight_version:
                 # Joining a run in progress: no work before we serve the trainer's weights. Said at
                 # once, as past start-up we follow proposals: the trainer includes us in the next one.
                 log.info("%s: the run is at weight version %d; waiting for weights", self.member_id, newest)
@@ -246,6 +258,9 @@ class GeneratorRole:
         self._requeue = True
         self._stop.set()
 
+    def ensure_model(self) -> None:
+        ensure_model(self.spec)
+
     def make_weights(self, token: str) -> WeightPath:
         """How weights reach us (the trainer's group, or our site's relay); tests tune its timeouts."""
         return make_weight_path(self.spec, self.rank, self.engine, self.rdv, token)
@@ -254,12 +269,12 @@ class GeneratorRole:
         """Open the sample stream: the trainer's hello answer makes us a generator it dispatches to."""
         from streamrl_cli.transport.samples import StreamConfig, make_sender
 
-        address = self.trainer["addresses"]["samples"]
+        address = self.trainer["addresses"][self.stream]
         self.sender = make_sender(StreamConfig(), address=address, token=self.token, generator=self.member_id)
         await asyncio.to_thread(self.sender.wait_connected, WAIT_S)
         self.rdv.set_status(state="generating", weight_version=self.engine.weight_version)
         self._serving.set()
-        log.info("%s serving %s, streaming to %s", self.member_id, self.spec.model.name, address)
+        log.info("%s serving %s, streaming to %s", self.member_id, self._info()["model"], address)
 
     async def _serve(self, since: int) -> int:
         tasks = [
@@ -358,9 +373,13 @@ class GeneratorRole:
             # An aborted request's samples are dropped, unless the trainer paused it (partial rollout).
             kept = result.request_id in self._keep
             self._keep.discard(result.request_id)
-            samples = [] if result.aborted and not kept else to_samples(result, self.member_id)
+            samples = [] if result.aborted and not kept else self.samples(result)
             self.meter.finished(time.time(), len(samples), sum(len(s.token_ids) for s in samples))
             await self._send(samples)
+
+    def samples(self, result: GenerationResult) -> list[Sample]:
+        """What a finished engine request sends back: one sample per completion."""
+        return to_samples(result, self.member_id)
 
     async def _send(self, samples: list[Sample]) -> None:
         sender = self.sender if self._serving.is_set() else None
@@ -391,7 +410,7 @@ class GeneratorRole:
             since = doc["next_since"]
             for ev in doc["events"]:
                 data = ev.get("data", {})
-                if ev["type"] == "version_proposed" and "generator" in data.get("required_roles", []):
+                if ev["type"] == "version_proposed" and self.role in data.get("required_roles", []):
                     log.info("%s: version %s proposed %.3fs ago", self.member_id, data["version"],
                              time.time() - ev["time"])  # fmt: skip
                     await self._update_weights(int(data["version"]), data)
@@ -443,6 +462,11 @@ class GeneratorRole:
             return None
         await self._drop_trainer()
         self.trainer = await asyncio.to_thread(self._find_trainer)
+        if not self.follows_weights:  # nothing to wait for: serve it at once
+            log.info("%s: a new trainer process (incarnation %s) leads the run; connecting",
+                     self.member_id, self.trainer.get("incarnation"))  # fmt: skip
+            await self._connect()
+            return None
         log.info("%s: a new trainer process (incarnation %s) leads the run; waiting for its weights",
                  self.member_id, self.trainer.get("incarnation"))  # fmt: skip
         return None
@@ -531,11 +555,12 @@ class GeneratorRole:
         ranks = {m["rank"]: m for m in self.rdv.members("trainer") if m["state"] == "alive"}
         if 0 not in ranks:
             raise StreamRLError(f"trainer rank 0 is not alive (alive trainer ranks: {sorted(ranks)})")
-        if not ranks[0].get("addresses", {}).get("samples"):
+        if not ranks[0].get("addresses", {}).get(self.stream):
             program = ranks[0].get("info", {}).get("program", "?")
             raise StreamRLError(
-                f"trainer rank 0 (program {program!r}) published no sample address (addresses.samples): the "
-                "generator role needs a trainer that receives samples (the preflight program does not)"
+                f"trainer rank 0 (program {program!r}) published no address for this role's stream "
+                f"(addresses.{self.stream}): the {self.role} role needs a trainer that receives its "
+                "stream (the preflight program does not; a teacher needs algorithm.distill_coef > 0)"
             )
         return ranks[0]
 
@@ -577,8 +602,8 @@ class GeneratorRole:
                 reason = f"failed: {type(failure).__name__}: {failure}"
                 log.error("%s: %s", self.member_id, reason)
             try:
-                if self.transfer:  # the last transfer's figures stay visible after we left
-                    self.rdv.post_metrics({**self._metrics(), **self.transfer})
+                # The last counts (and transfer's figures) stay visible after we left.
+                self.rdv.post_metrics({**self._metrics(), **self.transfer})
                 self.rdv.leave(reason)
             except StreamRLError as e:
                 log.warning("%s: could not leave the rendezvous: %s", self.member_id, e)

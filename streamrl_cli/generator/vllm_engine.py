@@ -231,9 +231,11 @@ class VLLMEngine(GenerationEngine):
             completions = [_completion(c) for c in sorted(final.outputs, key=lambda c: c.index)]
             m = final.metrics
             first = m.arrival_time + m.first_token_latency if m and m.first_token_latency else finished_at
+        scored = _prompt_logprobs(final, ids) if final is not None and req.sampling.prompt_logprobs else []
         return GenerationResult(
             request_id=req.request_id,
             prompt_token_ids=list(ids),
+            prompt_logprobs=scored,
             completions=completions,
             weight_version=version,
             # LoRA: a request keeps its adapter to the end, whatever version came meanwhile
@@ -528,6 +530,14 @@ def _completion(c: Any) -> Completion:
     )
 
 
+def _prompt_logprobs(final: Any, ids: list[int]) -> list[float]:
+    """Each prompt token's log-prob from vLLM's prompt_logprobs (the first token's entry is None)."""
+    entries = final.prompt_logprobs or []
+    if len(entries) != len(ids):
+        raise EngineError(f"vLLM returned {len(entries)} prompt log-probs for {len(ids)} prompt tokens")
+    return [0.0] + [float(entries[i][t].logprob) for i, t in enumerate(ids) if i > 0]
+
+
 def _sampling_params(s: SamplingSpec) -> Any:
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -542,6 +552,7 @@ def _sampling_params(s: SamplingSpec) -> Any:
         stop=list(s.stop) or None,
         stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        prompt_logprobs=0 if s.prompt_logprobs else None,  # 0: the prompt token's own log-prob only
         logprobs=0,  # just the sampled token's log-prob (processed: the behaviour distribution)
         # The trainer works on token ids; stop strings are matched on text, so only they need it.
         detokenize=bool(s.stop),

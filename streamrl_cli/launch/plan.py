@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from streamrl_cli.recipe.schema import ClusterConfig, PlannerConfig, Recipe
-from streamrl_cli.roles.spec import GeneratorSpec, RendezvousSpec, RoleSpec, TrainerSpec
+from streamrl_cli.roles.spec import GeneratorSpec, RendezvousSpec, RoleSpec, TeacherSpec, TrainerSpec
 from streamrl_cli.rundir import RunDir
 
-ROLES = ("rendezvous", "trainer", "generator")
+ROLES = ("rendezvous", "trainer", "generator", "teacher")
 
 
 @dataclass(kw_only=True)
@@ -64,7 +64,10 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
     trainer_site = r.clusters[t.cluster].site
     gen_site = r.clusters[g.cluster].site
     gen_transport = "broadcast" if gen_site == trainer_site else "relay"
+    teacher = r.roles.teacher
     expected = {"trainer": trainer_world(recipe), "generator": g.instances}
+    if teacher.instances > 0:
+        expected["teacher"] = teacher.instances
     common = dict(
         run_name=r.run.name,
         run_dir=str(run_dir),
@@ -74,7 +77,7 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
         rendezvous_ca=z.tls_ca,
     )
     z_cluster = z.cluster if z.placement == "job" and z.cluster else t.cluster
-    return {
+    specs: dict[str, RoleSpec] = {
         "trainer": TrainerSpec(
             role="trainer",
             cluster=t.cluster,
@@ -93,6 +96,7 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
             agent=copy.deepcopy(r.agent),
             generator=copy.deepcopy(g),
             generator_transport=gen_transport,
+            teacher=copy.deepcopy(teacher),
             **common,
         ),
         "generator": GeneratorSpec(
@@ -110,6 +114,19 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
             max_staleness=r.algorithm.max_staleness,
             **common,
         ),
+        "teacher": TeacherSpec(
+            role="teacher",
+            cluster=teacher.cluster or g.cluster,
+            site=r.clusters[teacher.cluster or g.cluster].site,
+            world=teacher.instances,
+            program=teacher.program,
+            weight_transport="none",  # its model is fixed
+            settings=copy.deepcopy(teacher),
+            model=copy.deepcopy(r.model),
+            task=copy.deepcopy(r.task),
+            train=copy.deepcopy(r.train),
+            **common,
+        ),
         "rendezvous": RendezvousSpec(
             role="rendezvous",
             cluster=z_cluster,
@@ -121,6 +138,12 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
             **common,
         ),
     }
+    return {role: spec for role, spec in specs.items() if role in roles_of(recipe)}
+
+
+def roles_of(recipe: Recipe) -> tuple[str, ...]:
+    """The roles this recipe runs: the teacher only for on-policy distillation."""
+    return tuple(r for r in ROLES if r != "teacher" or recipe.roles.teacher.instances > 0)
 
 
 def _absolute(p: PlannerConfig) -> PlannerConfig:
@@ -196,6 +219,25 @@ def jobs(recipe: Recipe) -> list[JobSpec]:
             signal_lead_s=g.signal_lead_s,
         )
     )
+    te = r.roles.teacher
+    if te.instances > 0:
+        out.append(
+            job_spec(
+                r,
+                "teacher",
+                te.cluster or g.cluster,
+                te.partition,
+                nodes=1,
+                tasks=1,
+                gpus=te.gpus_per_instance,
+                cpus=te.cpus_per_task,
+                mem=te.mem_gb,
+                time_min=te.time_min,
+                array=te.instances,
+                max_running=te.max_running,
+                signal_lead_s=te.signal_lead_s,
+            )
+        )
     return out
 
 

@@ -9,6 +9,8 @@ submitted. What is checked, where the submit host can see it:
   find them; a task that is not built-in must name a dataset;
 - the model directory: `config.json` and a tokenizer; the architecture numbers the recipe does
   not give are taken from `config.json`, and a number that contradicts it is an error;
+- the distillation teacher's model directory, and that its tokenizer is the policy's (the teacher
+  scores the policy's token ids), when both are on this host already;
 - the loggers: their packages import.
 """
 
@@ -46,6 +48,7 @@ def before_submit(composed: Composed) -> Composed:
     model = _model(r.model, composed.model_keys, problems)
     _task(r, problems)
     _agent(r, problems)
+    _teacher(r, problems)
     _loggers(r, problems)
     if problems:
         raise RecipeError(problems, source=str(composed.path))
@@ -150,6 +153,36 @@ def _loggers(r: Recipe, problems: list[str]) -> None:
                 f"train.loggers: {name!r} needs the package behind {module!r}, which does not import "
                 f"here ({type(e).__name__}: {e}); pip install {name} or drop it from train.loggers"
             )
+
+
+def _teacher(r: Recipe, problems: list[str]) -> None:
+    from streamrl_cli.models.fingerprint import vocabulary_fingerprint
+
+    t = r.roles.teacher
+    if t.instances < 1 or not t.model.path:
+        return
+    teacher = Path(t.model.path).expanduser()
+    if not teacher.exists():
+        if t.model.builder is None and _looks_like_path(t.model.path):
+            problems.append(
+                f"roles.teacher.model.path: {t.model.path} does not exist (the teacher's model directory, "
+                "with config.json and the policy's tokenizer), and no roles.teacher.model.builder makes it"
+            )
+        return
+    student = Path(r.model.path).expanduser()
+    if not student.is_dir():
+        return  # made by its builder at start: the teacher compares the two when it starts
+    try:
+        same = vocabulary_fingerprint(student) == vocabulary_fingerprint(teacher)
+    except StreamRLError as e:
+        problems.append(f"roles.teacher.model.path: {e}")
+        return
+    if not same:
+        problems.append(
+            f"roles.teacher.model.path: the teacher's tokenizer ({teacher}) differs from the policy's "
+            f"(model.path={student}); on-policy distillation scores the policy's token ids, so both "
+            "models must share one vocabulary"
+        )
 
 
 def _model(m: ModelConfig, given: frozenset[str], problems: list[str]) -> ModelConfig:

@@ -35,6 +35,7 @@ from streamrl_cli.rundir import RunDir, write_atomic
 ENDED_STATES = ("finished", "failed", "cancelled", "dry-run")
 RENDEZVOUS_START_S = 60.0  # a local server starts in about a second
 RENDEZVOUS_JOB_START_S = 900.0  # a server job may wait in the queue first
+POOLS = ("generator", "teacher")  # roles of many instances: the run goes on while one of each is left
 GENERATOR_EXIT_S = 30.0  # after the trainer left, for generators to hand over and exit on their own
 
 
@@ -118,8 +119,9 @@ def reopen(run: RunDir) -> Prepared:
             run.attempt(n).mkdir(parents=True, exist_ok=True)
             os.replace(path, run.attempt(n) / path.name)
     jobs = plan.jobs(recipe)
-    spec_paths = {role: run.role_spec(role) for role in plan.ROLES}
-    specs = {role: run_state.role_spec(run, role) for role in plan.ROLES}
+    roles = [r for r in plan.ROLES if r in plan.roles_of(recipe)]
+    spec_paths = {role: run.role_spec(role) for role in roles}
+    specs = {role: run_state.role_spec(run, role) for role in roles}
     scripts = {j.key: run.job_script(j.key, j.launcher) for j in jobs}
     run.update_info(state="created", resumed=time.time(), attempt=n + 1, trainer_restarts=0)
     run.event("resumed", attempt=n + 1)
@@ -240,9 +242,9 @@ def watch_local(run: RunDir, console: Console, restart: Callable[[], object] | N
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     roles = [r for r in local.procs(run) if r.role != "rendezvous"]
     failed: list[local.LocalProc] = []
-    gone: set[int] = set()  # generators that failed: the run goes on without them
+    gone: set[int] = set()  # generators (and teachers) that failed: the run goes on without them
     replaced: set[int] = set()  # trainer processes that died and were started again
-    no_generator = False
+    no_generator = ""  # the pool ("generator", "teacher") with none left, if one is
     follower = _scale_follower(run, console)
     try:
         with Live(live_view(run), console=console, refresh_per_second=2, transient=False) as live:
@@ -255,15 +257,17 @@ def watch_local(run: RunDir, console: Console, restart: Callable[[], object] | N
                 roles += [r for r in procs if r.role != "rendezvous" and r.pid not in known]
                 codes = {r.pid: _exit_code(r) for r in roles}
                 # Released instances (scaled in) leave on purpose, whatever their exit code.
-                gens = [r for r in roles if r.role == "generator" and r.rank not in released]
-                for r in gens:
+                members = [
+                    r for r in roles if r.role in POOLS and not (r.role == "generator" and r.rank in released)
+                ]
+                for r in members:
                     if codes[r.pid] not in (None, 0) and r.pid not in gone:
                         gone.add(r.pid)
                         _generator_failed(run, r, codes[r.pid], console)
                 failed = [
                     r
                     for r in roles
-                    if codes[r.pid] not in (None, 0) and r.role != "generator" and r.pid not in replaced
+                    if codes[r.pid] not in (None, 0) and r.role not in POOLS and r.pid not in replaced
                 ]
                 trainers = [r for r in roles if r.role == "trainer" and r.pid not in replaced]
                 dead_rendezvous = _revive_rendezvous(
@@ -271,10 +275,12 @@ def watch_local(run: RunDir, console: Console, restart: Callable[[], object] | N
                 )
                 if dead_rendezvous is not None:
                     failed.append(dead_rendezvous)
-                if gone and all(codes[r.pid] is not None for r in gens):
-                    # None left, and not released (those exit 0): nothing will produce samples.
-                    failed += [r for r in gens if r.pid in gone]
-                    no_generator = True
+                for pool in POOLS:
+                    of_pool = [r for r in members if r.role == pool]
+                    if any(r.pid in gone for r in of_pool) and all(codes[r.pid] is not None for r in of_pool):
+                        # None left, and not released (those exit 0): nothing will produce (or score) samples.
+                        failed += [r for r in of_pool if r.pid in gone]
+                        no_generator = pool
                 if (
                     restart is not None
                     and failed
@@ -301,17 +307,17 @@ def watch_local(run: RunDir, console: Console, restart: Callable[[], object] | N
         return 130
     state = "failed" if failed else "finished"
     # Generators finish on their own once the trainer left; the server goes last.
-    _wait_exit([r for r in roles if r.role == "generator"], GENERATOR_EXIT_S)
+    _wait_exit([r for r in roles if r.role in POOLS], GENERATOR_EXIT_S)
     local.stop([r for r in local.procs(run) if r.role != "rendezvous"])  # anything a role left
     local.stop(local.procs(run))  # the rendezvous server
     run.update_info(state=state, ended=time.time())
     run.event(
         state,
         failed=[f"{r.role}-{r.rank}" for r in failed],
-        **({"reason": "no generator left: every generator failed"} if no_generator else {}),
+        **({"reason": f"no {no_generator} left: every {no_generator} failed"} if no_generator else {}),
     )
     if no_generator:
-        console.print("[red]no generator left: every generator failed[/red]; the run cannot go on")
+        console.print(f"[red]no {no_generator} left: every {no_generator} failed[/red]; the run cannot go on")
     for r in failed:
         console.print(
             f"[red]{r.role} rank {r.rank} exited with {_exit_code(r)}[/red]; last lines of {r.log}:"
@@ -356,12 +362,12 @@ def _restart_trainer(
 
 
 def _generator_failed(run: RunDir, rec: local.LocalProc, code: int | None, console: Console) -> None:
-    """A generator died (killed, crashed): the trainer re-dispatches its work to the others (it sees
-    the member leave or its lease expire); here, what it left running in its group is stopped."""
+    """A generator (or teacher) died (killed, crashed): the trainer re-dispatches its work to the others
+    (it sees the member leave or its lease expire); here, what it left running in its group is stopped."""
     left = local.reap(rec)
     run.event("member_failed", role=rec.role, rank=rec.rank, exit_code=code, reaped=left)
     console.print(
-        f"[yellow]generator rank {rec.rank} exited with {code}[/yellow]; the run goes on without it"
+        f"[yellow]{rec.role} rank {rec.rank} exited with {code}[/yellow]; the run goes on without it"
         + (f" (stopped {len(left)} process(es) it left: {left})" if left else "")
         + f"; last lines of {rec.log}:"
     )

@@ -31,7 +31,7 @@ from streamrl_cli.errors import StreamRLError
 from streamrl_cli.tasks import Task, make_task
 
 if TYPE_CHECKING:
-    from streamrl_cli.recipe.schema import ModelConfig, TaskConfig
+    from streamrl_cli.recipe.schema import ModelConfig, TaskConfig, TeacherModelConfig
 
 MARKER = "streamrl-warmup.json"
 BATCH = 32  # prompts per supervised step
@@ -48,19 +48,30 @@ def _marker(out: Path) -> dict | None:
 
 
 def warm_up(
-    base: Path, out: Path, task: Task, steps: int, seed: int = 0, progress: Progress | None = None
+    base: Path,
+    out: Path,
+    task: Task,
+    steps: int,
+    seed: int = 0,
+    progress: Progress | None = None,
+    *,
+    exact: bool = False,
 ) -> Path:
-    """Fine-tune the model at ``base`` on ``task``'s references for ``steps`` steps, save it at ``out``."""
+    """Fine-tune the model at ``base`` on ``task``'s references for ``steps`` steps, save it at ``out``.
+    ``exact``: on the task's exact answers (a distillation teacher's), not its noisy warm-up ones."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = Path(out).expanduser().resolve()
-    wanted = {"task": task.name, "steps": steps, "seed": seed}
+    wanted = {"task": task.name, "steps": steps, "seed": seed, **({"exact": True} if exact else {})}
     done = _marker(out)
     if done is not None and all(done.get(k) == v for k, v in wanted.items()):
         return out
-    reference = getattr(task, "warmup_completion", None)
-    episode = getattr(task, "warmup_episode", None)  # a multi-turn task's reference conversations
+    reference = getattr(task, "reference_completion" if exact else "warmup_completion", None)
+    if exact and reference is not None:
+        exact_reference = reference
+        reference = lambda p, _rng: exact_reference(p)  # noqa: E731 - same signature as the noisy one
+    episode = None if exact else getattr(task, "warmup_episode", None)  # multi-turn reference conversations
     if reference is None and episode is None and not hasattr(task, "reference_completion"):
         raise StreamRLError(
             f"model.builder=tiny-warm: task {task.name!r} has no reference completions to warm up on "
@@ -183,6 +194,37 @@ def _save_atomically(model, tokenizer, out: Path, info: dict, wanted: dict) -> N
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+TEACHER_SPEC = {"hidden_size": 128, "num_layers": 4, "num_attention_heads": 4, "num_kv_heads": 4,
+                "intermediate_size": 256}  # fmt: skip  # twice the tiny policy's width and depth
+
+
+def ensure_teacher(model: TeacherModelConfig, task: TaskConfig) -> Path:
+    """The distillation teacher's model directory, made first if its ``builder`` says how: builder
+    ``tiny-teacher`` is a tiny Qwen2 twice as wide and deep as the policy, with the same tokenizer,
+    trained on the task's exact answers."""
+    from streamrl_cli.models.tiny import TinySpec, build_tiny_model
+
+    if not model.path:
+        raise StreamRLError("roles.teacher.model.path: the teacher's model directory is not set")
+    path = Path(os.path.expanduser(model.path))
+    if path.exists():
+        return path
+    if model.builder is None:
+        raise StreamRLError(
+            f"roles.teacher.model.path: the teacher's model directory {path} does not exist; point it at "
+            "a model that shares the policy's tokenizer, or set roles.teacher.model.builder=tiny-teacher"
+        )
+    if model.builder != "tiny-teacher":
+        raise StreamRLError(
+            f"roles.teacher.model.builder: unknown builder {model.builder!r} (valid: tiny-teacher)"
+        )
+    with _locked(path):  # every teacher instance of a local run calls this at start
+        if path.exists():
+            return path
+        base = build_tiny_model(Path(f"{path}-base"), TinySpec(**TEACHER_SPEC))
+        return warm_up(base, path, make_task(task), model.warmup_steps, exact=True)
 
 
 def ensure_model(model: ModelConfig, task: TaskConfig, progress: Progress | None = None) -> Path:

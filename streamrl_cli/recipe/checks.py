@@ -21,6 +21,7 @@ from streamrl_cli.recipe.schema import (
     ClusterConfig,
     Recipe,
     RoleJobConfig,
+    TeacherConfig,
 )
 
 Problem = tuple[str, str]
@@ -37,6 +38,7 @@ def check(r: Recipe) -> list[Problem]:
         *_clusters(r),
         *_trainer(r),
         *_generator(r),
+        *_teacher(r),
         *_rendezvous(r),
         *_run_roots(r),
         *_workload(r),
@@ -50,6 +52,7 @@ def resolve(r: Recipe) -> Recipe:
     """Settings whose value follows from others, made explicit once (after ``check`` found nothing):
     the roles read what runs, and the run's config.yaml shows it."""
     a = presets.fill(r.algorithm, r.task.max_output_len)  # the algorithm's defaults for keys left unset
+    r.roles.teacher = teacher_placed(r)
     if a.is_correction == "auto":  # truncated IS corrects the lag of async or resumed samples
         lags = a.mode == "async" or r.rollout.partial
         # With old_policy=behaviour the loss's own ratio is already against the generators' policy.
@@ -217,6 +220,73 @@ def _generator(r: Recipe) -> Iterator[Problem]:
         yield "roles.generator.max_running", f"must be at least 1 (or null), got {g.max_running}"
     yield from _heads(r, "generator", g.tensor_parallel)
     yield from _elastic(r)
+
+
+def teacher_placed(r: Recipe) -> TeacherConfig:
+    """roles.teacher with its placement filled in: the generators' cluster (and partition) unless set."""
+    t, g = r.roles.teacher, r.roles.generator
+    cluster = t.cluster or g.cluster
+    partition = t.partition if t.partition is not None or cluster != g.cluster else g.partition
+    return dataclasses.replace(t, cluster=cluster, partition=partition)
+
+
+def _teacher(r: Recipe) -> Iterator[Problem]:
+    """On-policy distillation: a teacher pool exactly when the loss uses it, placed like generators."""
+    t, a = teacher_placed(r), r.algorithm
+    if a.distill_coef < 0:
+        yield (
+            "algorithm.distill_coef",
+            f"the teacher term's weight: must be ≥ 0 (0: off), got {a.distill_coef}",
+        )
+    elif a.distill_coef == 0 and not a.distill_task_reward:
+        yield "algorithm.distill_task_reward", "has no effect with distill_coef=0 (distillation is off)"
+    if t.instances < 0:
+        yield "roles.teacher.instances", f"must be 0 (no teacher) or more, got {t.instances}"
+        return
+    if a.distill_coef > 0 and t.instances == 0:
+        yield (
+            "roles.teacher.instances",
+            f"algorithm.distill_coef={a.distill_coef} needs a teacher: set roles.teacher.instances ≥ 1 "
+            "and roles.teacher.model.path",
+        )
+    if t.instances == 0:
+        return
+    if a.distill_coef == 0:
+        yield (
+            "roles.teacher.instances",
+            f"{t.instances} teacher(s) but algorithm.distill_coef=0: their scores would change nothing; "
+            "set distill_coef > 0 or instances=0",
+        )
+    if not t.model.path:
+        yield (
+            "roles.teacher.model.path",
+            "required with roles.teacher.instances ≥ 1: the teacher's model directory",
+        )
+    if t.model.builder is not None and t.model.warmup_steps < 1:
+        yield (
+            "roles.teacher.model.warmup_steps",
+            f"must be at least 1 with a builder, got {t.model.warmup_steps}",
+        )
+    placement: list[Problem] = []
+    c, gpus_avail = _placement(r, "teacher", t, placement)
+    yield from placement
+    yield from _common(t, "teacher")
+    yield from _gpus_fit(t, "teacher", "gpus_per_instance", c, gpus_avail, "per instance (on one node)")
+    if t.max_num_seqs < 1:
+        yield (
+            "roles.teacher.max_num_seqs",
+            f"an instance must score at least 1 sequence, got {t.max_num_seqs}",
+        )
+    if t.tensor_parallel < 1:
+        yield "roles.teacher.tensor_parallel", f"must be at least 1, got {t.tensor_parallel}"
+    elif t.gpus_per_instance > 0 and t.gpus_per_instance % t.tensor_parallel:
+        yield (
+            "roles.teacher.tensor_parallel",
+            f"{t.tensor_parallel} does not divide gpus_per_instance={t.gpus_per_instance}; "
+            f"valid: {_divisors(t.gpus_per_instance)}",
+        )
+    if t.max_running is not None and t.max_running < 1:
+        yield "roles.teacher.max_running", f"must be at least 1 (or null), got {t.max_running}"
 
 
 def _elastic(r: Recipe) -> Iterator[Problem]:

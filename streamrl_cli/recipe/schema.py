@@ -34,6 +34,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 IS_MODES = ("auto", "on", "off")
 LOGGERS = ("tensorboard", "wandb")
 MODEL_BUILDERS = ("tiny", "tiny-warm")
+TEACHER_BUILDERS = ("tiny-teacher",)
 SKEW_DISPATCH = ("random", "skewness-aware")
 SKEW_SCHEDULE = ("fifo", "lpt")
 RANKERS = ("none", "learned", "history", "oracle")
@@ -169,6 +170,38 @@ class GeneratorConfig(RoleJobConfig):
 
 
 @dataclass(kw_only=True)
+class TeacherModelConfig:
+    """The distillation teacher's model: it must share the policy's tokenizer (the teacher scores the
+    policy's tokens by id)."""
+
+    name: str = "teacher"  # display name
+    path: str | None = None  # local directory for from_pretrained (required with instances > 0)
+    # How to make it when `path` does not exist yet (null: it must exist): "tiny-teacher" builds a
+    # tiny Qwen2 twice as wide and deep as the tiny policy and trains it on the built-in task's
+    # exact answers (warmup_steps supervised steps), a teacher that knows the task.
+    builder: str | None = field(default=None, metadata={"choices": TEACHER_BUILDERS})
+    warmup_steps: int = 600  # builder tiny-teacher: supervised steps
+
+
+@dataclass(kw_only=True)
+class TeacherConfig(RoleJobConfig):
+    """On-policy distillation's teacher pool (algorithm.distill_coef): instances serving a fixed model
+    that score the policy's sampled tokens (their log-probs under the teacher), streamed to the
+    trainer like samples; an instance lost has its work re-dispatched to the others."""
+
+    instances: int = 0  # teacher instances (array tasks); 0: no teacher
+    cluster: str | None = None  # type: ignore[assignment]  # key of `clusters` (null: the generators')
+    # partition of that cluster (null: the generators' when the cluster is theirs)
+    partition: str | None = None
+    gpus_per_instance: int = 1  # GPUs per instance (on one node)
+    tensor_parallel: int = 1  # TP degree inside an instance; must divide gpus_per_instance
+    max_num_seqs: int = 64  # sequences an instance scores at once
+    max_running: int | None = None  # array throttle (`%N`); null: all at once
+    program: str = "streamrl_cli.generator.teacher:main"  # `module:function` each instance runs
+    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+
+
+@dataclass(kw_only=True)
 class RendezvousConfig:
     """The run's control-plane server (see streamrl_cli.rendezvous)."""
 
@@ -189,6 +222,7 @@ class RolesConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the trainer job
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # the generator job array
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)  # the control plane
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)  # on-policy distillation's teachers
 
 
 # PEFT's names for the linear layers of Llama-family blocks (Llama, Qwen2/2.5/3, Mistral): LoRA's
@@ -292,6 +326,13 @@ class AlgorithmConfig:
     is_mask: str = choices(*IS_MASKS, default="off")
     is_mask_low: float = 0.5  # lower bound of the kept ratios
     is_mask_high: float = 2.0  # upper bound of the kept ratios
+    # On-policy distillation (roles.teacher): each sampled token's advantage gains
+    # distill_coef × (log p_teacher − log p_behaviour), the negative of the per-token reverse KL
+    # from the teacher; 0: off.
+    distill_coef: float = 0.0
+    # With distill_coef: the task reward's advantage is kept and the teacher's term added to it;
+    # false: the teacher's term alone (rewards are still computed and recorded).
+    distill_task_reward: bool = True
     temperature: float = 1.0  # sampling temperature (the trainer's log-probs use the same)
     # Truncated sampling, passed to vLLM; the trainer's and the reference's log-probs apply the same
     # truncation (vLLM's order: temperature, min_p, top_k, top_p), so they are of the distribution

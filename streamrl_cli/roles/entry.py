@@ -26,7 +26,7 @@ __all__ = ["load_spec", "run_role"]
 
 def rank_from_env(role: str) -> int:
     """Generator instances are array tasks; trainer ranks are the tasks of one job."""
-    if role == "generator" and "SLURM_ARRAY_TASK_ID" in os.environ:
+    if role in ("generator", "teacher") and "SLURM_ARRAY_TASK_ID" in os.environ:
         # An array job added by scaling starts its task ids at 0 again: its ranks start after the run's.
         return environ.rank_base() + int(os.environ["SLURM_ARRAY_TASK_ID"])
     return int(os.environ["SLURM_PROCID"]) if "SLURM_PROCID" in os.environ else environ.rank()
@@ -82,7 +82,9 @@ def run_role(spec_path: str, rank: int | None = None) -> int:
     try:
         # Before anything imports torch: the GPUs this process uses (LOCAL_RANK, CUDA_VISIBLE_DEVICES).
         where = placement(
-            os.environ, gpus_per_process(spec.role, spec.settings), narrow=spec.role == "generator"
+            os.environ,
+            gpus_per_process(spec.role, spec.settings),
+            narrow=spec.role in ("generator", "teacher"),
         )
     except StreamRLError as e:
         return _failed(spec, rank, record, e, e.exit_code or 1)

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from streamrl_cli.errors import ClusterError
-from streamrl_cli.recipe.schema import GeneratorConfig, RendezvousConfig, TrainerConfig
+from streamrl_cli.recipe.schema import GeneratorConfig, RendezvousConfig, TeacherConfig, TrainerConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,12 +68,14 @@ def placement(env: Mapping[str, str], gpus: int, *, narrow: bool = False) -> Pla
     return Placement(local_rank=local, devices=devices, cuda_index=first, visible=None)
 
 
-def gpus_per_process(role: str, settings: TrainerConfig | GeneratorConfig | RendezvousConfig) -> int:
-    """GPUs one process of ``role`` uses: one per trainer rank, an instance's GPUs per generator
-    (``settings``: the role's own section of its typed spec)."""
+def gpus_per_process(
+    role: str, settings: TrainerConfig | GeneratorConfig | TeacherConfig | RendezvousConfig
+) -> int:
+    """GPUs one process of ``role`` uses: one per trainer rank, an instance's GPUs per generator or
+    teacher (``settings``: the role's own section of its typed spec)."""
     if isinstance(settings, TrainerConfig):
         return 1 if settings.gpus_per_node > 0 else 0
-    if isinstance(settings, GeneratorConfig):
+    if isinstance(settings, GeneratorConfig | TeacherConfig):
         return settings.gpus_per_instance
     return 0
 

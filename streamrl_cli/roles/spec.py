@@ -29,6 +29,7 @@ from streamrl_cli.recipe.schema import (
     RolloutConfig,
     SkewnessConfig,
     TaskConfig,
+    TeacherConfig,
     TrainConfig,
     TrainerConfig,
 )
@@ -40,7 +41,7 @@ class RoleSpec:
 
     run_name: str  # the run's name
     run_dir: str  # absolute path of the run directory (shared filesystem on clusters)
-    role: str  # trainer | generator | rendezvous
+    role: str  # trainer | generator | teacher | rendezvous
     cluster: str  # recipe key of the cluster it runs on
     site: str  # the cluster's site
     world: int  # processes of this role (trainer ranks, generator instances)
@@ -69,6 +70,9 @@ class TrainerSpec(RoleSpec):
     # max_num_seqs (the bound of Algorithm 2's batch sizes), and how weights reach them.
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     generator_transport: str = "broadcast"  # the generators' weight_transport: broadcast or relay
+    teacher: TeacherConfig = field(
+        default_factory=TeacherConfig
+    )  # distillation's teachers (instances 0: none)
 
 
 @dataclass(kw_only=True)
@@ -86,6 +90,17 @@ class GeneratorSpec(RoleSpec):
 
 
 @dataclass(kw_only=True)
+class TeacherSpec(RoleSpec):
+    """One distillation teacher instance: its engine settings and model, and the policy's model (whose
+    tokenizer it must share), prompt/output bounds and seed."""
+
+    settings: TeacherConfig = field(default_factory=TeacherConfig)  # roles.teacher (its model inside)
+    model: ModelConfig = field(default_factory=ModelConfig)  # the policy's
+    task: TaskConfig = field(default_factory=TaskConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+@dataclass(kw_only=True)
 class RendezvousSpec(RoleSpec):
     """The control-plane server."""
 
@@ -95,6 +110,7 @@ class RendezvousSpec(RoleSpec):
 SPECS: dict[str, type[RoleSpec]] = {
     "trainer": TrainerSpec,
     "generator": GeneratorSpec,
+    "teacher": TeacherSpec,
     "rendezvous": RendezvousSpec,
 }
 

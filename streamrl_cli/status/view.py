@@ -51,6 +51,7 @@ def age(seconds: float | None) -> str:
 
 # Columns of the runs table, most important first; narrower terminals drop from the end of
 # OPTIONAL, so the run id (the one thing a user copies) is always whole on one line.
+ARRAY_ROLES = ("generator", "teacher")  # one array task per instance
 ESSENTIAL = ("run", "state", "step")
 OPTIONAL = ("age", "name", "clusters", "launcher")
 
@@ -266,9 +267,9 @@ def role_table(role: dict[str, Any]) -> Table:
 
 
 def _rank(role: str, task: dict[str, Any]) -> int | None:
-    if role == "generator" and isinstance(task["task"], int):
+    if role in ARRAY_ROLES and isinstance(task["task"], int):
         return task["task"]
-    return 0 if task["task"] is None and role != "generator" else None
+    return 0 if task["task"] is None and role not in ARRAY_ROLES else None
 
 
 def _member(m: dict[str, Any] | None) -> tuple[RenderableType, str]:

@@ -107,6 +107,19 @@ def informative(rewards: Sequence[float]) -> bool:
     return len(rewards) >= 2 and max(rewards) != min(rewards)
 
 
+def distilled_advantages(
+    advantages: Tensor, teacher_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, coef: float, *, task: bool
+) -> Tensor:
+    """On-policy distillation (Agarwal et al. 2024, arXiv:2306.13649, the reverse-KL objective of its
+    Eq. 2 on the student's own samples; per token as in Lu & Thinking Machines 2025, "On-Policy
+    Distillation"): each sampled token y_t's advantage is ``coef · (log p_T(y_t) − log p_S(y_t))``,
+    the negative of the per-token estimate of KL(p_S ‖ p_T), with p_S the behaviour policy that
+    sampled it; added to the task's advantages [B, T] (``task``) or alone. Zero where ``mask`` is 0."""
+    gap = (teacher_logp - behaviour_logp) * mask
+    base = advantages if task else torch.zeros_like(advantages)
+    return base + coef * gap
+
+
 # ---- policy losses ------------------------------------------------------------------------------
 
 

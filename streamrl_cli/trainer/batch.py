@@ -53,6 +53,10 @@ class MicroBatch:
     rewards: torch.Tensor  # [B] sequence rewards, shaping included (GAE's)
     advantages: torch.Tensor  # [B] sequence advantages (every estimator but GAE)
     rollouts: list[Rollout] = field(default_factory=list)
+    # On-policy distillation: the teacher's log-probs at response positions, and 1 where a token has
+    # one (None: no rollout of the batch was scored by a teacher).
+    teacher_logp: torch.Tensor | None = None
+    teacher_mask: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -77,6 +81,9 @@ def collate(rollouts: Sequence[Rollout], device: torch.device | str = "cpu") -> 
     attn = torch.zeros(n, length, dtype=torch.long)
     mask = torch.zeros(n, length - 1)
     blp = torch.zeros(n, length - 1)
+    scored = any(r.sample.teacher_logprobs for r in rows)
+    tlp = torch.zeros(n, length - 1) if scored else None
+    tmask = torch.zeros(n, length - 1) if scored else None
     for i, r in enumerate(rows):
         p, resp = len(r.prompt_tokens), r.response_len
         ids[i, : p + resp] = torch.tensor(r.prompt_tokens + list(r.sample.token_ids), dtype=torch.long)
@@ -90,6 +97,12 @@ def collate(rollouts: Sequence[Rollout], device: torch.device | str = "cpu") -> 
         else:
             mask[i, p - 1 : p - 1 + resp] = float(r.scored)
         blp[i, p - 1 : p - 1 + resp] = torch.tensor(r.sample.logprobs, dtype=torch.float32)
+        if tlp is not None and tmask is not None:
+            if len(r.sample.teacher_logprobs) == resp:
+                tlp[i, p - 1 : p - 1 + resp] = torch.tensor(r.sample.teacher_logprobs, dtype=torch.float32)
+                tmask[i, p - 1 : p - 1 + resp] = 1.0
+            else:  # not scored: no teacher signal (the loss counts it as distill/unscored_tokens)
+                tlp[i, p - 1 : p - 1 + resp] = blp[i, p - 1 : p - 1 + resp]
     return MicroBatch(
         input_ids=ids.to(device),
         attention_mask=attn.to(device),
@@ -99,6 +112,8 @@ def collate(rollouts: Sequence[Rollout], device: torch.device | str = "cpu") -> 
         rewards=torch.tensor([r.reward + r.shaping for r in rows], dtype=torch.float32, device=device),
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=device),
         rollouts=rows,
+        teacher_logp=tlp.to(device) if tlp is not None else None,
+        teacher_mask=tmask.to(device) if tmask is not None else None,
     )
 
 

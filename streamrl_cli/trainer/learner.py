@@ -213,6 +213,8 @@ class Learner:
             adv, ret = L.gae(tok_r, values.detach(), valid, a.gamma, a.lam)
         else:
             adv = mb.advantages[:, None].expand_as(valid) * valid
+        if a.distill_coef:
+            adv = self._distilled(adv, mb, valid)
         is_w = (
             A.is_weights(trainer_logp, mb.behaviour_logp, mask, a.is_cap, a.is_level)
             if c.importance_sampling
@@ -249,6 +251,19 @@ class Learner:
             self.critic.set_gradient_accumulation_boundary(last)
             self.critic.backward(vnum, scale_wrt_gas=False)
             self._add("loss/value", vnum.detach())
+
+    def _distilled(self, adv: torch.Tensor, mb: MicroBatch, valid: torch.Tensor) -> torch.Tensor:
+        """On-policy distillation (trainer.distill): each token's advantage gains distill_coef ×
+        (log p_teacher − log p_behaviour), added to the task's or (distill_task_reward false) alone."""
+        a = self.loss.algorithm
+        teacher = mb.teacher_logp if mb.teacher_logp is not None else mb.behaviour_logp
+        self._add("distill/reverse_kl", ((mb.behaviour_logp - teacher) * valid).sum())
+        self._add("distill/tokens", valid.sum())
+        scored = mb.teacher_mask if mb.teacher_mask is not None else torch.zeros_like(valid)
+        self._add("distill/unscored", ((1 - scored) * valid).sum())
+        return A.distilled_advantages(
+            adv, teacher, mb.behaviour_logp, valid, a.distill_coef, task=a.distill_task_reward
+        )
 
     def reference_logp(self, mb: MicroBatch) -> torch.Tensor:
         """The reference policy's log-probs of `mb`: the frozen copy's, or (LoRA) the actor's own base
@@ -307,6 +322,9 @@ class Learner:
         out["approx_kl"] = sums.get("pg/approx_kl", 0.0) / tokens
         if "pg/is_weight" in sums:
             out["is_weight/mean"] = sums["pg/is_weight"] / tokens
+        if "distill/tokens" in sums:  # the policy's reverse KL from the teacher, per sampled token
+            out["distill/reverse_kl"] = sums["distill/reverse_kl"] / max(sums["distill/tokens"], 1.0)
+            out["distill/unscored_tokens"] = sums["distill/unscored"]
         if "offpolicy/tokens" in sums:  # is_mask: the share of response tokens taken out of the loss
             out["offpolicy/masked_frac"] = sums["offpolicy/masked"] / max(sums["offpolicy/tokens"], 1.0)
         # How far the generators' log-probs are from the trainer's for the same tokens, before this

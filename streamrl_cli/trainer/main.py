@@ -53,6 +53,7 @@ class TrainerRole:
         self.run_dir = Path(spec.run_dir)
         self.rdv: Any = None
         self.closers: list[Any] = []
+        self.teachers: Any = None  # on-policy distillation: the teachers' dispatch service
         self._last_step = 0  # the latest iteration recorded (eval records are logged at it)
         self.ends: Any = None  # SLURM's warnings before the job ends (roles.requeue.EndSignals)
 
@@ -102,6 +103,8 @@ class TrainerRole:
             ensure_model(self.spec.model, self.spec.task)
             svc, publisher = self._data_plane(backend if cuda else "gloo")
             addresses.update(samples=svc.address.replace("0.0.0.0", host), **publisher.addresses())
+            if self.teachers is not None:
+                addresses["teacher"] = self.teachers.address.replace("0.0.0.0", host)
             info.update(publisher.info())
             from streamrl_cli.trainer.learner import open_group_store
 
@@ -190,6 +193,9 @@ class TrainerRole:
         self.closers.append(publisher)
         self.generators = gen.instances
         self.elastic = gen.elastic
+        if self.spec.teacher.instances > 0:  # on-policy distillation: the teachers' own stream
+            self.teachers = DispatchService(StreamConfig(), self.token)
+            self.closers.append(self.teachers)
         return svc, publisher
 
     def _rank0(self) -> dict[str, Any]:
@@ -308,12 +314,19 @@ class TrainerRole:
                 driver.save(path, {**state, "rng": ckpt.rng_state()})
                 ckpt.prune(self.run_dir, keep)
 
-        self._wait_generators_serving()
+        self._wait_serving("generator", self.generators)
         svc.watch(self.rdv)
+        data = svc
+        if self.teachers is not None:
+            from streamrl_cli.trainer.distill import TeacherScoring
+
+            self._wait_serving("teacher", self.spec.teacher.instances)
+            self.teachers.watch(self.rdv, role="teacher")
+            data = TeacherScoring(svc, self.teachers, no_teacher_s=t.stall_after_s)
         self.rdv.set_status(state="training")
         pipe = Pipeline(
             cfg, task=task, sampler=sampler, tokenize=tokenize,
-            detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True), svc=svc, driver=driver,
+            detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True), svc=data, driver=driver,
             publisher=publisher, on_record=on_record, on_checkpoint=on_checkpoint, ranker=ranker, ptl=ptl,
             evaluator=evaluator, stop_requested=self.ends.requested.is_set,
         )  # fmt: skip
@@ -409,47 +422,48 @@ class TrainerRole:
         log.info("Algorithm 2 uses the decode curve of %s (%s on %s)", path, profile.model, profile.hardware)
         return ptl_from_profile(profile)
 
-    def _wait_generators_serving(self) -> None:
-        """Iteration 0's clock starts when every generator serves (engine up, stream connected).
+    def _wait_serving(self, role: str, expected: int) -> None:
+        """Iteration 0's clock starts when every generator (and distillation teacher) serves (engine
+        up, stream connected).
 
         One that is still starting (not registered yet, or loading its engine) after `WAIT_S` does
         not hold the run: it starts with those serving, and the late one joins a run in progress
-        (as a scaled-up instance does). Only a run with no generator serving fails then.
+        (as a scaled-up instance does). Only a run with none of the role serving fails then.
         """
         deadline = time.monotonic() + WAIT_S
         while True:
-            members = self.rdv.members("generator")
+            members = self.rdv.members(role)
             alive = [m for m in members if m["state"] == "alive"]
             gone = [m for m in members if m["state"] in ("lost", "left")]
             # "waiting for weights": up, joined a run in progress; it gets the version pushed first
             serving = [m for m in alive if m.get("reported_state") in ("generating", "waiting for weights")]
-            if len(serving) >= self.generators:
+            if len(serving) >= expected:
                 return
-            if serving and len(serving) + len(gone) >= self.generators and len(alive) == len(serving):
+            if serving and len(serving) + len(gone) >= expected and len(alive) == len(serving):
                 # One failed at start: the run goes on without it (it may come back, restarted).
                 log.warning("starting without %s: failed at start", ", ".join(m["member_id"] for m in gone))
                 return
-            if gone and not alive and len(gone) >= self.generators:
+            if gone and not alive and len(gone) >= expected:
                 raise StreamRLError(
-                    "no generator left: every generator failed at start ("
+                    f"no {role} left: every {role} failed at start ("
                     + "; ".join(f"{m['member_id']}: {m.get('last_error') or m['state']}" for m in gone)
                     + ")"
                 )
             if time.monotonic() > deadline:
                 starting = [f"{m['member_id']} ({m.get('reported_state') or 'registered'})"
                             for m in alive if m not in serving]  # fmt: skip
-                missing = self.generators - len(members)
+                missing = expected - len(members)
                 if missing > 0:
                     starting.append(f"{missing} not registered")
                 if serving:
                     log.warning(
-                        "starting with %d of %d generators serving after %.0fs; still starting: %s "
+                        "starting with %d of %d %ss serving after %.0fs; still starting: %s "
                         "(they join when they serve)",
-                        len(serving), self.generators, WAIT_S, ", ".join(starting),
+                        len(serving), expected, role, WAIT_S, ", ".join(starting),
                     )  # fmt: skip
                     return
                 raise StreamRLError(
-                    f"no generator serving after {WAIT_S:.0f}s of {self.generators} expected; "
+                    f"no {role} serving after {WAIT_S:.0f}s of {expected} expected; "
                     f"still starting: {', '.join(starting) or '-'}"
                     + "".join(f"; {m['member_id']}: {m.get('last_error') or m['state']}" for m in gone)
                 )

@@ -376,7 +376,9 @@ class SampleRouting:
         restart = bool(prefix.loss_mask) or prefix.episode is not None
         if restart or batch.index + self.offset - prefix.weight_version > self.cfg.bound:
             self.discarded_tokens += len(prefix.token_ids)
-            prefix = msgspec.structs.replace(prefix, token_ids=[], logprobs=[], token_versions=[])
+            prefix = msgspec.structs.replace(
+                prefix, token_ids=[], logprobs=[], token_versions=[], teacher_logprobs=[]
+            )
         self.resumes += 1
         rid = str(RequestId.parse(c.key).resumed(self.resumes))
         batch.prompts[rid] = (c.prompt, c.tokens)
@@ -490,8 +492,11 @@ def _join(start: Sample, rest: Sample) -> Sample:
     if not start.token_ids:
         return rest
     versions = token_versions(start) + token_versions(rest)
+    # Distillation: each part was scored by a teacher in its own request's context.
+    teacher = [*start.teacher_logprobs, *rest.teacher_logprobs]
     return msgspec.structs.replace(
         rest, token_ids=[*start.token_ids, *rest.token_ids], logprobs=[*start.logprobs, *rest.logprobs],
         weight_version=min(versions), token_versions=versions, queued_at=start.queued_at,
         first_token_at=start.first_token_at,
+        teacher_logprobs=teacher if len(teacher) == len(versions) else [],
     )  # fmt: skip

@@ -77,6 +77,9 @@ class Sample(msgspec.Struct, array_like=True, kw_only=True):
     # in the context, out of the loss, the KL and the importance ratios); empty: all the model's.
     loss_mask: list[int] = []
     episode: Episode | None = None  # what happened in it (turns, tool calls, why it ended)
+    # On-policy distillation (appended likewise): the teacher's log-prob of each token, filled in by
+    # the trainer from its teachers' answers; empty: not scored.
+    teacher_logprobs: list[float] = []
 
     @property
     def key(self) -> tuple[str, int]:

@@ -164,6 +164,22 @@ def test_behaviour_logprobs_are_of_the_tempered_distribution(loop, engine, hf, t
 
 
 @pytest.mark.slow
+def test_a_scored_prompt_gets_each_tokens_logprob_as_transformers_computes_it(loop, engine, hf):
+    """A distillation teacher's request: the prompt (a policy's prompt and sampled tokens) is scored,
+    each token given the ones before it, at temperature 1 whatever the request samples with."""
+    prompt = list(range(40, 60))
+    spec = SamplingSpec(temperature=0.7, max_tokens=1, prompt_logprobs=True)
+    (r,) = loop.run_until_complete(
+        collect(engine, [GenerationRequest(request_id="scored", prompt_token_ids=prompt, sampling=spec)])
+    )
+    assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[0] == 0.0
+    want = hf_logprobs(hf, prompt[:1], prompt[1:], 1.0)
+    torch.testing.assert_close(torch.tensor(r.prompt_logprobs[1:]), want, atol=1e-4, rtol=0)
+    (plain,) = loop.run_until_complete(collect(engine, [greedy("unscored", prompt, n=1)]))
+    assert plain.prompt_logprobs == []  # only asked-for scores are computed
+
+
+@pytest.mark.slow
 def test_lower_priority_value_is_admitted_first(loop, engine):
     # 24 equal requests for 8 sequence slots, submitted while paused: the first 8 to finish must be
     # the 8 lowest priority values, then the next 8 (no running request is ever preempted).

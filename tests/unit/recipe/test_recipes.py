@@ -120,7 +120,9 @@ def test_a_role_spec_that_does_not_fit_is_refused_by_name(tmp_path):
     spec = plan.role_specs(load("local").recipe, tmp_path)["generator"]
     bad = tmp_path / "g.yaml"
     bad.write_text(spec_yaml(spec).replace("role: generator", "role: juggler"))
-    with pytest.raises(StreamRLError, match="unknown role 'juggler'.*trainer, generator, rendezvous"):
+    with pytest.raises(
+        StreamRLError, match="unknown role 'juggler'.*trainer, generator, teacher, rendezvous"
+    ):
         load_spec(bad)
     bad.write_text(spec_yaml(spec).replace("max_num_seqs: 64", "max_num_seqs: lots"))
     with pytest.raises(StreamRLError, match=r"version of streamrl: settings.max_num_seqs: Value .lots."):

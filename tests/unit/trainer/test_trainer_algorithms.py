@@ -358,3 +358,42 @@ def test_the_learner_takes_the_generators_log_probs_as_old_policy_when_asked():
     own = learner()
     own.micro_step(collate(rows), last=True)
     assert own.sums["pg/clip_frac"] == 0.0 and own.actor.module.table.grad.abs().sum() > 0
+
+
+# --- on-policy distillation ---------------------------------------------------------------------
+
+
+def test_distillation_adds_the_teachers_log_ratio_per_token_or_replaces_the_task_advantage():
+    # Sequence advantages [1, -1] per token; teacher minus behaviour log-probs per token:
+    # row 0: (-0.5 - -1.0, -1.0 - -2.0) = (0.5, 1.0), padding 0; row 1: (-1.0 - -0.5, -1.5 - -1.5,
+    # -2.0 - -3.0) = (-0.5, 0.0, 1.0). With coef 2: added -> row 0 (2, 3, 0), row 1 (-2, -1, 1).
+    adv = torch.tensor([[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]])
+    teacher = torch.tensor([[-0.5, -1.0, -9.0], [-1.0, -1.5, -2.0]])
+    out = A.distilled_advantages(adv, teacher, LOGP, MASK, 2.0, task=True)
+    close(out, [[2.0, 3.0, 0.0], [-2.0, -1.0, 1.0]])
+    alone = A.distilled_advantages(adv, teacher, LOGP, MASK, 2.0, task=False)
+    close(alone, [[1.0, 2.0, 0.0], [-1.0, 0.0, 2.0]])
+
+
+def test_the_learner_trains_toward_the_teacher_and_records_the_reverse_kl():
+    # A uniform policy: every behaviour log-prob is -ln 8. The teacher finds the first token twice as
+    # likely (log 2 above) and the second half as likely: reverse KL per token (behaviour - teacher)
+    # = (-ln 2, +ln 2), mean 0. With the task's advantage off (distill_task_reward false) the first
+    # token's advantage is +ln 2 and the second's -ln 2: the loss raises one and lowers the other.
+    u = -math.log(8)
+    rows = [rollout([u, u], advantage=5.0)]
+    rows[0].sample.teacher_logprobs = [u + math.log(2.0), u - math.log(2.0)]
+    lrn = learner(distill_coef=1.0, distill_task_reward=False)
+    lrn.micro_step(collate(rows), last=True)
+    assert lrn.sums["distill/tokens"] == 2.0 and lrn.sums["distill/unscored"] == 0.0
+    assert abs(lrn.sums["distill/reverse_kl"]) < 1e-6
+    grad = lrn.actor.module.table.grad
+    # The first token (3, predicted from the prompt's last token 2) is pushed up: a negative loss
+    # gradient on table[2, 3]; the second (predicted from 3) down: positive on table[3, 3].
+    assert grad[2, 3] < 0 < grad[3, 3]
+    # The task's advantage alone (5 for both) would push both up; unscored tokens are counted.
+    plain = [rollout([u, u], advantage=5.0)]
+    unscored = learner(distill_coef=1.0)
+    unscored.micro_step(collate(plain), last=True)
+    assert unscored.sums["distill/unscored"] == 2.0
+    assert unscored.actor.module.table.grad[2, 3] < 0 and unscored.actor.module.table.grad[3, 3] < 0

@@ -24,7 +24,7 @@ def generator(run_dir, rank: int, state: str) -> RendezvousClient:
 
 def wait(run_dir, expected: int) -> None:
     role = SimpleNamespace(rdv=RendezvousClient.from_run_dir(run_dir), generators=expected)
-    trainer_main.TrainerRole._wait_generators_serving(role)  # type: ignore[arg-type]
+    trainer_main.TrainerRole._wait_serving(role, "generator", expected)  # type: ignore[arg-type]
 
 
 def test_the_run_starts_with_the_generators_serving_once_the_wait_is_over(tmp_path, monkeypatch, caplog):
