@@ -123,6 +123,7 @@ SIDE = frozenset(
         "test_export",
         "test_planner_profile",
         "test_chaos",
+        "test_distill_e2e",
     )
 )
 

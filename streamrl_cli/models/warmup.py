@@ -56,6 +56,7 @@ def warm_up(
     progress: Progress | None = None,
     *,
     exact: bool = False,
+    lr: float = LR,
 ) -> Path:
     """Fine-tune the model at ``base`` on ``task``'s references for ``steps`` steps, save it at ``out``.
     ``exact``: on the task's exact answers (a distillation teacher's), not its noisy warm-up ones."""
@@ -63,7 +64,7 @@ def warm_up(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = Path(out).expanduser().resolve()
-    wanted = {"task": task.name, "steps": steps, "seed": seed, **({"exact": True} if exact else {})}
+    wanted = {"task": task.name, "steps": steps, "seed": seed, **({"exact": True, "lr": lr} if exact else {})}
     done = _marker(out)
     if done is not None and all(done.get(k) == v for k, v in wanted.items()):
         return out
@@ -96,7 +97,7 @@ def warm_up(
         if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
             model.resize_token_embeddings(len(tokenizer))
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
         for step in range(1, steps + 1):
             batch = [rng.choice(prompts) for _ in range(BATCH)]
@@ -198,6 +199,9 @@ def _save_atomically(model, tokenizer, out: Path, info: dict, wanted: dict) -> N
 
 TEACHER_SPEC = {"hidden_size": 128, "num_layers": 4, "num_attention_heads": 4, "num_kv_heads": 4,
                 "intermediate_size": 256}  # fmt: skip  # twice the tiny policy's width and depth
+# The wider, deeper model diverges at the policy's LR. Measured here (200 held-out prompts, sampled at
+# temperature 1): 600 steps at 1e-3 reach a reward of 0.98; at 3e-3, 0.33 (the warmed policy: 0.38).
+TEACHER_LR = 1e-3
 
 
 def ensure_teacher(model: TeacherModelConfig, task: TaskConfig) -> Path:
@@ -224,7 +228,7 @@ def ensure_teacher(model: TeacherModelConfig, task: TaskConfig) -> Path:
         if path.exists():
             return path
         base = build_tiny_model(Path(f"{path}-base"), TinySpec(**TEACHER_SPEC))
-        return warm_up(base, path, make_task(task), model.warmup_steps, exact=True)
+        return warm_up(base, path, make_task(task), model.warmup_steps, exact=True, lr=TEACHER_LR)
 
 
 def ensure_model(model: ModelConfig, task: TaskConfig, progress: Progress | None = None) -> Path:

@@ -34,8 +34,16 @@ SITE_OPTIONS = [
     "+clusters.b.sbatch.account=gen-pool",
     "roles.generator.mem_gb=200",
 ]
+# On-policy distillation: a teacher pool (an array job like the generators', on their cluster and
+# partition unless set) and the trainer's teacher settings.
+TEACHER = [
+    "algorithm.distill_coef=1.0",
+    "roles.teacher.instances=2",
+    "roles.teacher.model.path=/models/teacher",
+]
 CASES = {name: (name, []) for name in list_recipes()} | {
     "two-site-h800-h20+site-options": ("two-site-h800-h20", SITE_OPTIONS),
+    "two-site-h800-h20+teacher": ("two-site-h800-h20", TEACHER),
 }
 
 
