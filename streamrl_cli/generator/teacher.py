@@ -115,33 +115,17 @@ class TeacherRole(GeneratorRole):
     def samples(self, result: GenerationResult) -> list[Sample]:
         """One answer per scoring request: the log-prob of every token of the sequence it was sent."""
         meta = result.meta
-        if result.error or not result.prompt_logprobs:
-            # A request the engine refused (say, longer than its context): the trainer must not wait
-            # for it for ever, and must not train on made-up scores. It fails loudly there.
-            return [
-                Sample(
-                    prompt_id=meta["prompt_id"],
-                    sample_index=i,
-                    group_id=meta.get("group_id", ""),
-                    token_ids=[],
-                    logprobs=[],
-                    finish_reason="error",
-                    weight_version=0,
-                    generator=self.member_id,
-                    queued_at=result.queued_at,
-                    first_token_at=result.first_token_at,
-                    finished_at=result.finished_at,
-                )  # fmt: skip
-                for i in meta["sample_indices"]
-            ]
+        # A request the engine refused (say, longer than its context) is answered as an error: the
+        # trainer must not wait for it for ever, nor train on made-up scores; it fails loudly there.
+        failed = bool(result.error) or not result.prompt_logprobs
         return [
             Sample(
                 prompt_id=meta["prompt_id"],
                 sample_index=i,
                 group_id=meta.get("group_id", ""),
                 token_ids=[],
-                logprobs=list(result.prompt_logprobs),
-                finish_reason="stop",
+                logprobs=[] if failed else list(result.prompt_logprobs),
+                finish_reason="error" if failed else "stop",
                 weight_version=0,
                 generator=self.member_id,
                 queued_at=result.queued_at,

@@ -19,6 +19,7 @@ from streamrl_cli.recipe.schema import (
     RESERVED_SBATCH,
     AlgorithmConfig,
     ClusterConfig,
+    GeneratorConfig,
     Recipe,
     RoleJobConfig,
     TeacherConfig,
@@ -194,30 +195,9 @@ def _trainer(r: Recipe) -> Iterator[Problem]:
 
 def _generator(r: Recipe) -> Iterator[Problem]:
     g = r.roles.generator
-    placement: list[Problem] = []
-    c, gpus_avail = _placement(r, "generator", g, placement)
-    yield from placement
-    yield from _common(g, "generator")
     if g.instances < 1:
         yield "roles.generator.instances", f"must be at least 1, got {g.instances}"
-    yield from _gpus_fit(g, "generator", "gpus_per_instance", c, gpus_avail, "per instance (on one node)")
-    if g.max_num_seqs < 1:
-        yield (
-            "roles.generator.max_num_seqs",
-            f"an instance must run at least 1 sequence, got {g.max_num_seqs}",
-        )
-    if g.tensor_parallel < 1:
-        yield "roles.generator.tensor_parallel", f"must be at least 1, got {g.tensor_parallel}"
-    elif g.gpus_per_instance > 0 and g.gpus_per_instance % g.tensor_parallel:
-        yield (
-            "roles.generator.tensor_parallel",
-            (
-                f"{g.tensor_parallel} does not divide gpus_per_instance={g.gpus_per_instance}; "
-                f"valid: {_divisors(g.gpus_per_instance)}"
-            ),
-        )
-    if g.max_running is not None and g.max_running < 1:
-        yield "roles.generator.max_running", f"must be at least 1 (or null), got {g.max_running}"
+    yield from _instances(r, "generator", g)
     yield from _heads(r, "generator", g.tensor_parallel)
     yield from _elastic(r)
 
@@ -267,26 +247,31 @@ def _teacher(r: Recipe) -> Iterator[Problem]:
             "roles.teacher.model.warmup_steps",
             f"must be at least 1 with a builder, got {t.model.warmup_steps}",
         )
+    yield from _instances(r, "teacher", t)
+
+
+def _instances(r: Recipe, role: str, job: GeneratorConfig | TeacherConfig) -> Iterator[Problem]:
+    """A pool of engine instances (generators, teachers): placement, GPUs, TP, batch and throttle."""
     placement: list[Problem] = []
-    c, gpus_avail = _placement(r, "teacher", t, placement)
+    c, gpus_avail = _placement(r, role, job, placement)
     yield from placement
-    yield from _common(t, "teacher")
-    yield from _gpus_fit(t, "teacher", "gpus_per_instance", c, gpus_avail, "per instance (on one node)")
-    if t.max_num_seqs < 1:
+    yield from _common(job, role)
+    yield from _gpus_fit(job, role, "gpus_per_instance", c, gpus_avail, "per instance (on one node)")
+    if job.max_num_seqs < 1:
         yield (
-            "roles.teacher.max_num_seqs",
-            f"an instance must score at least 1 sequence, got {t.max_num_seqs}",
+            f"roles.{role}.max_num_seqs",
+            f"an instance must run at least 1 sequence, got {job.max_num_seqs}",
         )
-    if t.tensor_parallel < 1:
-        yield "roles.teacher.tensor_parallel", f"must be at least 1, got {t.tensor_parallel}"
-    elif t.gpus_per_instance > 0 and t.gpus_per_instance % t.tensor_parallel:
+    tp, gpus = job.tensor_parallel, job.gpus_per_instance
+    if tp < 1:
+        yield f"roles.{role}.tensor_parallel", f"must be at least 1, got {tp}"
+    elif gpus > 0 and gpus % tp:
         yield (
-            "roles.teacher.tensor_parallel",
-            f"{t.tensor_parallel} does not divide gpus_per_instance={t.gpus_per_instance}; "
-            f"valid: {_divisors(t.gpus_per_instance)}",
+            f"roles.{role}.tensor_parallel",
+            f"{tp} does not divide gpus_per_instance={gpus}; valid: {_divisors(gpus)}",
         )
-    if t.max_running is not None and t.max_running < 1:
-        yield "roles.teacher.max_running", f"must be at least 1 (or null), got {t.max_running}"
+    if job.max_running is not None and job.max_running < 1:
+        yield f"roles.{role}.max_running", f"must be at least 1 (or null), got {job.max_running}"
 
 
 def _elastic(r: Recipe) -> Iterator[Problem]:
