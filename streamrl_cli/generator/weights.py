@@ -76,8 +76,9 @@ def weight_source(spec: GeneratorSpec, rank: int, source: dict[str, Any]) -> Wei
 
 
 def _store_listening(host: str, port: int) -> None:
-    """Fail now if the group's source is gone: joining a store nobody listens on retries for ~2.5 times
-    the group timeout (minutes), while its source dying is what a relay's failover is about."""
+    """Fail now if the group's source is gone (dropped the group, or died: what a relay's failover is
+    about), before handing the join to the engine. Not a guarantee: the store can go between this check
+    and the workers' connect, which has a bound of its own for that (``JOIN_CONNECT_TIMEOUT_S``)."""
     try:
         socket.create_connection((host, port), timeout=5.0).close()
     except OSError as e:
