@@ -184,7 +184,12 @@ class RelayPath(WeightPath):
         # Only the latest layout of a version: an older one's group was given up already.
         pending = {p["version"]: p for p in self.rdv.versions()["pending"]}.get(proposal["version"])
         latest = GroupLayout.from_proposal(pending) if pending else None
-        return latest is not None and latest.group == layout.group
+        if latest is None or latest.group != layout.group:
+            return False
+        # Nor one whose relay is lost or left already: its group went with it (the next relay, maybe
+        # we, sends the version again on a group of its own).
+        source = (proposal.get("transfer") or {}).get("source")
+        return source is None or source in {m["member_id"] for m in eligible(self.rdv.members("generator"))}
 
     def takes_part(self, proposal: dict[str, Any]) -> bool:
         return True  # a relay delivers to the others even when its own engine has the version
@@ -242,6 +247,13 @@ class RelayPath(WeightPath):
             if not nxt.done():
                 nxt.cancel()
                 break
+            layout = GroupLayout.from_proposal(nxt.result())
+            if self.source.layout is None or self.source.layout.group != layout.group:
+                # Our sender gave that group up (a failed try) before our engine got to it: its store
+                # is gone; the try on a new group comes next.
+                log.info("%s: our own group %s is given up already; not joining it", self.member_id,
+                         layout.group)  # fmt: skip
+                continue
             try:
                 stats = await super().update(version, nxt.result())
             except Exception as e:  # noqa: BLE001 - the sender fails too and tries a new group
