@@ -46,8 +46,12 @@ SOURCE_GONE_PROBES = 3  # failed probes in a row before a source counts as gone
 # retries a refused connect until its timeout, and a member's group timeout is the sync timeout
 # (minutes: it covers the slowest member's drain), so a member told to join a group whose source
 # dropped it (a failed try, a relay that died) would wait that long. Rank 0 hosts the store before
-# it announces the group: a connect to a live source takes milliseconds, even across a site.
-JOIN_CONNECT_TIMEOUT_S = 30.0
+# it announces the group: a connect to a live source takes milliseconds. torch tries again (with a
+# backoff) while under this timeout, each try up to the timeout itself: a store gone for good fails
+# the join after about 1.5 to 2.5 times this (measured: 30-34 s for 20 s with the store gone before
+# the connect; 71 s for 30 s with the store going during it), not after the sync timeout's 600 s
+# (or up to 2.5 times that).
+JOIN_CONNECT_TIMEOUT_S = 20.0
 # Tensors this large are broadcast in place (no packing copy); a gloo call costs ~0.1 ms, i.e.
 # ~0.3 MB of loopback time, so above a few MB the extra calls are cheaper than the copy.
 DEFAULT_SOLO_BYTES = 8 << 20
@@ -101,7 +105,7 @@ def host_weight_store(host: str, world_size: int, *, timeout_s: float = 300.0) -
     For a group announced before it is formed (``weights.layout``): members can connect while
     rank 0 waits for them to be ready. If rank 0 gives up, dropping the store fails the joins of
     members already connected at once; a member that connects only after the drop is refused, and
-    its join fails once its connect bound (:data:`JOIN_CONNECT_TIMEOUT_S`) passed, not its group
+    its join fails on its connect timeout (:data:`JOIN_CONNECT_TIMEOUT_S`), not its group
     timeout. Pass it to :func:`init_weight_group`.
     """
     try:
@@ -160,15 +164,17 @@ def init_weight_group(
 
 
 def _connect(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
-    """A member's client of rank 0's store, connected within `timeout_s` (the client retries a refused
-    connect until then)."""
+    """A member's client of rank 0's store, on a connect timeout of `timeout_s` (torch retries a
+    refused connect under it, see :data:`JOIN_CONNECT_TIMEOUT_S`)."""
+    start = time.monotonic()
     try:
         return dist.TCPStore(host, port, world_size, False, timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError) as e:  # DistNetworkError is a RuntimeError
         raise WeightTransferError(
             f"cannot join the weight group at {host}:{port} as rank {rank}/{world_size} ({backend}): its "
-            f"store accepted no connection within {timeout_s:g}s ({e}); its source "
-            "(rank 0) dropped that group or is gone: join the group of a later proposal"
+            f"store accepted no connection (connect timeout {timeout_s:g}s, tried for "
+            f"{time.monotonic() - start:.0f}s: {e}); its source (rank 0) dropped that group or is "
+            "gone: join the group of a later proposal"
         ) from None
 
 

@@ -285,7 +285,7 @@ def test_a_generator_that_cannot_join_a_versions_group_reports_why_and_takes_the
             engine.worker.before_join = drop
             why = (
                 f"cannot join the weight group at {address} as rank 1/2 (gloo): its store accepted no "
-                "connection within 1s"
+                "connection (connect timeout 1s"
             )
         member = trainer.generator()
         trainer.rdv.propose_version(
