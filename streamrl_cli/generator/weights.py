@@ -215,7 +215,11 @@ class RelayPath(WeightPath):
 
     async def update(self, version: int, proposal: dict[str, Any] | None = None) -> dict[str, Any]:
         if GroupLayout.from_proposal(proposal or {}) is not None:
-            self._held = self._spare = None  # a member of another relay's group: not the relay now
+            # A member of another relay's group: not the relay now. Our engine leaves the group we
+            # hosted for theirs, so should we be the relay again, a send on it would fail (and cost
+            # the version a retry after a wait for a membership change that never comes): drop it.
+            self._held = self._spare = None
+            self.source.close()
             return await super().update(version, proposal)
         trainer = await asyncio.to_thread(self._trainer)
         fetched = await asyncio.to_thread(self._fetch, trainer["addresses"]["relay"], version)

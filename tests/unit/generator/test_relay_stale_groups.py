@@ -1,12 +1,14 @@
-"""A far-site generator does not join a weight group that is already given up.
+"""A far-site generator neither joins nor sends on a weight group that is already given up.
 
-Two cases around a relay's failover (generator.weights.RelayPath): a member does not follow a
-layout whose relay is lost or left (its store went with it), and a relay's own engine does not
-join a group its sender dropped before the engine got to it (a failed try). Joining either would
-find the store gone; the join's own connect bound ends that (tests/unit/weights/
-test_weights_broadcast.py), but the version comes on another group: there is nothing to wait for.
-A fake rendezvous (its member and version views), a fake engine that records its joins and a
-fake sender stand in; the fetch goes to a real WeightServer on loopback.
+Cases around a relay's failover (generator.weights.RelayPath): a member does not follow a layout
+whose relay is lost or left (its store went with it); a relay's own engine does not join a group
+its sender dropped before the engine got to it (a failed try); a generator that follows another
+relay's group drops the one it hosted as relay before (its engine left it: were it the relay
+again, a send on it would fail). Joining a dropped group would find the store gone, which the
+join's own connect bound ends (tests/unit/weights/test_weights_broadcast.py), but the version comes
+on another group: there is nothing to wait for. A fake rendezvous (its member and version views),
+a fake engine that records its joins and a fake sender stand in; the fetch goes to a real
+WeightServer on loopback.
 """
 
 from __future__ import annotations
@@ -149,3 +151,24 @@ def test_the_relays_own_engine_does_not_join_a_group_its_sender_gave_up(server):
         )
     assert engine.joined == [2], engine.joined
     assert stats["version"] == 1 and stats["relay"]["broadcast"]["attempts"] == 2, stats
+
+
+class HostingSender:
+    """The ElasticSource of a generator that was the relay: it still hosts its group until closed."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_generator_that_follows_another_relays_group_drops_the_group_it_hosted():
+    with socket.create_server(("127.0.0.1", 0)) as store:
+        rdv = Rendezvous([generator(0), generator(1)])
+        engine, ours, port = RecordingEngine(until=3), HostingSender(), store.getsockname()[1]
+        theirs = proposal(2, "aaaa0003", "generator-0", port, ["generator-0", "generator-1"])
+        rdv.pending = [theirs]
+        relay = relay_path(1, rdv, engine, ours)  # the relay until generator-0 came up
+        asyncio.run(asyncio.wait_for(relay.update(2, theirs), 60))  # liveness bound
+    assert engine.joined == [3] and ours.closed
