@@ -42,9 +42,9 @@ class WeightSyncExtension:
         """Join the broadcast group described by a `WeightSource` (as a dict); returns our group rank.
 
         With this package's own join (``weights.broadcast.init_weight_group``; a group as vLLM's
-        stateless helper forms it): its connect to the store is bounded apart from the group timeout,
-        so a group whose source dropped it before we connected fails within ``connect_timeout_s``
-        (a key of `source`, or the join's default), not the sync timeout."""
+        stateless helper forms it): its connect to the store has a timeout apart from the group's, so
+        a group whose source dropped it before we connected fails on ``connect_timeout_s`` (a key of
+        `source`, or the join's default), not on the sync timeout."""
         from streamrl_cli.weights import WeightTransferError
         from streamrl_cli.weights.broadcast import JOIN_CONNECT_TIMEOUT_S, init_weight_group
 

@@ -131,8 +131,9 @@ def init_weight_group(
     `host` must be the name the others use (the store prefix includes it). Blocks until every
     rank joined or `timeout_s` passed. Publish ``group.address`` through the rendezvous. Rank 0
     may pass the store it already hosts (:func:`host_weight_store`). A member connects to rank 0's
-    store within `connect_timeout_s` (or `timeout_s`, if shorter) or fails: nobody listening there
-    means its source dropped the group or is gone, and waiting longer brings nothing.
+    store on a timeout of `connect_timeout_s` (or `timeout_s`, if shorter; torch's retries make it
+    up to ~2.5 times that, :data:`JOIN_CONNECT_TIMEOUT_S`) or fails: nobody listening there means
+    its source dropped the group or is gone, and waiting longer brings nothing.
     """
     host, _, port_s = address.rpartition(":")
     if not host or not port_s.isdigit():
