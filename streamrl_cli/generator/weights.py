@@ -76,8 +76,9 @@ def weight_source(spec: GeneratorSpec, rank: int, source: dict[str, Any]) -> Wei
 
 
 def _store_listening(host: str, port: int) -> None:
-    """Fail now if the group's source is gone: joining a store nobody listens on retries for ~2.5 times
-    the group timeout (minutes), while its source dying is what a relay's failover is about."""
+    """Fail now if the group's source is gone (dropped the group, or died: what a relay's failover is
+    about), before handing the join to the engine. Not a guarantee: the store can go between this check
+    and the workers' connect, which has a bound of its own for that (``JOIN_CONNECT_TIMEOUT_S``)."""
     try:
         socket.create_connection((host, port), timeout=5.0).close()
     except OSError as e:
@@ -183,7 +184,12 @@ class RelayPath(WeightPath):
         # Only the latest layout of a version: an older one's group was given up already.
         pending = {p["version"]: p for p in self.rdv.versions()["pending"]}.get(proposal["version"])
         latest = GroupLayout.from_proposal(pending) if pending else None
-        return latest is not None and latest.group == layout.group
+        if latest is None or latest.group != layout.group:
+            return False
+        # Nor one whose relay is lost or left already: its group went with it (the next relay, maybe
+        # we, sends the version again on a group of its own).
+        source = (proposal.get("transfer") or {}).get("source")
+        return source is None or source in {m["member_id"] for m in eligible(self.rdv.members("generator"))}
 
     def takes_part(self, proposal: dict[str, Any]) -> bool:
         return True  # a relay delivers to the others even when its own engine has the version
@@ -209,7 +215,11 @@ class RelayPath(WeightPath):
 
     async def update(self, version: int, proposal: dict[str, Any] | None = None) -> dict[str, Any]:
         if GroupLayout.from_proposal(proposal or {}) is not None:
-            self._held = self._spare = None  # a member of another relay's group: not the relay now
+            # A member of another relay's group: not the relay now. Our engine leaves the group we
+            # hosted for theirs, so should we be the relay again, a send on it would fail (and cost
+            # the version a retry after a wait for a membership change that never comes): drop it.
+            self._held = self._spare = None
+            self.source.close()
             return await super().update(version, proposal)
         trainer = await asyncio.to_thread(self._trainer)
         fetched = await asyncio.to_thread(self._fetch, trainer["addresses"]["relay"], version)
@@ -241,6 +251,13 @@ class RelayPath(WeightPath):
             if not nxt.done():
                 nxt.cancel()
                 break
+            layout = GroupLayout.from_proposal(nxt.result())
+            if self.source.layout is None or self.source.layout.group != layout.group:
+                # Our sender gave that group up (a failed try) before our engine got to it: its store
+                # is gone; the try on a new group comes next.
+                log.info("%s: our own group %s is given up already; not joining it", self.member_id,
+                         layout.group)  # fmt: skip
+                continue
             try:
                 stats = await super().update(version, nxt.result())
             except Exception as e:  # noqa: BLE001 - the sender fails too and tries a new group

@@ -30,7 +30,6 @@ import io
 import itertools
 import time
 from collections.abc import Iterable, Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -40,30 +39,33 @@ class WeightSyncExtension:
     """Methods vLLM adds to its worker class; `self` is the worker (model_runner, rank, ...)."""
 
     def streamrl_join_weight_group(self, source: dict[str, Any]) -> int:
-        """Join the broadcast group described by a `WeightSource` (as a dict); returns our group rank."""
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+        """Join the broadcast group described by a `WeightSource` (as a dict); returns our group rank.
+
+        With this package's own join (``weights.broadcast.init_weight_group``; a group as vLLM's
+        stateless helper forms it): its connect to the store has a timeout apart from the group's, so
+        a group whose source dropped it before we connected fails on ``connect_timeout_s`` (a key of
+        `source`, or the join's default), not on the sync timeout."""
+        from streamrl_cli.weights import WeightTransferError
+        from streamrl_cli.weights.broadcast import JOIN_CONNECT_TIMEOUT_S, init_weight_group
 
         rank = int(source["first_rank"]) + int(self.rank)
         key = (source["host"], int(source["port"]), int(source["world_size"]), rank, source["backend"])
         if getattr(self, "_streamrl_group_key", None) == key:
             return rank
         self.streamrl_leave_weight_group()
-        timeout_s = float(source.get("timeout_s", 300.0))
         try:
-            self._streamrl_group = stateless_init_torch_distributed_process_group(
-                source["host"],
-                int(source["port"]),
+            self._streamrl_group = init_weight_group(
+                f"{source['host']}:{source['port']}",
                 rank,
                 int(source["world_size"]),
                 backend=source["backend"],
-                timeout=timedelta(seconds=timeout_s),
+                timeout_s=float(source.get("timeout_s", 300.0)),
+                connect_timeout_s=float(source.get("connect_timeout_s", JOIN_CONNECT_TIMEOUT_S)),
             )
-        except (RuntimeError, ValueError) as e:  # torch's own text names neither the group nor a cause
-            address, world = f"{source['host']}:{source['port']}", source["world_size"]
+        except WeightTransferError as e:  # a RuntimeError crosses vLLM's RPC with its text
             raise RuntimeError(
-                f"cannot join the weight group at {address} as rank {rank}/{world} ({source['backend']}) "
-                f"within {timeout_s:.0f}s: {e}; check that its source (rank 0: the trainer, or this "
-                "site's relay) is alive and reachable at that address"
+                f"{e}; check that its source (rank 0: the trainer, or this site's relay) is alive and "
+                "reachable at that address"
             ) from None
         self._streamrl_group_key = key
         return rank
@@ -71,10 +73,8 @@ class WeightSyncExtension:
     def streamrl_leave_weight_group(self) -> None:
         group = getattr(self, "_streamrl_group", None)
         if group is not None:
-            from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
             try:
-                stateless_destroy_torch_distributed_process_group(group)
+                group.close()
             except Exception:  # noqa: BLE001 - the peer may be gone; a new group replaces it anyway
                 pass
         self._streamrl_group = None

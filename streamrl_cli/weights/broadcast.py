@@ -11,8 +11,10 @@ has no arithmetic for it.
 Why our own group and not ``init_process_group``: the trainer already has its default group
 (its data-parallel ranks) and vLLM workers have theirs. :func:`init_weight_group` builds a
 separate group exactly as ``vllm.distributed.utils.stateless_init_torch_distributed_process_group``
-does (rank 0 hosts a TCPStore, keys under the ``tcp://host:port`` prefix), so the trainer (rank
-0, this module) and vLLM workers (their extension, with vLLM's helper) meet in one group.
+does (rank 0 hosts a TCPStore, keys under the ``tcp://host:port`` prefix): the trainer (rank 0)
+and vLLM workers (their extension) join with this module, and a member that joins with vLLM's
+helper meets them in the same group. A member's connect to the store has a bound of its own
+(:data:`JOIN_CONNECT_TIMEOUT_S`), shorter than the group timeout.
 Backend by device: gloo for CPU tensors, NCCL for CUDA tensors; the same code path.
 
 Wire, per transfer (all from rank `src`): header int64[4] = [MAGIC, version, metadata bytes,
@@ -40,6 +42,16 @@ MAGIC = 0x5354524C57  # "STRLW"
 DEFAULT_BUCKET_BYTES = 256 << 20
 SOURCE_POLL_S = 1.0  # a receiver checks this often that its source still is
 SOURCE_GONE_PROBES = 3  # failed probes in a row before a source counts as gone
+# A member's connect to its group's store, bounded apart from the group timeout: a TCPStore client
+# retries a refused connect until its timeout, and a member's group timeout is the sync timeout
+# (minutes: it covers the slowest member's drain), so a member told to join a group whose source
+# dropped it (a failed try, a relay that died) would wait that long. Rank 0 hosts the store before
+# it announces the group: a connect to a live source takes milliseconds. torch tries again (with a
+# backoff) while under this timeout, each try up to the timeout itself: a store gone for good fails
+# the join after about 1.5 to 2.5 times this (measured: 30-34 s for 20 s with the store gone before
+# the connect; 71 s for 30 s with the store going during it), not after the sync timeout's 600 s
+# (or up to 2.5 times that).
+JOIN_CONNECT_TIMEOUT_S = 20.0
 # Tensors this large are broadcast in place (no packing copy); a gloo call costs ~0.1 ms, i.e.
 # ~0.3 MB of loopback time, so above a few MB the extra calls are cheaper than the copy.
 DEFAULT_SOLO_BYTES = 8 << 20
@@ -91,8 +103,10 @@ def host_weight_store(host: str, world_size: int, *, timeout_s: float = 300.0) -
     """Rank 0's store on a free port, listening at once, without waiting for the others.
 
     For a group announced before it is formed (``weights.layout``): members can connect while
-    rank 0 waits for them to be ready, and if rank 0 gives up, dropping the store makes their
-    joins fail at once instead of after their timeout. Pass it to :func:`init_weight_group`.
+    rank 0 waits for them to be ready. If rank 0 gives up, dropping the store fails the joins of
+    members already connected at once; a member that connects only after the drop is refused, and
+    its join fails on its connect timeout (:data:`JOIN_CONNECT_TIMEOUT_S`), not its group
+    timeout. Pass it to :func:`init_weight_group`.
     """
     try:
         return dist.TCPStore(
@@ -110,12 +124,16 @@ def init_weight_group(
     backend: str = "gloo",
     timeout_s: float = 300.0,
     store: Any = None,
+    connect_timeout_s: float = JOIN_CONNECT_TIMEOUT_S,
 ) -> WeightGroup:
     """Join (rank > 0) or host (rank 0; port 0 picks a free one) the group at ``host:port``.
 
     `host` must be the name the others use (the store prefix includes it). Blocks until every
     rank joined or `timeout_s` passed. Publish ``group.address`` through the rendezvous. Rank 0
-    may pass the store it already hosts (:func:`host_weight_store`).
+    may pass the store it already hosts (:func:`host_weight_store`). A member connects to rank 0's
+    store on a timeout of `connect_timeout_s` (or `timeout_s`, if shorter; torch's retries make it
+    up to ~2.5 times that, :data:`JOIN_CONNECT_TIMEOUT_S`) or fails: nobody listening there means
+    its source dropped the group or is gone, and waiting longer brings nothing.
     """
     host, _, port_s = address.rpartition(":")
     if not host or not port_s.isdigit():
@@ -123,11 +141,13 @@ def init_weight_group(
     if backend not in ("gloo", "nccl"):
         raise WeightTransferError(f"weight group backend must be gloo or nccl, got {backend!r}")
     timeout = timedelta(seconds=timeout_s)
+    if store is None and rank > 0:
+        store = _connect(host, int(port_s), rank, world_size, backend, min(connect_timeout_s, timeout_s))
+        store.set_timeout(timeout)  # from now on: waiting for the others, then every collective
+    joining = "form" if rank == 0 else "join"
     try:
         if store is None:
-            store = dist.TCPStore(
-                host, int(port_s), world_size, rank == 0, timeout=timeout, multi_tenant=True
-            )
+            store = dist.TCPStore(host, int(port_s), world_size, True, timeout=timeout, multi_tenant=True)
         port = store.port
         prefix = dist.PrefixStore(f"tcp://{host}:{port}", store)
         if backend == "gloo":
@@ -138,9 +158,25 @@ def init_weight_group(
             pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
     except (RuntimeError, ValueError) as e:  # DistStoreError is a RuntimeError
         raise WeightTransferError(
-            f"cannot form the weight group at {address} as rank {rank}/{world_size} ({backend}): {e}"
+            f"cannot {joining} the weight group at {address} as rank {rank}/{world_size} ({backend}) "
+            f"within {timeout_s:g}s: {e}"
         ) from None
     return WeightGroup(pg, store, host, port, rank, world_size, backend)
+
+
+def _connect(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
+    """A member's client of rank 0's store, on a connect timeout of `timeout_s` (torch retries a
+    refused connect under it, see :data:`JOIN_CONNECT_TIMEOUT_S`)."""
+    start = time.monotonic()
+    try:
+        return dist.TCPStore(host, port, world_size, False, timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as e:  # DistNetworkError is a RuntimeError
+        raise WeightTransferError(
+            f"cannot join the weight group at {host}:{port} as rank {rank}/{world_size} ({backend}): its "
+            f"store accepted no connection (connect timeout {timeout_s:g}s, tried for "
+            f"{time.monotonic() - start:.0f}s: {e}); its source (rank 0) dropped that group or is "
+            "gone: join the group of a later proposal"
+        ) from None
 
 
 def _broadcast(pg: Any, tensor: torch.Tensor, src: int) -> Any:

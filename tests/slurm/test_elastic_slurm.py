@@ -4,8 +4,9 @@
 rendezvous role's job watcher submits a new array job of the generator role (recorded in jobs.json
 with its first rank), whose task receives the current weights and takes work; the release cancels
 that task only. `two-site-testbed` is scaled by hand (`streamrl scale`) to zero at its far site and
-back, through the relay, with LoRA adapter versions; in another run its relay is killed and the
-other generator there takes over. Every iteration is trained exactly once across these events.
+back, through the relay, with LoRA adapter versions, and then its relay is killed and the other
+generator there takes over; in another run with full versions its relay is killed too. Every
+iteration is trained exactly once across these events.
 
 A request by hand and one by the rule take the same way from the rendezvous on (its scale request,
 then the launcher's follower); the command's own messages are asserted on a local run
@@ -18,6 +19,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -66,14 +68,57 @@ def relay_fetches(run: Path) -> dict[int, set[str]]:
     return fetched
 
 
-def test_far_site_goes_to_zero_and_back_with_adapters_through_the_relay(slurm_remote, runs_root):
-    """`two-site-testbed` with LoRA adapter versions (model.lora.sync adapter). The far site's
-    generators are all released (0) by hand; two new ones come up as a new array job there, load
-    the base from model.path, and get the current adapter through their site's relay (one copy per
-    version crosses: the adapters' bytes, never the model's), and serve it. Every iteration is
-    trained once with a full batch across both events. (The run is open-ended and cancelled once
-    the newcomers serve: a fixed length could end before an event on a fast machine. Full versions
-    through the relay: tests/slurm/test_two_sites.py and the relay-loss run below.)"""
+def event_seq(run: Path) -> int:
+    """The rendezvous' latest event: watch from here on."""
+    from streamrl_cli.rendezvous import RendezvousClient
+
+    rdv = RendezvousClient.from_run_dir(run)
+    try:
+        return int(rdv.versions()["event_seq"])
+    finally:
+        rdv.close()
+
+
+def kill_the_relay_as_it_forms_a_group(
+    run: Path, since: int, site: set[str], timeout: float
+) -> tuple[str, int]:
+    """Kill the relay of `site` (these generators) as soon as, after event `since`, it proposes a group
+    for every one of them for a version: a new group (the first with all of them), which the others
+    join while it forms (a store they have not connected to yet). Returns (relay, version). The kill
+    lands somewhere after the proposal: in the forming when it can, else later on the version's way."""
+    from streamrl_cli.rendezvous import RendezvousClient
+
+    rdv = RendezvousClient.from_run_dir(run)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            doc = rdv.events(since, timeout=10.0)
+            since = doc["next_since"]
+            for ev in doc["events"]:
+                transfer = ev.get("data", {}).get("transfer") or {}
+                relay = transfer.get("source")
+                if ev["type"] == "version_proposed" and relay in site and site <= set(transfer["ranks"]):
+                    member = json.loads((run / "members" / f"{relay}.json").read_text())
+                    os.kill(member["pid"], signal.SIGKILL)
+                    return relay, int(ev["data"]["version"])
+    finally:
+        rdv.close()
+    raise AssertionError(f"no relay of {sorted(site)} proposed a group of them all within {timeout:.0f}s")
+
+
+def test_far_site_goes_to_zero_and_back_then_survives_losing_its_relay_with_adapters(slurm_remote, runs_root):
+    """`two-site-testbed` with LoRA adapter versions (model.lora.sync adapter), one run, two
+    events. First the far site's generators are all released (0) by hand; two new ones come up as
+    a new array job there, load the base from model.path, and get the current adapter through their
+    site's relay (one copy per version crosses: the adapters' bytes, never the model's). That relay
+    is killed as it proposes the first group of both newcomers (while the other one joins it, or
+    later on the version's way, wherever the kill lands): the other newcomer takes over as relay
+    within its lease, and later versions cross through it (a member told to join a group whose
+    source is gone fails its join within its connect bound, not at the sync timeout, and takes the
+    next). Every iteration is trained once with a full batch across both events; the trainer is
+    never restarted. (The run is open-ended and cancelled once the last event has shown: a fixed
+    length could end before an event on a fast machine. Full versions through the relay:
+    tests/slurm/test_two_sites.py and the relay-loss run below.)"""
     out = streamrl(
         "run", "two-site-testbed", "train.iterations=100000", "train.checkpoint_every=0",
         "train.global_batch=4", *LORA, "--root", str(runs_root), env=FAST,
@@ -90,28 +135,36 @@ def test_far_site_goes_to_zero_and_back_with_adapters_through_the_relay(slurm_re
             and "generator-0" in out.stdout
             and "generator-1" in out.stdout
         )
+        since = event_seq(run)
         out = streamrl("scale", str(run), "--generators", "2", timeout=300)
         assert out.returncode == 0 and "generators 0 -> 2" in out.stdout, out.stdout + out.stderr
         assert "started generator-2, generator-3" in out.stdout and "array job " in out.stdout, out.stdout
+        # The newcomer that is the relay fetched a version and proposes its group to the other one.
+        relay, killed_version = kill_the_relay_as_it_forms_a_group(run, since, newcomers, 900)
+        (survivor,) = newcomers - {relay}
+        killed_at = len(iterations(run))
 
-        def newcomer_relay() -> str | None:  # a newcomer is the relay and has fetched a version
-            relay = relay_of(run, "remote")
-            fetched = {m for ids in relay_fetches(run).values() for m in ids}
-            return relay if relay in newcomers and relay in fetched else None
+        def late() -> set[str]:  # who fetched the versions well after the kill
+            return {m for v, ids in relay_fetches(run).items() if v > killed_at + 2 for m in ids}
 
-        wait_on_run(newcomer_relay, 900, "a newcomer to fetch a version as the far site's relay", run)
-        served = len(iterations(run))
-        wait_on_run(lambda: len(iterations(run)) >= served + 2, 600, "iterations the newcomers serve", run)
+        wait_on_run(late, 900, "versions after the kill to cross through the other newcomer", run)
+        # and `streamrl status` names the one left as the far site's relay
+        wait_on_run(lambda: relay_of(run, "remote") == survivor, 120, "status to name it", run)
     finally:
         streamrl("cancel", str(run), timeout=200)
     done = iterations(run)
-    assert done == list(range(len(done)))  # each once, in order, across both events
+    assert done == list(range(len(done)))  # each once, in order, across both events: no restart
     sizes = {r["samples"] for r in metrics_records(run, "trainer") if "iteration" in r}
     assert len(sizes) == 1, sizes
     evs = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     assert [(e["before"], e["after"]) for e in evs if e["event"] == "scaled"] == [(2, 0), (0, 2)]
     fetched = relay_fetches(run)
     assert all(len(ids) == 1 for ids in fetched.values()), fetched  # one copy per version crossed
+    assert late() == {survivor}, (relay, killed_version, fetched)
+    # A join stuck on the dead relay's group held the version up until the trainer's sync timeout,
+    # and the trainer was restarted.
+    info = json.loads((run / "run.json").read_text())
+    assert not info.get("trainer_restarts"), (info, killed_version, job_logs(run))
     # Every version any far generator loaded, from the relay or its site's group, was one adapter;
     # what crossed was at most that (a delta against the relay's last version, or the whole adapter).
     adapter, whole = adapter_and_model_bytes(run)

@@ -9,12 +9,14 @@ reported, and the next one served (the real weight swap and worker extension, re
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -109,7 +111,7 @@ def test_a_generator_that_cannot_reach_the_sample_stream_fails_with_its_reason(
 # ---- weight versions: a group that cannot be joined, a version that cannot be loaded ----
 #
 # The real VLLMEngine (its weight swap: pause, `weights_intact`, resume) and the real worker
-# extension (vLLM's stateless group join, the bucketed receive, the partial-load mark) over a fake
+# extension (its group join, the bucketed receive, the partial-load mark) over a fake
 # AsyncLLM with one fake worker; the trainer side is the trainer's own WeightPublisher on real gloo.
 
 
@@ -122,6 +124,13 @@ class FakeWorker(WeightSyncExtension):
     def __init__(self) -> None:
         self.model = torch.nn.ParameterDict({"a": torch.zeros(4), "b": torch.zeros(2, 3)})
         self.model_runner = SimpleNamespace(get_model=lambda: self.model)
+        # A test's step between the generator's own check that the store listens and the next join
+        # (what happens meanwhile in a run); it returns the source the join gets.
+        self.before_join: Callable[[dict], dict] | None = None
+
+    def streamrl_join_weight_group(self, source: dict) -> int:
+        step, self.before_join = self.before_join, None
+        return super().streamrl_join_weight_group(step(source) if step else source)
 
     def reload_weights(self, weights_iterator, is_checkpoint_format: bool) -> None:
         for name, tensor in weights_iterator:  # in name order: "a" is loaded before "b" is refused
@@ -238,7 +247,7 @@ async def the_next_version_is_served(trainer: Trainer, role_task: asyncio.Task, 
     assert all(bool((p == 2.0).all()) for p in engine.worker.model.values())
 
 
-@pytest.mark.parametrize("store", ["refuses", "source never forms the group"])
+@pytest.mark.parametrize("store", ["refuses", "source never forms the group", "dropped before the join"])
 def test_a_generator_that_cannot_join_a_versions_group_reports_why_and_takes_the_next(
     rendezvous, store, refused_port
 ):
@@ -257,10 +266,27 @@ def test_a_generator_that_cannot_join_a_versions_group_reports_why_and_takes_the
         if store == "refuses":
             address, timeout_s = f"127.0.0.1:{refused_port}", 30.0
             why = f"the weight group's store at {address} is gone: "
-        else:  # the store listens, its rank 0 never joins: the layout's group timeout bounds the wait
-            hosted = host_weight_store("127.0.0.1", 2, timeout_s=30.0)
+        elif store == "source never forms the group":  # the store listens, its rank 0 never joins:
+            hosted = host_weight_store("127.0.0.1", 2, timeout_s=30.0)  # the group timeout bounds the wait
             address, timeout_s = f"127.0.0.1:{hosted.port}", 3.0
             why = f"cannot join the weight group at {address} as rank 1/2 (gloo) within 3s: "
+        else:  # the source drops its group after the generator saw its store listen, before the workers
+            # connect (a failed try; a relay that died): their connect's own bound ends the join, not the
+            # group timeout (here an hour: the liveness bound below catches a join that waits for it)
+            hosted = host_weight_store("127.0.0.1", 2, timeout_s=30.0)
+            address, timeout_s = f"127.0.0.1:{hosted.port}", 3600.0
+
+            def drop(source: dict) -> dict:
+                nonlocal hosted
+                hosted = None
+                gc.collect()  # its last reference: the store stops listening
+                return {**source, "connect_timeout_s": 1.0}
+
+            engine.worker.before_join = drop
+            why = (
+                f"cannot join the weight group at {address} as rank 1/2 (gloo): its store accepted no "
+                "connection (connect timeout 1s"
+            )
         member = trainer.generator()
         trainer.rdv.propose_version(
             1, ["generator"], members={member["member_id"]: member["incarnation"]},

@@ -8,10 +8,15 @@ planning is tested in test_weights_plan.py.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
+import socket
+import threading
+from typing import Any
 
 import pytest
 import torch
+from support.generator_harness import wait_until
 from support.weights_broadcast import SPAWN, closed_port, digests, form_group, group_port
 
 from streamrl_cli.weights import WeightTransferError
@@ -43,7 +48,7 @@ def _rank_main(rank: int, world: int, ports: mp.Queue, mode: str, out: mp.Queue)
     )
 
     try:
-        if mode == "vllm":  # a vLLM worker joins with vLLM's own helper, as the worker extension does
+        if mode == "vllm":  # a member joining with vLLM's own helper meets our group
             from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
             port, _ = group_port(rank, world, ports)
@@ -176,7 +181,67 @@ def test_group_address_errors_are_clear():
     with pytest.raises(WeightTransferError, match="backend must be gloo or nccl"):
         init_weight_group("127.0.0.1:0", 0, 1, backend="mpi")
     with pytest.raises(
-        WeightTransferError, match=r"cannot form the weight group at 127.0.0.1:\d+ as rank 1/2"
+        WeightTransferError,
+        match=r"cannot join the weight group at 127.0.0.1:\d+ as rank 1/2 \(gloo\): its store accepted no "
+        r"connection \(connect timeout 0.5s",
     ):
         with closed_port() as port:
             init_weight_group(f"127.0.0.1:{port}", 1, 2, timeout_s=0.5)  # nobody hosts it
+
+
+# ---- a member joining a group its source gave up (a failed try, a relay that died) ----
+#
+# A member learns a group's address from a version proposal and joins later: after it drained and
+# said it is ready, when its engine gets to it. Meanwhile the source may have dropped the group. In
+# a run a member's group timeout is the sync timeout (600 s): here 3600 s, so a join that waited for
+# it would be caught by the test's own timeout.
+
+
+def _dropped(hosted: dict[str, Any]) -> int:
+    """Drop a hosted store (``hosted["store"]``, its last reference) as a source does; returns its port,
+    now refusing connections."""
+    store = hosted.pop("store")
+    port = store.port
+    del store
+    gc.collect()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    return port
+
+
+def test_a_member_told_to_join_a_store_already_dropped_fails_within_its_connect_bound():
+    # A TCPStore client retries a refused connect until its timeout: before the connect had a bound
+    # of its own, this join waited the whole group timeout.
+    from streamrl_cli.weights.broadcast import host_weight_store, init_weight_group
+
+    port = _dropped({"store": host_weight_store("127.0.0.1", 2, timeout_s=60)})
+    with pytest.raises(
+        WeightTransferError,
+        match=rf"cannot join the weight group at 127.0.0.1:{port} as rank 1/2 \(gloo\): its store accepted "
+        r"no connection \(connect timeout 1s, tried for \d+s: .*\); its source \(rank 0\) dropped that "
+        r"group or is gone",
+    ):
+        init_weight_group(f"127.0.0.1:{port}", 1, 2, timeout_s=3600, connect_timeout_s=1)
+
+
+def test_a_member_connected_before_its_store_is_dropped_fails_at_once():
+    from streamrl_cli.weights.broadcast import host_weight_store, init_weight_group
+
+    hosted = {"store": host_weight_store("127.0.0.1", 2, timeout_s=60)}
+    address, failed = f"127.0.0.1:{hosted['store'].port}", []
+
+    def join() -> None:  # waits in the group's formation for rank 0, which never comes
+        try:
+            init_weight_group(address, 1, 2, timeout_s=3600, connect_timeout_s=60)
+        except WeightTransferError as e:
+            failed.append(str(e))
+
+    member = threading.Thread(target=join)
+    member.start()
+    # The member counts itself in once connected (its reply may still be on its way: either message).
+    wait_until(lambda: hosted["store"].num_keys() > 0, 60, "the member to connect")
+    _dropped(hosted)
+    member.join()
+    assert len(failed) == 1 and failed[0].startswith(
+        f"cannot join the weight group at {address} as rank 1/2 (gloo)"
+    ), failed
