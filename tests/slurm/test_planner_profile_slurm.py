@@ -134,7 +134,10 @@ def test_a_failed_job_ends_with_its_log_tail(slurm, tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_cancels_the_jobs_on_both_clusters(slurm_remote, tmp_path):
     # two-site: the generator's kind is profiled on cluster `remote` (-M remote for state and cancel)
-    args = ["profile", "two-site-testbed", f"model.path={tmp_path}/tiny-qwen2", "--out", str(tmp_path)]
+    # builder tiny (no warm-up): the jobs are cancelled before they profile anything, and a warm-up
+    # on a loaded machine took minutes (363 s once) before anything was submitted
+    args = ["profile", "two-site-testbed", f"model.path={tmp_path}/tiny-qwen2", "model.builder=tiny",
+            "--out", str(tmp_path)]  # fmt: skip
     # stderr to a file: a pipe nobody reads while the tiny model is built could fill and block it
     err_path = tmp_path / "profile.stderr"
     with err_path.open("w") as err:
@@ -148,7 +151,7 @@ def test_ctrl_c_cancels_the_jobs_on_both_clusters(slurm_remote, tmp_path):
             raise AssertionError(f"profile ended ({proc.returncode}) early:\n{err_path.read_text()[-4000:]}")
         return jobs_file.exists() and len(json.loads(jobs_file.read_text())) == 2
 
-    # the tiny model is built before anything is submitted: minutes on a loaded machine
+    # the tiny model is built before anything is submitted (600 s: a liveness bound only)
     wait_until(both_submitted, timeout=600, what="both profile jobs submitted")
     jobs = json.loads(jobs_file.read_text())
     assert [(j["kind"], j["slurm_cluster"]) for j in jobs] == [("h20", "remote"), ("h800", None)]
