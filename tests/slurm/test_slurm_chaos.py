@@ -102,13 +102,20 @@ def journal(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slurm
-def test_the_rendezvous_server_of_a_slurm_run_is_kept_after_streamrl_run_returned(slurm, runs_root):
+def test_the_rendezvous_server_of_a_slurm_run_is_kept_after_streamrl_run_returned(slurm, runs_root, tmp_path):
     """A SLURM run's `streamrl run` returns once the jobs are submitted; its rendezvous server on
-    this host runs under a keeper, which starts it again from its journal when it dies."""
-    from support.helpers import wait_on_run
+    this host runs under a keeper, which starts it again from its journal when it dies. The run
+    distills from a teacher (on-policy distillation): its pool is a SLURM array job of its own on
+    the generators' partition, and it scores every trained token through the server's restart."""
+    from support.helpers import metrics_records, wait_on_run
 
     iterations = 8
-    run = submit_slurm_run(runs_root, f"train.iterations={iterations}", "train.checkpoint_every=0")
+    teacher = (
+        "algorithm.distill_coef=1.0", "roles.teacher.instances=1",
+        f"roles.teacher.model.path={tmp_path}/teacher", "roles.teacher.model.builder=tiny-teacher",
+        "roles.teacher.model.warmup_steps=20",
+    )  # fmt: skip
+    run = submit_slurm_run(runs_root, f"train.iterations={iterations}", "train.checkpoint_every=0", *teacher)
 
     def trained() -> list[int]:
         return slurm_iterations(run)
@@ -127,6 +134,13 @@ def test_the_rendezvous_server_of_a_slurm_run_is_kept_after_streamrl_run_returne
     members = {p.stem: json.loads(p.read_text()) for p in (run / "members").glob("*.json")}
     assert (members["trainer-0"]["partition"], members["generator-0"]["partition"]) == ("h800", "h20")
     assert members["trainer-0"]["slurm_job_id"] != members["generator-0"]["slurm_job_id"]
+    assert members["teacher-0"]["partition"] == "h20"
+    assert members["teacher-0"]["slurm_job_id"] not in (
+        members["trainer-0"]["slurm_job_id"],
+        members["generator-0"]["slurm_job_id"],
+    )
+    for rec in [r for r in metrics_records(run, "trainer") if "iteration" in r]:
+        assert rec["distill/unscored_tokens"] == 0 and rec["distill/reverse_kl"] > 0, rec
     log = (run / "logs" / "rendezvous" / "rendezvous-0.log").read_text()
     assert "starting it again from its journal (1 of 3)" in log
     # The keeper ended with its server once the run was over.
