@@ -220,6 +220,15 @@ def _teacher(r: Recipe) -> Iterator[Problem]:
         )
     elif a.distill_coef == 0 and not a.distill_task_reward:
         yield "algorithm.distill_task_reward", "has no effect with distill_coef=0 (distillation is off)"
+    if a.distill_coef > 0 and (a.temperature, a.top_p, a.top_k, a.min_p) != (1.0, 1.0, 0, 0.0):
+        # The teacher's log-probs are of its untempered, untruncated distribution (vLLM's prompt
+        # log-probs); the behaviour log-probs they are set against are of the sampling distribution.
+        yield (
+            "algorithm.distill_coef",
+            "the teacher scores tokens at temperature 1 without truncation, so distillation needs the "
+            f"policy to sample the same way: temperature=1, top_p=1, top_k=0, min_p=0 (got "
+            f"temperature={a.temperature}, top_p={a.top_p}, top_k={a.top_k}, min_p={a.min_p})",
+        )
     if t.instances < 0:
         yield "roles.teacher.instances", f"must be 0 (no teacher) or more, got {t.instances}"
         return

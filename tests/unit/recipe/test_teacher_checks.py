@@ -38,6 +38,12 @@ def dry_run(runs_root, *overrides: str):
              "roles.teacher.model.path=/no/such/teacher"],
             ["roles.teacher.model.path: /no/such/teacher does not exist"],
         ),
+        (  # the teacher's scores are of its plain distribution: the policy must sample from its own
+            ["algorithm.distill_coef=1", "roles.teacher.instances=1", "roles.teacher.gpus_per_instance=0",
+             "roles.teacher.model.path=/x", "algorithm.temperature=0.7", "algorithm.top_k=8"],
+            ["needs the policy to sample the same way: temperature=1, top_p=1, top_k=0, min_p=0",
+             "got temperature=0.7, top_p=1.0, top_k=8, min_p=0.0"],
+        ),
     ],
 )  # fmt: skip
 def test_every_mistake_is_named_with_what_would_be_valid_and_nothing_runs(runs_root, overrides, fragments):
