@@ -157,6 +157,8 @@ def is_event(rec: dict) -> bool:
 # writes there. config.yaml alone is too common a name, so it counts only beside the secret.
 RUN_MARKERS = ("run.json", "local.json", "jobs.json", "events.jsonl", "rendezvous.json")
 ROLE_NAMES = ("trainer", "generator", "teacher", "rendezvous")
+# Roles of many instances (array tasks on SLURM): a run goes on while one of each pool is left.
+POOL_ROLES = ("generator", "teacher")
 
 
 @dataclass

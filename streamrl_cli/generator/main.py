@@ -75,21 +75,30 @@ def engine_kwargs(spec: GeneratorSpec, rank: int = 0) -> dict[str, Any]:
     """Engine settings from the recipe: the model, its dtype, the longest prompt + output, the batch bound,
     and the cores this instance's worker runs on if vLLM runs on CPUs (the engine ignores them on
     GPUs; a recipe's GPU count does not say which, as the test clusters' GPUs are only counted)."""
-    g = spec.settings
-    cpu = g.tensor_parallel == 1
+    length = spec.task.max_prompt_len + spec.task.max_output_len
+    return {**instance_engine(spec, rank, spec.model.path, length), "lora": lora_serving(spec, rank)}
+
+
+def instance_engine(
+    spec: GeneratorSpec | TeacherSpec, rank: int, model: str, max_model_len: int
+) -> dict[str, Any]:
+    """The engine settings every instance of a pool (generators, teachers) takes from its role's
+    section: `model` in the policy's dtype (float32 on CPUs), its TP and batch bound, the run's seed,
+    and its worker's CPU cores."""
+    s = spec.settings
+    cpu = s.tensor_parallel == 1
     return {
-        "model": os.path.expanduser(spec.model.path),
-        "dtype": None if g.gpus_per_instance == 0 else spec.model.dtype,  # CPU: float32
-        "max_model_len": spec.task.max_prompt_len + spec.task.max_output_len,
-        "tensor_parallel": g.tensor_parallel,
+        "model": os.path.expanduser(model),
+        "dtype": None if s.gpus_per_instance == 0 else spec.model.dtype,  # CPU: float32
+        "max_model_len": max_model_len,
+        "tensor_parallel": s.tensor_parallel,
         "seed": spec.train.seed,
-        "max_num_seqs": g.max_num_seqs,
+        "max_num_seqs": s.max_num_seqs,
         "cpu_cores": cpu_binding(
             *cpu_slot(rank, spec.world), sorted(os.sched_getaffinity(0)), os.cpu_count() or 1
         )
         if cpu
         else None,
-        "lora": lora_serving(spec, rank),
     }
 
 

@@ -27,8 +27,7 @@ from typing import Any
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.generator.engine import GenerationResult, make_engine
-from streamrl_cli.generator.main import GeneratorRole, cpu_binding
-from streamrl_cli.roles.entry import cpu_slot
+from streamrl_cli.generator.main import GeneratorRole, instance_engine
 from streamrl_cli.roles.spec import TeacherSpec
 from streamrl_cli.transport.wire import Sample
 
@@ -44,21 +43,8 @@ def main(spec: TeacherSpec, rank: int) -> int:
 def engine_kwargs(spec: TeacherSpec, rank: int = 0) -> dict[str, Any]:
     """The teacher's engine: its own model, the policy's dtype, room for the longest prompt plus the
     longest output plus the one token it generates."""
-    t = spec.settings
-    cpu = t.tensor_parallel == 1
-    return {
-        "model": os.path.expanduser(t.model.path or ""),
-        "dtype": None if t.gpus_per_instance == 0 else spec.model.dtype,  # CPU: float32
-        "max_model_len": spec.task.max_prompt_len + spec.task.max_output_len + 1,
-        "tensor_parallel": t.tensor_parallel,
-        "seed": spec.train.seed,
-        "max_num_seqs": t.max_num_seqs,
-        "cpu_cores": cpu_binding(
-            *cpu_slot(rank, spec.world), sorted(os.sched_getaffinity(0)), os.cpu_count() or 1
-        )
-        if cpu
-        else None,
-    }
+    length = spec.task.max_prompt_len + spec.task.max_output_len + 1
+    return instance_engine(spec, rank, spec.settings.model.path or "", length)
 
 
 class FixedWeights:

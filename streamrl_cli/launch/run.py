@@ -30,12 +30,11 @@ from streamrl_cli.recipe.load import Composed
 from streamrl_cli.rendezvous import create_secret
 from streamrl_cli.roles.restart import mark_trainer_start, trainer_restarts_left
 from streamrl_cli.roles.spec import RoleSpec, TrainerSpec, spec_yaml
-from streamrl_cli.rundir import RunDir, write_atomic
+from streamrl_cli.rundir import POOL_ROLES, RunDir, write_atomic
 
 ENDED_STATES = ("finished", "failed", "cancelled", "dry-run")
 RENDEZVOUS_START_S = 60.0  # a local server starts in about a second
 RENDEZVOUS_JOB_START_S = 900.0  # a server job may wait in the queue first
-POOLS = ("generator", "teacher")  # roles of many instances: the run goes on while one of each is left
 GENERATOR_EXIT_S = 30.0  # after the trainer left, for generators to hand over and exit on their own
 
 
@@ -258,7 +257,9 @@ def watch_local(run: RunDir, console: Console, restart: Callable[[], object] | N
                 codes = {r.pid: _exit_code(r) for r in roles}
                 # Released instances (scaled in) leave on purpose, whatever their exit code.
                 members = [
-                    r for r in roles if r.role in POOLS and not (r.role == "generator" and r.rank in released)
+                    r
+                    for r in roles
+                    if r.role in POOL_ROLES and not (r.role == "generator" and r.rank in released)
                 ]
                 for r in members:
                     if codes[r.pid] not in (None, 0) and r.pid not in gone:
@@ -267,7 +268,7 @@ def watch_local(run: RunDir, console: Console, restart: Callable[[], object] | N
                 failed = [
                     r
                     for r in roles
-                    if codes[r.pid] not in (None, 0) and r.role not in POOLS and r.pid not in replaced
+                    if codes[r.pid] not in (None, 0) and r.role not in POOL_ROLES and r.pid not in replaced
                 ]
                 trainers = [r for r in roles if r.role == "trainer" and r.pid not in replaced]
                 dead_rendezvous = _revive_rendezvous(
@@ -275,7 +276,7 @@ def watch_local(run: RunDir, console: Console, restart: Callable[[], object] | N
                 )
                 if dead_rendezvous is not None:
                     failed.append(dead_rendezvous)
-                for pool in POOLS:
+                for pool in POOL_ROLES:
                     of_pool = [r for r in members if r.role == pool]
                     if any(r.pid in gone for r in of_pool) and all(codes[r.pid] is not None for r in of_pool):
                         # None left, and not released (those exit 0): nothing will produce (or score) samples.
@@ -307,7 +308,7 @@ def watch_local(run: RunDir, console: Console, restart: Callable[[], object] | N
         return 130
     state = "failed" if failed else "finished"
     # Generators finish on their own once the trainer left; the server goes last.
-    _wait_exit([r for r in roles if r.role in POOLS], GENERATOR_EXIT_S)
+    _wait_exit([r for r in roles if r.role in POOL_ROLES], GENERATOR_EXIT_S)
     local.stop([r for r in local.procs(run) if r.role != "rendezvous"])  # anything a role left
     local.stop(local.procs(run))  # the rendezvous server
     run.update_info(state=state, ended=time.time())

@@ -19,14 +19,14 @@ from typing import NoReturn
 from streamrl_cli import environ
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.roles.spec import RoleSpec, load_spec
-from streamrl_cli.rundir import RunDir, write_atomic
+from streamrl_cli.rundir import POOL_ROLES, RunDir, write_atomic
 
 __all__ = ["load_spec", "run_role"]
 
 
 def rank_from_env(role: str) -> int:
     """Generator instances are array tasks; trainer ranks are the tasks of one job."""
-    if role in ("generator", "teacher") and "SLURM_ARRAY_TASK_ID" in os.environ:
+    if role in POOL_ROLES and "SLURM_ARRAY_TASK_ID" in os.environ:
         # An array job added by scaling starts its task ids at 0 again: its ranks start after the run's.
         return environ.rank_base() + int(os.environ["SLURM_ARRAY_TASK_ID"])
     return int(os.environ["SLURM_PROCID"]) if "SLURM_PROCID" in os.environ else environ.rank()
@@ -84,7 +84,7 @@ def run_role(spec_path: str, rank: int | None = None) -> int:
         where = placement(
             os.environ,
             gpus_per_process(spec.role, spec.settings),
-            narrow=spec.role in ("generator", "teacher"),
+            narrow=spec.role in POOL_ROLES,
         )
     except StreamRLError as e:
         return _failed(spec, rank, record, e, e.exit_code or 1)

@@ -9,6 +9,8 @@ from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderR
 from rich.table import Table
 from rich.text import Text
 
+from streamrl_cli.rundir import POOL_ROLES
+
 STATE_STYLE = {
     "running": "green",
     "RUNNING": "green",
@@ -51,7 +53,6 @@ def age(seconds: float | None) -> str:
 
 # Columns of the runs table, most important first; narrower terminals drop from the end of
 # OPTIONAL, so the run id (the one thing a user copies) is always whole on one line.
-ARRAY_ROLES = ("generator", "teacher")  # one array task per instance
 ESSENTIAL = ("run", "state", "step")
 OPTIONAL = ("age", "name", "clusters", "launcher")
 
@@ -267,9 +268,9 @@ def role_table(role: dict[str, Any]) -> Table:
 
 
 def _rank(role: str, task: dict[str, Any]) -> int | None:
-    if role in ARRAY_ROLES and isinstance(task["task"], int):
+    if role in POOL_ROLES and isinstance(task["task"], int):
         return task["task"]
-    return 0 if task["task"] is None and role not in ARRAY_ROLES else None
+    return 0 if task["task"] is None and role not in POOL_ROLES else None
 
 
 def _member(m: dict[str, Any] | None) -> tuple[RenderableType, str]:
