@@ -68,10 +68,8 @@ def warm_up(
     done = _marker(out)
     if done is not None and all(done.get(k) == v for k, v in wanted.items()):
         return out
-    reference = getattr(task, "reference_completion" if exact else "warmup_completion", None)
-    if exact and reference is not None:
-        exact_reference = reference
-        reference = lambda p, _rng: exact_reference(p)  # noqa: E731 - same signature as the noisy one
+    # exact: none of the noisy ones; the loop below falls back to task.reference_completion
+    reference = None if exact else getattr(task, "warmup_completion", None)
     episode = None if exact else getattr(task, "warmup_episode", None)  # multi-turn reference conversations
     if reference is None and episode is None and not hasattr(task, "reference_completion"):
         raise StreamRLError(
