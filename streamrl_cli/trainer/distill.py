@@ -56,7 +56,8 @@ class TeacherScoring:
         self._ready: collections.deque[Sample] = collections.deque()
         self._serial = 0
         self._no_teacher_since: float | None = None
-        self.scored = 0  # samples scored (for the metrics)
+        # Counts kept for inspection (the unit tests read them; the iteration record does not yet).
+        self.scored = 0  # samples scored
         self.rescored = 0  # teacher answers dropped as repeats (a lost teacher's, answered again)
 
     # ---- the data plane's interface ----
@@ -96,9 +97,6 @@ class TeacherScoring:
                     self._arrived(sample)
                 continue
             self._take_answers(min(left, WAIT_SLICE_S))
-
-    def close(self) -> None:
-        self.teachers.close()
 
     @property
     def pending(self) -> int:
