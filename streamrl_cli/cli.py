@@ -304,7 +304,7 @@ def export(
     """Write a checkpoint of RUN as a Hugging Face model directory (config, tokenizer, safetensors);
     a LoRA run's adapters are merged into the base model, or with --adapter written as PEFT's."""
     from streamrl_cli import rundir
-    from streamrl_cli.roles.entry import load_spec
+    from streamrl_cli.launch import run_state
     from streamrl_cli.trainer import checkpoint as ckpt
     from streamrl_cli.trainer.export import ExportError, export_checkpoint
 
@@ -321,7 +321,7 @@ def export(
             raise ExportError(
                 f"run {r.name} has no complete checkpoint of iteration {iteration}; have: {have}"
             )
-    model = load_spec(r.role_spec("trainer")).model  # typed: the schema's ModelConfig
+    model = run_state.role_spec(r, "trainer").model  # typed: the schema's ModelConfig
     with err.status(f"exporting {path.name} of {r.name}"):
         written = export_checkpoint(path, model.path, out, model.dtype, adapter=adapter)
     console.print(f"wrote {written}", markup=False, highlight=False, soft_wrap=True)

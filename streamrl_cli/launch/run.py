@@ -13,7 +13,6 @@ itself when the run's jobs have ended (see launch.server_role).
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -23,19 +22,18 @@ from pathlib import Path
 from rich.console import Console
 
 from streamrl_cli import rundir
-from streamrl_cli.errors import ClusterError, RendezvousError, ResumeError, StreamRLError
+from streamrl_cli.errors import ClusterError, RendezvousError, ResumeError
 from streamrl_cli.launch import keeper, launcher, local, plan
 from streamrl_cli.launch.plan import JobSpec
 from streamrl_cli.recipe.load import Composed
 from streamrl_cli.rendezvous import create_secret
-from streamrl_cli.roles.restart import mark_trainer_start, trainer_restarts_left
+from streamrl_cli.roles.restart import mark_trainer_start
 from streamrl_cli.roles.spec import RoleSpec, TrainerSpec, spec_yaml
-from streamrl_cli.rundir import POOL_ROLES, RunDir, write_atomic
+from streamrl_cli.rundir import RunDir, write_atomic
 
 ENDED_STATES = ("finished", "failed", "cancelled", "dry-run")
 RENDEZVOUS_START_S = 60.0  # a local server starts in about a second
 RENDEZVOUS_JOB_START_S = 900.0  # a server job may wait in the queue first
-GENERATOR_EXIT_S = 30.0  # after the trainer left, for generators to hand over and exit on their own
 
 
 @dataclass
@@ -187,6 +185,8 @@ def launch(p: Prepared, console: Console) -> int:
     run.update_info(state="running", started=time.time())
     mark_trainer_start(run)
     if foreground:
+        from streamrl_cli.launch.local_watch import watch_local
+
         return watch_local(run, console, restart=_trainer_restarter(p))
     console.print(
         f"submitted; follow with `streamrl status {run.name}`, stop with `streamrl cancel {run.name}`"
@@ -221,234 +221,6 @@ def _trainer_restarter(p: Prepared) -> Callable[[], object] | None:
         return None
     # Its restart is the run's event (`trainer_restarted`), not the start of a job.
     return lambda: launcher.submit(p.run, job, announce=False)
-
-
-def watch_local(run: RunDir, console: Console, restart: Callable[[], object] | None = None) -> int:
-    """Wait for the local role processes, with a live table; Ctrl-C (or SIGTERM) stops them all.
-
-    A trainer that dies is started again by ``restart`` while roles.trainer.restarts allows; a
-    local rendezvous server that dies, up to keeper.RENDEZVOUS_RESTARTS times (see `_revive_rendezvous`).
-    """
-    from rich.live import Live
-
-    from streamrl_cli.launch.live_view import live_view, summary_line
-
-    stop = {"signal": None}
-
-    def on_signal(signum, _frame):  # type: ignore[no-untyped-def]
-        stop["signal"] = signum
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    roles = [r for r in local.procs(run) if r.role != "rendezvous"]
-    failed: list[local.LocalProc] = []
-    gone: set[int] = set()  # generators (and teachers) that failed: the run goes on without them
-    replaced: set[int] = set()  # trainer processes that died and were started again
-    no_generator = ""  # the pool ("generator", "teacher") with none left, if one is
-    follower = _scale_follower(run, console)
-    try:
-        with Live(live_view(run), console=console, refresh_per_second=2, transient=False) as live:
-            while stop["signal"] is None:
-                if follower is not None:
-                    _follow_scale(follower, console)
-                released = follower.released if follower is not None else set()
-                known = {r.pid for r in roles}  # generators started later (scaled up) are watched too
-                procs = local.procs(run)
-                roles += [r for r in procs if r.role != "rendezvous" and r.pid not in known]
-                codes = {r.pid: _exit_code(r) for r in roles}
-                # Released instances (scaled in) leave on purpose, whatever their exit code.
-                members = [
-                    r
-                    for r in roles
-                    if r.role in POOL_ROLES and not (r.role == "generator" and r.rank in released)
-                ]
-                for r in members:
-                    if codes[r.pid] not in (None, 0) and r.pid not in gone:
-                        gone.add(r.pid)
-                        _generator_failed(run, r, codes[r.pid], console)
-                failed = [
-                    r
-                    for r in roles
-                    if codes[r.pid] not in (None, 0) and r.role not in POOL_ROLES and r.pid not in replaced
-                ]
-                trainers = [r for r in roles if r.role == "trainer" and r.pid not in replaced]
-                dead_rendezvous = _revive_rendezvous(
-                    run, [r for r in procs if r.role == "rendezvous"], console
-                )
-                if dead_rendezvous is not None:
-                    failed.append(dead_rendezvous)
-                for pool in POOL_ROLES:
-                    of_pool = [r for r in members if r.role == pool]
-                    if any(r.pid in gone for r in of_pool) and all(codes[r.pid] is not None for r in of_pool):
-                        # None left, and not released (those exit 0): nothing will produce (or score) samples.
-                        failed += [r for r in of_pool if r.pid in gone]
-                        no_generator = pool
-                if (
-                    restart is not None
-                    and failed
-                    and all(r.role == "trainer" for r in failed)
-                    and run.info().get("state") not in ("cancelling", "cancelled")
-                    and trainer_restarts_left(run) > 0
-                ):
-                    replaced |= {r.pid for r in trainers}
-                    _restart_trainer(run, trainers, failed, restart, console)
-                    continue  # its new processes are in local.json: the next pass watches them
-                if failed or all(codes[r.pid] is not None for r in trainers):
-                    break
-                live.update(live_view(run))
-                time.sleep(0.5)
-            live.update(live_view(run))
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    if stop["signal"] is not None:
-        console.print("stopping: signal received, stopping every role ...")
-        cancel(run, reason="interrupted")
-        return 130
-    if run.info().get("state") in ("cancelling", "cancelled"):  # `streamrl cancel` from elsewhere
-        return 130
-    state = "failed" if failed else "finished"
-    # Generators finish on their own once the trainer left; the server goes last.
-    _wait_exit([r for r in roles if r.role in POOL_ROLES], GENERATOR_EXIT_S)
-    local.stop([r for r in local.procs(run) if r.role != "rendezvous"])  # anything a role left
-    local.stop(local.procs(run))  # the rendezvous server
-    run.update_info(state=state, ended=time.time())
-    run.event(
-        state,
-        failed=[f"{r.role}-{r.rank}" for r in failed],
-        **({"reason": f"no {no_generator} left: every {no_generator} failed"} if no_generator else {}),
-    )
-    if no_generator:
-        console.print(f"[red]no {no_generator} left: every {no_generator} failed[/red]; the run cannot go on")
-    for r in failed:
-        console.print(
-            f"[red]{r.role} rank {r.rank} exited with {_exit_code(r)}[/red]; last lines of {r.log}:"
-        )
-        console.print(local.log_tail(r.log), markup=False, highlight=False)
-    if not console.is_terminal:
-        console.line()  # the live table leaves no line break when output goes to a file or pipe
-    summary = summary_line(run)
-    if summary:
-        console.print(summary, markup=False, highlight=False)
-    console.print(f"run {run.name} {state} (logs in {run.logs}; `streamrl status {run.name}`)")
-    if summary:
-        console.print(f"plots: `streamrl plot {run.name}`", markup=False, highlight=False)
-    return 1 if failed else 0
-
-
-def _restart_trainer(
-    run: RunDir,
-    trainers: list[local.LocalProc],
-    failed: list[local.LocalProc],
-    restart: Callable[[], object],
-    console: Console,
-) -> None:
-    """The trainer died: stop its other ranks (they would wait in a collective), stop what the dead
-    ones left, and start the job again; it resumes from the newest checkpoint and the generators,
-    which wait for it, serve the new process once they load the weights it pushes first."""
-    codes = {f"{r.role}-{r.rank}": _exit_code(r) for r in failed}
-    local.stop([r for r in trainers if r.alive()])
-    for r in failed:
-        local.reap(r)
-    n = int(run.info().get("trainer_restarts") or 0) + 1
-    run.update_info(trainer_restarts=n)
-    mark_trainer_start(run)
-    run.event("trainer_restarted", restart=n, exit_codes=codes)
-    for r in failed:
-        console.print(
-            f"[yellow]trainer rank {r.rank} exited with {codes[f'{r.role}-{r.rank}']}[/yellow]; "
-            f"starting the trainer again from the newest checkpoint (restart {n}); last lines of {r.log}:"
-        )
-        console.print(local.log_tail(r.log, 5), markup=False, highlight=False)
-    restart()
-
-
-def _generator_failed(run: RunDir, rec: local.LocalProc, code: int | None, console: Console) -> None:
-    """A generator (or teacher) died (killed, crashed): the trainer re-dispatches its work to the others
-    (it sees the member leave or its lease expire); here, what it left running in its group is stopped."""
-    left = local.reap(rec)
-    run.event("member_failed", role=rec.role, rank=rec.rank, exit_code=code, reaped=left)
-    console.print(
-        f"[yellow]{rec.role} rank {rec.rank} exited with {code}[/yellow]; the run goes on without it"
-        + (f" (stopped {len(left)} process(es) it left: {left})" if left else "")
-        + f"; last lines of {rec.log}:"
-    )
-    console.print(local.log_tail(rec.log, 5), markup=False, highlight=False)
-
-
-def _revive_rendezvous(run: RunDir, recs: list[local.LocalProc], console: Console) -> local.LocalProc | None:
-    """Start the run's local rendezvous server again if it died (returns it once it died too often).
-    `recs`: its process records, as the watch loop read them. Only this launcher knows its exit
-    code: it is the one that watches it.
-
-    Its journal keeps the run's state (members, versions, progress) and members follow it to its
-    new port through rendezvous.json, retrying meanwhile; heartbeats that missed a beat get a grace
-    lease. A server that keeps dying is a failure of the run, with its log's last lines.
-    """
-    if not recs or any(r.alive() for r in recs):
-        return None
-    last = max(recs, key=lambda r: r.created)
-    code = local.exit_code(last)
-    if code is None or keeper.stopped_on_purpose(run, code):
-        return None  # running, or stopped on purpose (the run directory deleted, a cancel)
-    n = keeper.count_restart(run, code)
-    if n is None:
-        return last  # it died too often
-    console.print(
-        f"[yellow]the rendezvous server exited with {code}[/yellow]; starting it again from its journal "
-        f"({n} of {keeper.RENDEZVOUS_RESTARTS})"
-    )
-    local.spawn(run, "rendezvous", 0, local.role_command(run.role_spec("rendezvous"), 0))
-    return None
-
-
-def _exit_code(rec: local.LocalProc) -> int | None:
-    """Its exit code; a process we did not start (added by `streamrl scale`) that is gone counts as 0
-    unless its start record says otherwise."""
-    code = local.exit_code(rec)
-    if code is None and not local.started_here(rec) and not rec.alive():
-        return 0
-    return code
-
-
-def _wait_exit(recs: list[local.LocalProc], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(local.exit_code(r) is None and r.alive() for r in recs):
-        time.sleep(0.2)
-
-
-def _scale_follower(run: RunDir, console: Console):  # type: ignore[no-untyped-def]
-    """The follower of scale requests when this process is the one that applies them (local generators)."""
-    from streamrl_cli.launch import run_state
-    from streamrl_cli.launch.scale_follow import ScaleFollower
-    from streamrl_cli.rendezvous import RendezvousClient
-
-    try:
-        if not launcher.of_role(run, "generator").foreground:
-            return None  # the rendezvous role's job watcher applies them
-        ca = run_state.role_spec(run, "rendezvous").rendezvous_ca
-        # Short retries: the watch loop must stay responsive while the server restarts or stops.
-        return ScaleFollower(run, RendezvousClient.from_run_dir(run.path, tls_ca=ca, retry_s=2.0))
-    except StreamRLError as e:
-        console.print(f"[yellow]scaling unavailable for this run: {e}[/yellow]")
-        return None
-
-
-def _follow_scale(follower, console: Console) -> bool:  # type: ignore[no-untyped-def]
-    """Apply pending scale requests; True when instances were started or released."""
-    try:
-        written = follower.poll()
-    except StreamRLError as e:  # the server unreachable for a moment: the next poll retries
-        console.print(f"[yellow]scale requests: {e}[/yellow]")
-        return False
-    for ev in written:
-        if ev["event"] == "scaled":
-            console.print(
-                f"generators {ev['before']} -> {ev['after']} ({ev['source']}"
-                f"{': ' + ev['reason'] if ev['reason'] else ''})", markup=False, highlight=False,
-            )  # fmt: skip
-        elif ev["event"] == "scale_failed":
-            console.print(f"[red]scale request {ev['request']} failed: {ev['error']}[/red]")
-    return any(ev["event"] == "scaled" for ev in written)
 
 
 def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:

@@ -13,13 +13,20 @@ import time
 from pathlib import Path
 
 from streamrl_cli import environ
+from streamrl_cli.errors import ClusterError
 from streamrl_cli.launch import slurm
+from streamrl_cli.launch.supervisor import CANCELLED, COMPLETED, FAILED, RUNNING, Member, Outcome, supervise
 from streamrl_cli.roles.spec import RendezvousSpec
-from streamrl_cli.rundir import RunDir
+from streamrl_cli.rundir import POOL_ROLES, RunDir
 
 log = logging.getLogger("streamrl.rendezvous")
 
 POLL_S = 15.0  # between polls of the run's jobs; $STREAMRL_JOB_POLL_S overrides (environ.JOB_POLL)
+# After the trainer ended, how long generators get to hand over and leave before what is left of
+# the run's jobs is cancelled (longer than for local processes: SLURM reports ends a poll late).
+SLURM_EXIT_S = 180.0
+# A trainer job that ended in one of these did not finish the run: it is submitted again.
+TRAINER_DIED = {"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "TIMEOUT", "PREEMPTED"}
 
 
 def main(spec: RendezvousSpec, rank: int) -> int:
@@ -32,7 +39,7 @@ def main(spec: RendezvousSpec, rank: int) -> int:
     # it stops (the journal holds the run's state) and the job requeues itself; the requeued job
     # serves again from the journal, and members wait for it meanwhile (rendezvous.json says so).
     ends = EndSignals(on_signal=_stop_on_usr2)
-    threading.Thread(target=_stop_when_jobs_end, args=(run,), daemon=True).start()
+    threading.Thread(target=supervise, args=(run, SlurmSide(run)), daemon=True).start()
     threading.Thread(target=_apply_scale_requests, args=(run, spec), daemon=True).start()
     serve(
         Path(spec.run_dir),
@@ -66,87 +73,114 @@ def _requeue(run: RunDir) -> None:
     requeue_self()
 
 
-def _stop_when_jobs_end(run: RunDir) -> None:
-    ended_polls = 0
-    while True:
-        time.sleep(environ.job_poll_s(POLL_S))
-        if not run.run_json.exists():  # the run directory was deleted: nothing to serve
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        jobs = [j for j in run.jobs() if j["role"] != "rendezvous"]
+class SlurmSide:
+    """The supervisor's side for a run's SLURM jobs (jobs.json, their tasks' states from squeue and
+    sacct): the same decisions as `streamrl run` makes for local processes (launch.supervisor)."""
+
+    confirm = 2  # polls in a row: a job array can look ended for a moment between its tasks' records
+    grace_s = SLURM_EXIT_S
+
+    def __init__(self, run: RunDir) -> None:
+        self.run = run
+        self.poll_s = environ.job_poll_s(POLL_S)
+        self.states: list[dict] = []
+
+    def interrupted(self) -> bool:
+        return not self.run.run_json.exists()  # the run directory was deleted: nothing to serve
+
+    def may_restart(self) -> bool:
+        return True
+
+    def members(self) -> list[Member] | None:
+        jobs = [j for j in self.run.jobs() if j["role"] != "rendezvous"]
         if not jobs:
-            continue  # a local run (streamrl run watches it), or jobs not submitted yet
-        states = slurm.run_job_states(jobs)
-        if _restart_trainer(run, states):
-            ended_polls = 0
-            continue
-        # Two polls in a row: a job array can look ended for a moment between its tasks' records.
-        ended_polls = ended_polls + 1 if slurm.all_ended(states) else 0
-        if ended_polls >= 2:
-            # Tasks released by scaling were cancelled on purpose: they say nothing about the run.
-            final = {t["state"] for j in states for t in j["tasks"] if t["task"] not in j.get("released", [])}
-            # The trainer's job says how the run ended: a generator task lost on the way (killed,
-            # its node failed) was replaced by the others and does not fail a run that trained.
-            trainer = {t["state"] for j in states if j["role"] == "trainer" for t in j["tasks"]} or final
-            lost = sorted(
-                f"{j['job_id']}_{t['task']}" if t["task"] is not None else str(j["job_id"])
-                for j in states
-                if j["role"] == "generator"
-                for t in j["tasks"]
-                if t["task"] not in j.get("released", []) and t["state"] not in ("COMPLETED", "CANCELLED")
+            return None  # a local run (streamrl run watches it), or jobs not submitted yet
+        self.states = slurm.run_job_states(jobs)
+        return [_member(j, t) for j in self.states for t in j["tasks"]]
+
+    def lost(self, member: Member) -> None:
+        self.run.event(
+            "member_failed", role=member.role, rank=member.rank, job=member.key, state=member.detail
+        )
+        log.warning("%s %s (job %s) ended %s: the run goes on without it",
+                    member.role, member.rank, member.key, member.detail)  # fmt: skip
+
+    def restart_trainer(self, members: list[Member], dead: list[Member]) -> bool:
+        """A SLURM trainer job that died (a rank killed or crashed, its node lost) is submitted again;
+        the new job resumes from the newest checkpoint. Its record takes the place of the old job's."""
+        from streamrl_cli.errors import StreamRLError
+        from streamrl_cli.launch import launcher
+        from streamrl_cli.launch.run_state import role_job
+        from streamrl_cli.roles.restart import mark_trainer_start
+
+        old = dead[0].ref
+        ended = sorted({m.detail for m in dead})
+        n = int(self.run.info().get("trainer_restarts") or 0) + 1
+        try:
+            job_id = launcher.submit(
+                self.run, role_job(self.run, "trainer"), replaces=old, announce=False, restart=n
+            ).job_id
+        except StreamRLError as e:
+            log.error(
+                "the trainer job %s ended %s and could not be submitted again: %s", old["job_id"], ended, e
             )
-            info = run.info()
-            if info.get("state") not in ("cancelling", "cancelled"):
-                state = (
-                    "finished"
-                    if trainer == {"COMPLETED"}
-                    else "cancelled"
-                    if "CANCELLED" in final
-                    else "failed"
-                )
-                run.update_info(state=state, ended=time.time())
-                run.event(state, job_states=sorted(final), **({"lost_generators": lost} if lost else {}))
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
+            self.run.event("trainer_restart_failed", job_id=old["job_id"], error=str(e))
+            return  # the next poll sees the same dead job: with no restart left it ends the run
+        self.run.update_info(trainer_restarts=n)
+        mark_trainer_start(self.run)
+        self.run.event("trainer_restarted", restart=n, job_id=job_id, replaces=old["job_id"], states=ended)
+        log.warning("the trainer job %s ended %s: submitted it again as job %s (restart %d)",
+                    old["job_id"], ended, job_id, n)  # fmt: skip
+        return True
+
+    def wait(self) -> None:
+        time.sleep(self.poll_s)
+
+    def pools_ended(self) -> bool:
+        members = self.members() or []
+        return all(m.state != RUNNING for m in members if m.role in POOL_ROLES)
+
+    def stop_leftovers(self) -> list[str]:
+        """Scancel what is still queued or running of the run's role jobs (never this job)."""
+        done = []
+        for j in slurm.unfinished(self.states):
+            try:
+                slurm.cancel(j.get("slurm_cluster"), j["job_id"])
+                done.append(f"scancel {j['job_id']} ({j['role']})")
+            except ClusterError as e:
+                log.error("%s", e)
+        return done
+
+    def ended(self, outcome: Outcome) -> None:
+        log.info("the run %s: stopping the rendezvous server", outcome.state)
+        os.kill(os.getpid(), signal.SIGTERM)  # the server's own handler stops it cleanly
 
 
-# A trainer job that ended in one of these did not finish the run: it is submitted again.
-TRAINER_DIED = {"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "TIMEOUT", "PREEMPTED"}
-
-
-def _restart_trainer(run: RunDir, states: list[dict]) -> bool:
-    """A SLURM trainer job that died (a rank killed or crashed, its node lost) is submitted again
-    while roles.trainer.restarts allows; the new job resumes from the newest checkpoint. True when
-    it was. A cancelled run, or a trainer job SLURM requeues itself, is left alone."""
-    from streamrl_cli.errors import StreamRLError
-    from streamrl_cli.launch import launcher
-    from streamrl_cli.launch.run_state import role_job
-    from streamrl_cli.roles.restart import mark_trainer_start, trainer_restarts_left
-
-    trainer = [j for j in states if j["role"] == "trainer"]
-    if len(trainer) != 1 or not trainer[0]["tasks"]:
-        return False
-    (old,) = trainer
-    ended = {t["state"] for t in old["tasks"]}
-    if not ended <= slurm.TERMINAL or not ended & TRAINER_DIED:
-        return False
-    if run.info().get("state") in ("cancelling", "cancelled") or trainer_restarts_left(run) <= 0:
-        return False
-    n = int(run.info().get("trainer_restarts") or 0) + 1
-    try:
-        # Its record takes the place of the old job's; the restart is the run's event, said below.
-        job_id = launcher.submit(
-            run, role_job(run, "trainer"), replaces=old, announce=False, restart=n
-        ).job_id
-    except StreamRLError as e:
-        log.error("the trainer job %s ended %s and could not be submitted again: %s", old["job_id"], ended, e)
-        return False
-    run.update_info(trainer_restarts=n)
-    mark_trainer_start(run)
-    run.event("trainer_restarted", restart=n, job_id=job_id, replaces=old["job_id"], states=sorted(ended))
-    log.warning("the trainer job %s ended %s: submitted it again as job %s (restart %d)",
-                old["job_id"], sorted(ended), job_id, n)  # fmt: skip
-    return True
+def _member(job: dict, task: dict) -> Member:
+    state = task["state"]
+    if state not in slurm.TERMINAL:
+        kind = RUNNING  # pending, running, requeued, or not known right now
+    elif state == "COMPLETED":
+        kind = COMPLETED
+    elif state == "CANCELLED":
+        kind = CANCELLED
+    else:
+        kind = FAILED
+    t = task["task"]
+    array_task = t if isinstance(t, int) else None
+    rank = 0 if job["role"] == "trainer" else None
+    if array_task is not None:
+        rank = int(job.get("rank_base", 0)) + array_task
+    return Member(
+        role=job["role"],
+        key=f"{job['job_id']}_{t}" if t is not None else str(job["job_id"]),
+        rank=rank,
+        state=kind,
+        detail=state,
+        released=array_task is not None and array_task in job.get("released", []),
+        restartable=state in TRAINER_DIED,
+        ref=job,
+    )
 
 
 def _apply_scale_requests(run: RunDir, spec: RendezvousSpec) -> None:

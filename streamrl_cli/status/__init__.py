@@ -22,6 +22,7 @@ from streamrl_cli.rundir import RunDir
 if TYPE_CHECKING:
     from streamrl_cli.launch.launcher import Report
     from streamrl_cli.recipe.schema import TrainConfig
+    from streamrl_cli.roles.spec import RoleSpec
 
 ROLE_ORDER = ("rendezvous", "trainer", "generator", "teacher")
 SCHEMA_VERSION = 1
@@ -39,7 +40,7 @@ def collect(run: RunDir) -> dict[str, Any]:
         roles.append(
             {
                 "role": role,
-                "cluster": spec.get("cluster"),
+                "cluster": spec.cluster if spec is not None else None,
                 **{rep.key: rep.units.get(role, []) for rep in reports},
                 "members": _members(run, role, members, reachable=bool(rdv.get("reachable"))),
             }
@@ -172,7 +173,8 @@ def _rendezvous(run: RunDir) -> dict[str, Any]:
     from streamrl_cli.errors import RendezvousError
     from streamrl_cli.rendezvous.client import RendezvousClient
 
-    ca = _spec(run, "rendezvous").get("rendezvous_ca")
+    rdv_spec = _spec(run, "rendezvous")
+    ca = rdv_spec.rendezvous_ca if rdv_spec is not None else None
     try:
         with RendezvousClient.from_run_dir(run.path, timeout=2.0, retry_s=0.0, tls_ca=ca) as client:
             st = client.status()
@@ -210,13 +212,16 @@ def _trainer_train(run: RunDir) -> TrainConfig:
     return spec.train if isinstance(spec, TrainerSpec) else TrainConfig()
 
 
-def _spec(run: RunDir, role: str) -> dict[str, Any]:
-    import yaml
+def _spec(run: RunDir, role: str) -> RoleSpec | None:
+    """The role's typed spec; None where it is missing or damaged (status works without it, and
+    says what is damaged: RunDir.damage)."""
+    from streamrl_cli.errors import StreamRLError
+    from streamrl_cli.launch import run_state
 
     try:
-        return yaml.safe_load(run.role_spec(role).read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return {}
+        return run_state.role_spec(run, role)
+    except StreamRLError:
+        return None
 
 
 def _members(run: RunDir, role: str, live: list[dict], reachable: bool) -> list[dict]:
