@@ -394,7 +394,7 @@ def outcome(run: RunDir) -> dict[str, Any]:
     final = next((e for e in reversed(events) if e.get("event") in ("finished", "failed", "cancelled")), None)
     if final:
         out["event"] = final["event"]
-        for key in ("failed", "reason", "job_states"):
+        for key in ("failed", "reason", "lost", "job_states"):  # job_states: runs of older versions
             if final.get(key):
                 out[key] = final[key]
     if out["ended"] is not None and isinstance(info.get("started"), int | float):

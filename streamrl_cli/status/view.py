@@ -180,6 +180,8 @@ def outcome_line(state: str, out: dict[str, Any]) -> Text:
         text.append(f" ({', '.join(map(str, detail))})")
     if out.get("reason"):
         text.append(f": {out['reason']}")
+    if out.get("lost"):
+        text.append(f"; lost on the way: {', '.join(map(str, out['lost']))}")
     return text
 
 

@@ -21,13 +21,8 @@ from streamrl_cli.generator.engine import (
     SamplingSpec,
     make_engine,
 )
-from streamrl_cli.models.tiny import TinySpec, build_tiny_model
 
 # ---- references computed with transformers (shared with test_generator_role.py) ----
-
-
-def tiny_model(path: Path, *, tied: bool) -> Path:
-    return build_tiny_model(path, TinySpec(tie_word_embeddings=tied))
 
 
 @torch.no_grad()
@@ -44,27 +39,22 @@ def greedy(request_id: str, prompt: list[int], n: int = 12, priority: int = 0) -
     return GenerationRequest(request_id=request_id, prompt_token_ids=prompt, sampling=spec, priority=priority)
 
 
-# ---- fixtures: one engine for the module ----
+# ---- fixtures: the session's shared engine (tests/e2e/conftest.py) ----
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
+def loop(engine_loop):
+    return engine_loop
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("models") / "tiny-tied", tied=True)
+def model_dir(tied_model_dir) -> Path:
+    return tied_model_dir
 
 
 @pytest.fixture(scope="module")
-def engine(loop, model_dir):
-    eng = make_engine("vllm", model=str(model_dir), max_model_len=512, max_num_seqs=8)
-    loop.run_until_complete(eng.start())
-    yield eng
-    loop.run_until_complete(eng.close())
+def engine(shared_engine):
+    return shared_engine
 
 
 @pytest.fixture(scope="module")

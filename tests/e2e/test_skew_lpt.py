@@ -11,15 +11,10 @@ more than two run at once.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from pathlib import Path
 
 import pytest
 from support.admission import drive_role, requests_for
-
-from streamrl_cli.generator.engine import make_engine
-from streamrl_cli.models.tiny import TinySpec, build_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -28,19 +23,17 @@ LIMIT = 2
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
+def loop(engine_loop):
+    return engine_loop
 
 
 @pytest.fixture(scope="module")
-def engine(loop, tmp_path_factory):
-    model = build_tiny_model(Path(tmp_path_factory.mktemp("models")) / "tiny", TinySpec())
-    eng = make_engine("vllm", model=str(model), max_model_len=512, max_num_seqs=8)
-    loop.run_until_complete(eng.start())
-    yield eng
-    loop.run_until_complete(eng.close())
+def engine(loop, shared_engine):
+    """The session's engine (tests/e2e/conftest.py): the order requests start in does not depend
+    on the weights it serves, but it must be idle."""
+    health = loop.run_until_complete(shared_engine.health())
+    assert not health.paused and health.running == 0, f"the shared engine was left busy: {health}"
+    return shared_engine
 
 
 def run(loop, engine, *, lpt: bool) -> list:

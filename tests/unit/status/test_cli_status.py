@@ -43,7 +43,8 @@ def ended_run(root, name=LONG_NAME, state="finished", iterations=40, done=40, st
             f.write(json.dumps({"member_id": "generator-0", "role": "generator", "rank": 0}) + "\n")
     with open(path / "events.jsonl", "w") as f:
         failed = ["generator-1"] if state == "failed" else []
-        f.write(json.dumps({"time": now - 60, "event": state, "failed": failed}) + "\n")
+        lost = ["generator-2"] if state == "failed" else []
+        f.write(json.dumps({"time": now - 60, "event": state, "failed": failed, "lost": lost}) + "\n")
     catalog_add(RunDir(path))
     return path
 
@@ -71,6 +72,7 @@ def test_run_view_of_a_finished_run_shows_its_last_step_and_how_it_ended(tmp_pat
     assert "no progress reported yet" not in text
     assert "step 12/40" in text and "reward 0.61" in text and "samples_per_s 3.25" in text
     assert re.search(r"ended: failed \d+\.\dm ago after 13\.7m \(generator-1\)", text), text
+    assert "lost on the way: generator-2" in text
 
 
 def test_json_summary_has_step_and_iterations(tmp_path):
