@@ -109,20 +109,20 @@ class AgentEngine(GenerationEngine):
     async def start(self) -> None:
         from transformers import AutoTokenizer
 
-        from streamrl_cli.agent.tools import load_tool, template_format
+        from streamrl_cli.agent.tools import load_tool, template_format, unreadable
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         schemas = [load_tool(spec).schema for spec in self.settings.tools]
         if self.chat_template is not None:
             self.tokenizer.chat_template = self.chat_template
         self.renderer = Renderer(self.tokenizer, tools=schemas)
-        if schemas and template_format(self.tokenizer.chat_template) != self.settings.tool_format:
-            from streamrl_cli.agent.env_host import AgentError
+        if schemas:  # the syntax the environment's workers read calls in (the recipe's, or the template's)
+            fmt = self.settings.tool_format or template_format(self.tokenizer.chat_template)
+            if fmt is None:
+                from streamrl_cli.agent.env_host import AgentError
 
-            raise AgentError(
-                "agent.tools: the model's chat template defines no tool-call syntax StreamRL reads "
-                "(supported: hermes, <tool_call>{...}</tool_call>, as in Qwen2/2.5/3 templates)"
-            )
+                raise AgentError(unreadable("the model's chat template"))
+            self.settings.tool_format = fmt
         await self.host.start()  # the environment loads here, or the generator fails saying why
         await self.inner.start()
 
@@ -331,8 +331,8 @@ def wrap(inner: GenerationEngine, spec: Any) -> GenerationEngine:
 
         template = ChatFormat(template=task.chat_template)._template_text()
     settings = EnvSettings(
-        env=a.env, env_args=dict(a.env_args), tools=list(a.tools), workers=a.env_workers,
-        timeout_s=a.step_timeout_s,
+        env=a.env, env_args=dict(a.env_args), tools=list(a.tools), tool_format=a.tool_format,
+        workers=a.env_workers, timeout_s=a.step_timeout_s,
     )  # fmt: skip
     return AgentEngine(
         inner, settings, model_path=os.path.expanduser(spec.model.path), max_turns=a.max_turns,
