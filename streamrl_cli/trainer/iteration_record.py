@@ -162,6 +162,12 @@ def skew_record(batch: Batch, ranker: LengthRanker | None) -> dict[str, Any]:
     q = quality([batch.observed[k] for k in keys], [batch.predicted[k] for k in keys])
     out.update({f"ranker/{name}": v for name, v in q.items() if name != "n"})
     ranker.update([batch.prompts[k][0] for k in keys], [batch.observed[k] for k in keys])
+    from streamrl_cli.ranker.turns import TurnLearner, group_turns
+
+    turned = [k for k in keys if k in batch.turns]
+    if turned and isinstance(ranker, TurnLearner):  # multi-turn: turns and tokens per turn too
+        seen = [group_turns(batch.turns[k]) for k in turned]
+        ranker.update_turns([batch.prompts[k][0] for k in turned], [t for t, _ in seen], [n for _, n in seen])
     return out
 
 

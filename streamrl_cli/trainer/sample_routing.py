@@ -74,6 +74,8 @@ class Batch:
     retries: int = 0
     predicted: dict[str, float] = field(default_factory=dict)  # request prompt id -> predicted length
     observed: dict[str, float] = field(default_factory=dict)  # request prompt id -> longest output
+    # request prompt id -> (model turns, model tokens) of each of its trajectories (multi-turn only)
+    turns: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     lengths: dict[str, list[int]] = field(default_factory=dict)  # task prompt id -> lengths by sample index
     plan: dict[str, Any] = field(default_factory=dict)  # the dispatch decision, for the record
     longest_s: float = (
@@ -397,6 +399,8 @@ class SampleRouting:
         # processing time, so it is what the ranker learns, and is judged on. (A trajectory's
         # length is the tokens its model generated over all its turns, not its environment's.)
         batch.observed[key] = max(lengths)
+        if turns := trajectory_turns(samples):  # what the ranker learns turn by turn
+            batch.turns[key] = turns
         batch.lengths[draw_key(key)] = [generated(s) for s in sorted(samples, key=lambda x: x.sample_index)]
         texts = [self.detokenize(s.token_ids) for s in samples]
         scores = trajectory_rewards(self.cfg.agent, self.task, [prompt] * len(samples), samples, texts)
@@ -457,6 +461,11 @@ def trajectory_rewards(
 def generated(sample: Sample) -> int:
     """Tokens the model generated: all of a single-turn sample's, a trajectory's model turns'."""
     return sum(sample.loss_mask) if sample.loss_mask else len(sample.token_ids)
+
+
+def trajectory_turns(samples: list[Sample]) -> list[tuple[int, int]]:
+    """(model turns, model tokens) of each multi-turn trajectory of a group (none for single-turn)."""
+    return [(s.episode.turns, s.episode.model_tokens) for s in samples if s.episode is not None]
 
 
 def failed(sample: Sample) -> bool:
