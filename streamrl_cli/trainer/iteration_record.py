@@ -122,7 +122,8 @@ def iteration_record(
         "rollout/paused_groups": len(batch.paused),
         "rollout/paused_prompts": [batch.prompts[rid][0].prompt_id for rid in batch.paused],
         "rollout/resumed_samples": sum(
-            bool(r.sample.token_versions) and r.sample.episode is None for r in rows
+            r.sample.episode.resumed if r.sample.episode is not None else bool(r.sample.token_versions)
+            for r in rows
         ),
         # Which prompts the batch held, in order (a resumed run must repeat the same data order).
         "data/digest": _digest(batch),
