@@ -59,7 +59,7 @@ class EnvSettings:
     env: str | None = None  # module:Class / file.py:Class; None: tools only
     env_args: dict[str, Any] = field(default_factory=dict)
     tools: list[str] = field(default_factory=list)  # module:function / file.py:function
-    tool_format: str = "hermes"
+    tool_format: str | None = None  # the tool-call syntax (agent.tool_format; None: the chat template's)
     workers: int = 2
     timeout_s: float = 30.0
 

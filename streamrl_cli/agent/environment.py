@@ -95,7 +95,9 @@ async def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 class ToolEnvironment:
     """Tools answer the turns that call them; other turns go to `env` (or end the episode)."""
 
-    def __init__(self, tools: Sequence[Tool], env: Any = None, *, tool_format: str = "hermes"):
+    def __init__(self, tools: Sequence[Tool], env: Any = None, *, tool_format: str | None = None):
+        if tools and tool_format is None:
+            raise ValueError("tools need a tool-call syntax to read their calls in (tool_format)")
         self.tools = {t.name: t for t in tools}
         self.env = env
         self.tool_format = tool_format
@@ -106,7 +108,7 @@ class ToolEnvironment:
         return messages(await call(self.env.reset, row))
 
     async def step(self, turn: str) -> StepResult:
-        calls = parse_tool_calls(turn, self.tool_format) if self.tools else []
+        calls = parse_tool_calls(turn, self.tool_format) if self.tool_format and self.tools else []
         if not calls:
             if self.env is None:
                 return StepResult(done=True)  # the answer: the task's reward scores it
@@ -115,7 +117,8 @@ class ToolEnvironment:
         for c in calls:
             content, ok = await self._answer(c)
             errors += not ok
-            answers.append({"role": "tool", "name": c.name or "?", "content": content})
+            # The call's id too: templates that pair answers with calls need it (Mistral's insists).
+            answers.append({"role": "tool", "name": c.name or "?", "content": content, "tool_call_id": c.id})
         return StepResult(observation=answers, tool_calls=len(calls), tool_errors=errors)
 
     async def _answer(self, c: Any) -> tuple[str, bool]:

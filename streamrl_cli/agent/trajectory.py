@@ -51,6 +51,8 @@ class Trajectory:
     env_s: float = 0.0  # seconds spent in reset and step
     stop: str = ""  # why it ended (STOPS); "" while it runs
     error: str = ""  # the environment's failure, if any
+    parked: bool = False  # paused between turns, its environment kept to go on with (partial rollout)
+    resumed: bool = False  # went on after such a pause, where it was kept
 
     @property
     def room(self) -> int:
@@ -107,6 +109,12 @@ class Trajectory:
             raise ValueError(f"unknown stop reason {stop!r} (valid: {', '.join(STOPS)})")
         if not self.stop:  # the first reason wins (an abort after a failure stays the failure)
             self.stop, self.error = stop, error
+
+    def go_on(self) -> None:
+        """A trajectory paused between turns is resumed: it runs again from where it stopped."""
+        if self.stop != ABORTED or not self.parked:
+            raise ValueError(f"only a paused trajectory goes on (this one: stop {self.stop!r})")
+        self.stop, self.error, self.parked, self.resumed = "", "", False, True
 
     @property
     def failed(self) -> bool:

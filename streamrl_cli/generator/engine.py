@@ -178,6 +178,12 @@ class GenerationEngine(ABC):
     async def abort(self, request_ids: Iterable[str]) -> None:
         """Abort these requests; their results come out of `generate` as aborted."""
 
+    async def pause_requests(self, request_ids: Iterable[str]) -> None:
+        """Partial rollout pauses these requests: like `abort`, what they generated so far comes
+        out as aborted. An engine that can go on with one later (multi-turn trajectories) may end
+        it at a better point and keep its state; this one aborts."""
+        await self.abort(request_ids)
+
     @abstractmethod
     async def health(self) -> EngineHealth: ...
 

@@ -353,7 +353,9 @@ class GeneratorRole:
             self._keep.update(running)
             for er in waiting:
                 await self._send(unstarted_samples(er, self.engine.weight_version, self.member_id, now))
-        if running:
+        if running and keep:
+            await self.engine.pause_requests(running)
+        elif running:
             await self.engine.abort(running)
         self.cancelled += 1
         log.debug(

@@ -14,8 +14,12 @@ it ended).
 Turns of one episode may run under different weight versions (an update between turns): each
 token keeps the version that sampled it, as partial rollout's tokens do, so staleness bounds and
 importance ratios stay per token. An aborted request (over-sampling, the trainer going) aborts the
-turn in flight and ends its episodes; what they generated comes back only if the trainer paused it
-(and the trainer restarts a paused trajectory from its beginning: its environment is gone).
+turn in flight and ends its episodes. A request the trainer *pauses* (partial rollout) is ended
+between turns instead: each episode finishes the model turn in flight, comes back as far as it got
+(``parked``), and is kept here, its environment session and tokens, so that a request that resumes
+it (``meta["resume"]``, on this generator) goes on from its next turn and sends it whole. One
+resumed elsewhere, or given up here (at most ``max_parked`` are kept, the oldest given up first),
+runs from its start.
 """
 
 from __future__ import annotations
@@ -62,8 +66,24 @@ def episode_record(t: Trajectory) -> dict[str, Any]:
     return {
         "turns": t.turns, "turns_cut": t.turns_cut, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
         "env_reward": t.env_reward, "env_s": round(t.env_s, 4), "stop": t.stop, "error": t.error[:500],
-        "model_tokens": t.model_tokens, "env_tokens": t.env_tokens,
+        "model_tokens": t.model_tokens, "env_tokens": t.env_tokens, "parked": t.parked,
+        "resumed": t.resumed,
     }  # fmt: skip
+
+
+@dataclasses.dataclass
+class Parked:
+    """A trajectory paused between turns: what it takes to go on with it."""
+
+    trajectory: Trajectory
+    session: Any  # its environment (env_host.Session)
+    turn: list[int] | None  # its last model turn, not yet answered by the environment (None: answered)
+
+
+def park_key(meta: dict[str, Any], index: int) -> str:
+    """The key of a request's `index`-th trajectory: its prompt id and sample index, as the
+    trainer names the paused sample (Request.resume)."""
+    return f"{meta.get('prompt_id', '')}/{list(meta.get('sample_indices') or [index])[index]}"
 
 
 class AgentEngine(GenerationEngine):
@@ -78,6 +98,7 @@ class AgentEngine(GenerationEngine):
         max_turns: int,
         max_turn_tokens: int,
         chat_template: str | None = None,
+        max_parked: int = 256,
     ):
         self.inner = inner
         self.settings = settings
@@ -91,6 +112,12 @@ class AgentEngine(GenerationEngine):
         self._waiting: dict[str, asyncio.Future] = {}  # turn request id -> its result
         self._turns: dict[str, set[str]] = {}  # request id -> its turns in the engine
         self._aborted: set[str] = set()
+        self._pausing: set[str] = set()  # aborted requests the trainer pauses: their episodes park
+        # Paused trajectories by park_key, oldest first; bounded: one the trainer restarts instead
+        # (too stale) or never resumes must not hold its environment for ever.
+        self.parked: dict[str, Parked] = {}
+        self.max_parked = max_parked
+        self._closing: set[asyncio.Task] = set()  # sessions of trajectories given up, closing
         self._subq: asyncio.Queue[GenerationRequest | None] | None = None
 
     # The generator role reads and sets these on its engine.
@@ -109,20 +136,20 @@ class AgentEngine(GenerationEngine):
     async def start(self) -> None:
         from transformers import AutoTokenizer
 
-        from streamrl_cli.agent.tools import load_tool, template_format
+        from streamrl_cli.agent.tools import load_tool, template_format, unreadable
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         schemas = [load_tool(spec).schema for spec in self.settings.tools]
         if self.chat_template is not None:
             self.tokenizer.chat_template = self.chat_template
         self.renderer = Renderer(self.tokenizer, tools=schemas)
-        if schemas and template_format(self.tokenizer.chat_template) != self.settings.tool_format:
-            from streamrl_cli.agent.env_host import AgentError
+        if schemas:  # the syntax the environment's workers read calls in (the recipe's, or the template's)
+            fmt = self.settings.tool_format or template_format(self.tokenizer.chat_template)
+            if fmt is None:
+                from streamrl_cli.agent.env_host import AgentError
 
-            raise AgentError(
-                "agent.tools: the model's chat template defines no tool-call syntax StreamRL reads "
-                "(supported: hermes, <tool_call>{...}</tool_call>, as in Qwen2/2.5/3 templates)"
-            )
+                raise AgentError(unreadable("the model's chat template"))
+            self.settings.tool_format = fmt
         await self.host.start()  # the environment loads here, or the generator fails saying why
         await self.inner.start()
 
@@ -174,6 +201,7 @@ class AgentEngine(GenerationEngine):
             trajectories = await asyncio.gather(*(self._episode(req, i) for i in range(req.sampling.n)))
         finally:
             self._aborted.discard(req.request_id)
+            self._pausing.discard(req.request_id)
             self._turns.pop(req.request_id, None)
         versions = [v for t in trajectories if t.model_tokens for v in t.token_versions] or [
             self.weight_version
@@ -184,10 +212,11 @@ class AgentEngine(GenerationEngine):
             completions.append(
                 Completion(
                     index=i,
-                    token_ids=t.token_ids,
-                    logprobs=t.logprobs,
+                    # Copies: a parked trajectory grows on when it is resumed.
+                    token_ids=list(t.token_ids),
+                    logprobs=list(t.logprobs),
                     finish_reason=finish_reason(t),
-                    loss_mask=t.loss_mask,
+                    loss_mask=list(t.loss_mask),
                     token_versions=per_token if len(set(per_token)) > 1 else [],
                     episode=episode_record(t),
                 )  # fmt: skip
@@ -201,20 +230,31 @@ class AgentEngine(GenerationEngine):
 
     async def _episode(self, req: GenerationRequest, index: int) -> Trajectory:
         assert self.renderer is not None, "start() first"
-        t = Trajectory(max_tokens=req.sampling.max_tokens)
-        session = None
+        kept = self.parked.pop(str(req.meta.get("resume") or ""), None) if index == 0 else None
+        if kept is not None:  # a paused trajectory goes on from its next turn
+            t, session, last = kept.trajectory, kept.session, kept.turn
+            t.go_on()
+        else:
+            t, session, last = Trajectory(max_tokens=req.sampling.max_tokens), None, None
+        park = False
         try:
-            session = await self.host.open()
-            t0 = time.monotonic()
-            first = await session.reset(dict(req.meta.get("env") or {}))
-            t.env_s += time.monotonic() - t0
-            opening = self.renderer.first_turn(first)
-            if not t.fits(opening):
-                t.end(MAX_TOKENS)
-            else:
-                t.add_env_turn(opening)
+            if session is None:
+                session = await self.host.open()
+                t0 = time.monotonic()
+                first = await session.reset(dict(req.meta.get("env") or {}))
+                t.env_s += time.monotonic() - t0
+                opening = self.renderer.first_turn(first)
+                if not t.fits(opening):
+                    t.end(MAX_TOKENS)
+                else:
+                    t.add_env_turn(opening)
             while not t.stop:
+                if last is not None:  # the environment answers the model's turn
+                    await self._answer(session, t, last)
+                    last = None
+                    continue
                 if req.request_id in self._aborted:
+                    park = req.request_id in self._pausing
                     t.end(ABORTED)
                     break
                 budget = min(self.max_turn_tokens, t.room)
@@ -222,37 +262,55 @@ class AgentEngine(GenerationEngine):
                 c = result.completions[0]
                 if c.token_ids:
                     t.add_model_turn(list(c.token_ids), list(c.logprobs), result.weight_version)
+                if c.finish_reason == "length":
+                    t.turns_cut += 1
                 if c.finish_reason == "abort" or req.request_id in self._aborted:
+                    # Paused: the turn was let finish (an aborted one is cut: that trajectory restarts).
+                    park = req.request_id in self._pausing and c.finish_reason != "abort"
+                    last = list(c.token_ids) if park else None
                     t.end(ABORTED)
                     break
                 if c.finish_reason == "error":
                     raise EnvFailure("env_error", f"the engine refused a turn: {result.error}")
-                if c.finish_reason == "length":
-                    t.turns_cut += 1
-                t0 = time.monotonic()
-                step = await session.step(self.renderer.text(list(c.token_ids)))
-                t.env_s += time.monotonic() - t0
-                t.env_reward += step.reward
-                t.tool_calls += step.tool_calls
-                t.tool_errors += step.tool_errors
-                if step.done:
-                    t.end(DONE)
-                elif t.turns >= self.max_turns:
-                    t.end(MAX_TURNS)
-                elif req.request_id in self._aborted:
-                    t.end(ABORTED)
-                else:
-                    answer = self.renderer.env_turn(step.observation, list(c.token_ids))
-                    if t.fits(answer):
-                        t.add_env_turn(answer)
-                    else:
-                        t.end(MAX_TOKENS)
+                last = list(c.token_ids)
         except EnvFailure as e:
             t.end(e.reason, e.detail)
+            park = False
         finally:
-            if session is not None:
+            if park and session is not None:
+                t.parked = True
+                self._park(park_key(req.meta, index), Parked(t, session, last))
+            elif session is not None:
                 await session.close()
         return t
+
+    async def _answer(self, session: Any, t: Trajectory, turn: list[int]) -> None:
+        """The environment's step on a model turn, and its answer appended (or the trajectory ended)."""
+        assert self.renderer is not None
+        t0 = time.monotonic()
+        step = await session.step(self.renderer.text(turn))
+        t.env_s += time.monotonic() - t0
+        t.env_reward += step.reward
+        t.tool_calls += step.tool_calls
+        t.tool_errors += step.tool_errors
+        if step.done:
+            t.end(DONE)
+        elif t.turns >= self.max_turns:
+            t.end(MAX_TURNS)
+        else:
+            answer = self.renderer.env_turn(step.observation, turn)
+            if t.fits(answer):
+                t.add_env_turn(answer)
+            else:
+                t.end(MAX_TOKENS)
+
+    def _park(self, key: str, parked: Parked) -> None:
+        self.parked[key] = parked
+        while len(self.parked) > self.max_parked:  # the oldest is given up: resumed, it restarts
+            oldest = self.parked.pop(next(iter(self.parked)))
+            task = asyncio.get_running_loop().create_task(oldest.session.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def _turn(self, req: GenerationRequest, index: int, t: Trajectory, budget: int) -> GenerationResult:
         assert self._subq is not None and self.renderer is not None
@@ -285,6 +343,14 @@ class AgentEngine(GenerationEngine):
             **{f"agent/env_failures/{k}": v for k, v in sorted(self.host.failures.items())},
         }
 
+    async def pause_requests(self, request_ids: Iterable[str]) -> None:
+        """End these requests between turns: each episode's turn in flight finishes, and the
+        episode is parked (its environment kept) for a request that resumes it."""
+        for rid in request_ids:
+            if rid in self._turns:
+                self._pausing.add(rid)
+                self._aborted.add(rid)
+
     async def abort(self, request_ids: Iterable[str]) -> None:
         turns = []
         for rid in request_ids:
@@ -307,7 +373,11 @@ class AgentEngine(GenerationEngine):
         return await self.inner.health()
 
     async def close(self) -> None:
+        parked, self.parked = list(self.parked.values()), {}
         try:
+            # (the workers go next, whatever a session's release said)
+            closing = [*self._closing, *(p.session.close() for p in parked)]
+            await asyncio.gather(*closing, return_exceptions=True)
             await self.host.close()
         finally:
             await self.inner.close()
@@ -331,8 +401,8 @@ def wrap(inner: GenerationEngine, spec: Any) -> GenerationEngine:
 
         template = ChatFormat(template=task.chat_template)._template_text()
     settings = EnvSettings(
-        env=a.env, env_args=dict(a.env_args), tools=list(a.tools), workers=a.env_workers,
-        timeout_s=a.step_timeout_s,
+        env=a.env, env_args=dict(a.env_args), tools=list(a.tools), tool_format=a.tool_format,
+        workers=a.env_workers, timeout_s=a.step_timeout_s,
     )  # fmt: skip
     return AgentEngine(
         inner, settings, model_path=os.path.expanduser(spec.model.path), max_turns=a.max_turns,

@@ -45,6 +45,7 @@ def to_engine_request(req: Request, serial: int, defaults: dict[str, Any]) -> Ge
             "group_id": req.group_id,
             "sample_indices": list(req.sample_indices),
             "env": req.env,
+            "resume": req.resume,
         },
     )
 

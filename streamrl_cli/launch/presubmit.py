@@ -118,7 +118,7 @@ def _agent(r: Recipe, problems: list[str]) -> None:
 def _agent_template(r: Recipe, problems: list[str]) -> None:
     """Turns are rendered with the tokenizer's chat template: it must have one (where the model is
     already there to look), and one whose tool-call syntax StreamRL reads if there are tools."""
-    from streamrl_cli.agent.tools import template_format
+    from streamrl_cli.agent.tools import template_format, unreadable
 
     model = Path(os.path.expanduser(r.model.path))
     if not (model / "tokenizer_config.json").is_file():
@@ -134,11 +134,8 @@ def _agent_template(r: Recipe, problems: list[str]) -> None:
             f"agent: the tokenizer of {model} has no chat template, and multi-turn rollouts render each "
             "observation as a chat message: use a chat model, or set task.chat_template"
         )
-    elif r.agent.tools and template_format(template) is None:
-        problems.append(
-            f"agent.tools: the chat template of {model} defines no tool-call syntax StreamRL reads "
-            "(supported: hermes, <tool_call>{...}</tool_call>, as in Qwen2/2.5/3 templates)"
-        )
+    elif r.agent.tools and r.agent.tool_format is None and template_format(template) is None:
+        problems.append(unreadable(f"the chat template of {model}"))
 
 
 def _loggers(r: Recipe, problems: list[str]) -> None:

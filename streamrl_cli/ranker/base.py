@@ -99,13 +99,21 @@ class RandomRanker(Ranker):
 
 
 def make_ranker(
-    cfg: SkewnessConfig, *, model_path: str | None, task: Task, seed: int = 0, device: str = "cpu"
+    cfg: SkewnessConfig,
+    *,
+    model_path: str | None,
+    task: Task,
+    seed: int = 0,
+    device: str = "cpu",
+    turns: bool = False,
 ) -> Ranker | None:
     """The ranker of a recipe's ``skewness`` section, or None for ``ranker: none``.
 
     ``model_path`` is the policy's model, the learned ranker's base unless ``ranker_model`` names
     another. With ``cache`` set, the cached scores (``streamrl rank``) answer for the prompts they
-    cover and the ranker for the rest; a history ranker's observations still come first.
+    cover and the ranker for the rest; a history ranker's observations still come first. ``turns``
+    (multi-turn trajectories): prompts seen before are predicted turn by turn (:mod:`.turns`), the
+    ranker made here predicts the others (the oracle, exact already, is left as it is).
     """
     kind = cfg.ranker
     if kind not in KINDS:
@@ -126,6 +134,10 @@ def make_ranker(
         from streamrl_cli.ranker.history import HistoryRanker
 
         ranker = HistoryRanker(ranker)
+    if turns and kind != "oracle":
+        from streamrl_cli.ranker.turns import TurnRanker
+
+        ranker = TurnRanker(ranker)
     return ranker
 
 

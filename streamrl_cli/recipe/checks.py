@@ -655,6 +655,8 @@ def _agent(r: Recipe) -> Iterator[Problem]:
     a = r.agent
     if a.env_args and not a.env:
         yield "agent.env_args", "arguments for an environment, but agent.env names none"
+    if a.tool_format is not None and not a.tools:
+        yield "agent.tool_format", f"{a.tool_format!r}: a tool-call syntax, but agent.tools names no tool"
     for key, spec in [("agent.env", a.env), *(("agent.tools", t) for t in a.tools)]:
         if spec is not None and not _object_spec(spec):
             yield key, f"{spec!r} is not `module:Name` or `path/to/file.py:Name` (e.g. my_env.py:GuessNumber)"

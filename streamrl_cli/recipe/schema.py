@@ -450,6 +450,8 @@ class RolloutConfig:
 
 AGENT_REWARDS = ("env", "task", "sum")
 AGENT_ON_FAILURE = ("score", "drop")
+# Tool-call syntaxes StreamRL reads (streamrl_cli.agent.tools says what each looks like).
+AGENT_TOOL_FORMATS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
 
 
 @dataclass(kw_only=True)
@@ -465,6 +467,9 @@ class AgentConfig:
     # Tools the model may call (`module:function` or `path/to/file.py:function`): functions with
     # type hints and a docstring, called in the tool-call syntax of the model's chat template.
     tools: list[str] = field(default_factory=list)
+    # The tool-call syntax the model writes and its tools' answers are read in; null: the one the
+    # chat template defines (set it for a template whose syntax is not recognised, or to override).
+    tool_format: str | None = choices(*AGENT_TOOL_FORMATS, default=None)
     max_turns: int = 4  # model turns per trajectory
     max_turn_tokens: int | None = None  # tokens of one model turn (null: task.max_output_len)
     # A trajectory's tokens (model and environment, after the prompt) are bounded by task.max_output_len.

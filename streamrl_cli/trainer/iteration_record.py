@@ -122,7 +122,8 @@ def iteration_record(
         "rollout/paused_groups": len(batch.paused),
         "rollout/paused_prompts": [batch.prompts[rid][0].prompt_id for rid in batch.paused],
         "rollout/resumed_samples": sum(
-            bool(r.sample.token_versions) and r.sample.episode is None for r in rows
+            r.sample.episode.resumed if r.sample.episode is not None else bool(r.sample.token_versions)
+            for r in rows
         ),
         # Which prompts the batch held, in order (a resumed run must repeat the same data order).
         "data/digest": _digest(batch),
@@ -162,6 +163,12 @@ def skew_record(batch: Batch, ranker: LengthRanker | None) -> dict[str, Any]:
     q = quality([batch.observed[k] for k in keys], [batch.predicted[k] for k in keys])
     out.update({f"ranker/{name}": v for name, v in q.items() if name != "n"})
     ranker.update([batch.prompts[k][0] for k in keys], [batch.observed[k] for k in keys])
+    from streamrl_cli.ranker.turns import TurnLearner, group_turns
+
+    turned = [k for k in keys if k in batch.turns]
+    if turned and isinstance(ranker, TurnLearner):  # multi-turn: turns and tokens per turn too
+        seen = [group_turns(batch.turns[k]) for k in turned]
+        ranker.update_turns([batch.prompts[k][0] for k in turned], [t for t, _ in seen], [n for _, n in seen])
     return out
 
 

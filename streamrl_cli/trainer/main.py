@@ -405,7 +405,9 @@ class TrainerRole:
 
         skew = self.spec.skewness
         base = skew.ranker_model or self.spec.model.path
-        return make_ranker(skew, model_path=os.path.expanduser(base), task=task, seed=seed)
+        return make_ranker(
+            skew, model_path=os.path.expanduser(base), task=task, seed=seed, turns=self.spec.agent.enabled
+        )
 
     def _ptl(self) -> Any:
         """The generators' measured decode curve for Algorithm 2 (planner.profile_file), or None."""

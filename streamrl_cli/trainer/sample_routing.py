@@ -74,6 +74,8 @@ class Batch:
     retries: int = 0
     predicted: dict[str, float] = field(default_factory=dict)  # request prompt id -> predicted length
     observed: dict[str, float] = field(default_factory=dict)  # request prompt id -> longest output
+    # request prompt id -> (model turns, model tokens) of each of its trajectories (multi-turn only)
+    turns: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     lengths: dict[str, list[int]] = field(default_factory=dict)  # task prompt id -> lengths by sample index
     plan: dict[str, Any] = field(default_factory=dict)  # the dispatch decision, for the record
     longest_s: float = (
@@ -167,7 +169,7 @@ class SampleRouting:
             return
         carried = batch.carried.get(GroupCollector.key(sample))
         if carried is not None and sample.sample_index in carried.prefix:  # a resumed sample: join its start
-            sample = _join(carried.prefix.pop(sample.sample_index), sample)
+            sample = self._joined(carried.prefix.pop(sample.sample_index), sample)
         self._accept(batch, sample)
 
     def _accept(self, batch: Batch, sample: Sample) -> None:
@@ -338,7 +340,7 @@ class SampleRouting:
             return  # a copy of one already back (re-dispatched after its generator was lost)
         c.inflight.discard(i)
         if i in c.prefix:
-            sample = _join(c.prefix.pop(i), sample)
+            sample = self._joined(c.prefix.pop(i), sample)
         (c.prefix if sample.finish_reason == "abort" else c.have)[i] = sample
         if not c.inflight:
             for rid in c.ids:
@@ -372,22 +374,42 @@ class SampleRouting:
             self._accept(batch, msgspec.structs.replace(c.have.pop(i), group_id=c.key))
             return
         prefix = c.prefix[i]
-        # A trajectory starts over: its environment's state went with the episode that was paused.
-        restart = bool(prefix.loss_mask) or prefix.episode is not None
+        # A trajectory goes on from its next turn on the generator that kept its environment (parked
+        # between turns); any other starts over there: its environment's state went with its episode.
+        parked = prefix.episode is not None and prefix.episode.parked
+        restart = (bool(prefix.loss_mask) or prefix.episode is not None) and not parked
         if restart or batch.index + self.offset - prefix.weight_version > self.cfg.bound:
             self.discarded_tokens += len(prefix.token_ids)
+            parked = False
             prefix = msgspec.structs.replace(
-                prefix, token_ids=[], logprobs=[], token_versions=[], teacher_logprobs=[]
+                prefix, token_ids=[], logprobs=[], token_versions=[], teacher_logprobs=[], episode=None
             )
         self.resumes += 1
         rid = str(RequestId.parse(c.key).resumed(self.resumes))
         batch.prompts[rid] = (c.prompt, c.tokens)
-        req = self._request(rid, c.prompt, c.tokens + list(prefix.token_ids), [i], group=c.key)
-        req.sampling["max_tokens"] = self.cfg.task.max_output_len - len(prefix.token_ids)
+        if parked:  # its generator sends it whole (continued, or run again if it no longer holds it)
+            req = self._request(rid, c.prompt, c.tokens, [i], group=c.key)
+            req.resume, req.target = f"{prefix.prompt_id}/{prefix.sample_index}", prefix.generator
+        else:
+            req = self._request(rid, c.prompt, c.tokens + list(prefix.token_ids), [i], group=c.key)
+            req.sampling["max_tokens"] = self.cfg.task.max_output_len - len(prefix.token_ids)
         req.priority = -1  # admitted before any fresh request: begun earlier, it is likely the longest
-        if not prefix.token_ids:
+        if not prefix.token_ids and not parked:
             del c.prefix[i]  # nothing to join: an ordinary sample from the start
         self.svc.submit([req])
+
+    def _joined(self, start: Sample, rest: Sample) -> Sample:
+        """A paused sample's start and what its resumption sent. A parked trajectory's resumption
+        comes back whole: its kept tokens first if its generator went on with it; if it ran again
+        from the start (its generator lost, or its state given up there), the start is lost."""
+        if not (start.episode is not None and start.episode.parked):
+            return _join(start, rest)
+        if not rest.token_ids and rest.finish_reason == "abort":
+            return start  # paused again before it reached the engine: still kept where it was
+        n = len(start.token_ids)
+        if rest.token_ids[:n] != start.token_ids or rest.loss_mask[:n] != start.loss_mask:
+            self.discarded_tokens += n
+        return rest
 
     def _score(self, batch: Batch, key: str, samples: list[Sample]) -> list[Rollout]:
         prompt, tokens = batch.prompts[key]
@@ -397,6 +419,8 @@ class SampleRouting:
         # processing time, so it is what the ranker learns, and is judged on. (A trajectory's
         # length is the tokens its model generated over all its turns, not its environment's.)
         batch.observed[key] = max(lengths)
+        if turns := trajectory_turns(samples):  # what the ranker learns turn by turn
+            batch.turns[key] = turns
         batch.lengths[draw_key(key)] = [generated(s) for s in sorted(samples, key=lambda x: x.sample_index)]
         texts = [self.detokenize(s.token_ids) for s in samples]
         scores = trajectory_rewards(self.cfg.agent, self.task, [prompt] * len(samples), samples, texts)
@@ -457,6 +481,11 @@ def trajectory_rewards(
 def generated(sample: Sample) -> int:
     """Tokens the model generated: all of a single-turn sample's, a trajectory's model turns'."""
     return sum(sample.loss_mask) if sample.loss_mask else len(sample.token_ids)
+
+
+def trajectory_turns(samples: list[Sample]) -> list[tuple[int, int]]:
+    """(model turns, model tokens) of each multi-turn trajectory of a group (none for single-turn)."""
+    return [(s.episode.turns, s.episode.model_tokens) for s in samples if s.episode is not None]
 
 
 def failed(sample: Sample) -> bool:

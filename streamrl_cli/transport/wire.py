@@ -52,6 +52,10 @@ class Episode(msgspec.Struct, kw_only=True):
     error: str = ""  # the environment's failure, if any
     model_tokens: int = 0
     env_tokens: int = 0
+    # Paused between turns (partial rollout): its generator keeps its environment and tokens, and
+    # goes on with it from its next turn when asked to resume it (Request.resume).
+    parked: bool = False
+    resumed: bool = False  # went on after such a pause on the generator that kept it
 
 
 class Sample(msgspec.Struct, array_like=True, kw_only=True):
@@ -108,6 +112,10 @@ class Request(msgspec.Struct, array_like=True, kw_only=True):
     # A multi-turn task: the row its environment starts from (the prompt's dataset columns and
     # "prompt", its text), for the environment's reset on the generator; {} for single-turn tasks.
     env: dict[str, Any] = {}
+    # A multi-turn trajectory paused between turns ("<prompt id>/<sample index>" of its paused
+    # sample): its generator goes on with it from its next turn if it still holds it, else (another
+    # generator, or its state given up) runs it from the start. Sent whole either way.
+    resume: str = ""
 
 
 class Hello(msgspec.Struct, array_like=True):

@@ -11,19 +11,13 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from support.agent import Scripted
 
 from streamrl_cli.agent.env_host import EnvSettings
 from streamrl_cli.agent.render import Renderer
 from streamrl_cli.agent.tools import parse_tool_calls
 from streamrl_cli.agent.trajectory import DONE, MAX_TOKENS, MAX_TURNS, Trajectory
-from streamrl_cli.generator.engine import (
-    Completion,
-    EngineHealth,
-    GenerationEngine,
-    GenerationRequest,
-    GenerationResult,
-    SamplingSpec,
-)
+from streamrl_cli.generator.engine import GenerationRequest, GenerationResult, SamplingSpec
 from streamrl_cli.generator.multiturn import AgentEngine
 from streamrl_cli.generator.stream import to_samples
 from streamrl_cli.tasks.calc import CHAT_TEMPLATE, SPECIAL_TOKENS
@@ -53,51 +47,6 @@ def model_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("agent") / "tok"
     tok.save_pretrained(out)
     return out
-
-
-class Scripted(GenerationEngine):
-    """Each turn request gets the next scripted (tokens, log-probs, version, finish reason)."""
-
-    def __init__(self, turns):
-        self.turns = list(turns)
-        self.prompts: list[list[int]] = []
-        self.requests: list[GenerationRequest] = []
-
-    async def start(self):
-        pass
-
-    def generate(self, requests):
-        return self._gen(requests)
-
-    async def _gen(self, requests):
-        async for req in requests:
-            self.prompts.append(list(req.prompt_token_ids))
-            self.requests.append(req)
-            toks, lps, version, reason = self.turns.pop(0)
-            yield GenerationResult(
-                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                completions=[Completion(index=0, token_ids=toks, logprobs=lps, finish_reason=reason)],
-                weight_version=version, weight_version_end=version, priority=0, queued_at=0.0,
-                first_token_at=0.0, finished_at=0.0,
-            )  # fmt: skip
-
-    async def update_weights(self, version, source, *, mode="wait"):
-        return {}
-
-    async def pause(self, mode="keep"):
-        pass
-
-    async def resume(self):
-        pass
-
-    async def abort(self, request_ids):
-        pass
-
-    async def health(self):
-        return EngineHealth(ok=True, weight_version=0, running=0, paused=False)
-
-    async def close(self):
-        pass
 
 
 def _run(engine: AgentEngine, request: GenerationRequest) -> GenerationResult:

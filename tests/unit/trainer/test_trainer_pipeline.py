@@ -11,6 +11,7 @@ import concurrent.futures
 import threading
 from collections import deque
 
+import msgspec
 import pytest
 from support.configs import pipeline_config
 from support.helpers import Clock
@@ -18,7 +19,7 @@ from support.helpers import Clock
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.trainer.pipeline import Pipeline, PipelineConfig, Stopped, sample_seed
-from streamrl_cli.transport.wire import Sample
+from streamrl_cli.transport.wire import Episode, Sample
 
 
 def config(**keys) -> PipelineConfig:
@@ -787,6 +788,77 @@ def test_partial_rollout_resumes_paused_samples_under_the_next_weights_with_per_
     torch.testing.assert_close(w[0], torch.tensor(hand), atol=1e-6, rtol=0)
     # Paused groups are not checkpointed: their prompts are drawn again first by a resumed run.
     assert checkpoints[0]["sampler"]["returned"] == [1, 4]
+
+
+class TurnPausing(Pausing):
+    """Pausing, for multi-turn trajectories paused between turns: a slow one comes back with one
+    model turn of 3 tokens, parked on generator-0. Its resumption ("#p" with `resume`) comes back
+    whole from generator-0 while it holds it: the 3 kept tokens, then a turn of 2 under the version
+    served now; elsewhere, or once `lost`, it runs from its start (a turn of 2 tokens, 9s)."""
+
+    def __init__(self, events: list, slow, lost: bool = False):
+        super().__init__(events, slow)
+        self.kept: dict[str, Sample] = {}
+        self.lost = lost
+        self.resumed: list = []  # the resumptions, as they came
+
+    def cancel(self, ids, keep=False):
+        super().cancel(ids, keep)
+        for k, s in enumerate(self.back):
+            if s.token_ids:
+                s = msgspec.structs.replace(
+                    s, loss_mask=[1] * 3, generator="generator-0",
+                    episode=Episode(turns=1, model_tokens=3, stop="abort", parked=True),
+                )  # fmt: skip
+                self.back[k] = s
+                self.kept[f"{s.prompt_id}/{s.sample_index}"] = s
+
+    def get(self, timeout=None):
+        if self.back or not (self.queue and "#p" in self.queue[0][0].prompt_id):
+            return super().get(timeout)
+        r, i = self.queue.popleft()
+        self.resumed.append(r)
+        start = self.kept.pop(r.resume, None) if r.target == "generator-0" and not self.lost else None
+        done = Episode(
+            turns=2 if start else 1, model_tokens=5 if start else 2, stop="done", resumed=bool(start)
+        )
+        out = Sample(prompt_id=r.prompt_id, sample_index=i, group_id=r.group_id, token_ids=[9, 9],
+                     logprobs=[-0.25] * 2, loss_mask=[1, 1], finish_reason="stop",
+                     weight_version=self.version, episode=done)  # fmt: skip
+        if start is None:
+            return out
+        v = start.weight_version
+        return msgspec.structs.replace(
+            out, token_ids=[7, 7, 7, 8, 8], logprobs=[-0.5] * 3 + [-0.25] * 2, loss_mask=[1] * 5,
+            weight_version=v, token_versions=[v] * 3 + [self.version] * 2,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_a_trajectory_paused_between_turns_goes_on_where_it_was_kept_or_starts_over(lost):
+    gens = TurnPausing([], lambda rid: rid in ("it0/c/1", "it0/c/4"), lost=lost)
+    records, _, rounds = tail_run(gens, "sync-stream", 3, partial=True)
+    rollouts = [r for rnd in rounds for r in rnd]
+    # Resumed where it was kept: on generator-0, under the key of its paused sample, from the prompt
+    # (the generator holds its tokens and its environment), with the whole budget.
+    got = [
+        (r.prompt_id, r.resume, r.target, r.prompt_token_ids, r.sampling["max_tokens"])
+        for r in gens.resumed[:4]
+    ]
+    assert got == [
+        (f"it1/c/{c}#p{n}", f"it0/c/{c}/{i}", "generator-0", [5, 6], 64)
+        for n, (c, i) in enumerate([(1, 0), (1, 1), (4, 0), (4, 1)], 1)
+    ]
+    (s,) = [r for r in rollouts if r.sample.group_id == "it1/c/1" and r.sample.sample_index == 0]
+    if not lost:  # went on: the kept turn (version 0) and the next (version 1), never twice
+        assert s.sample.token_ids == [7, 7, 7, 8, 8] and s.sample.token_versions == [0, 0, 0, 1, 1]
+        assert s.staleness == 1 and records[1]["rollout/discarded_tokens"] == 0
+    else:  # its generator no longer holds it: run from its start, the kept turn lost (counted)
+        assert s.sample.token_ids == [9, 9] and s.staleness == 0
+        assert records[1]["rollout/discarded_tokens"] == 4 * 3
+    assert records[1]["rollout/resumed_samples"] == (0 if lost else 4)
+    keys = [(r.sample.group_id.split("/", 1)[1], r.sample.sample_index) for r in rollouts]
+    assert len(keys) == len(set(keys)) == 24  # each sample trained once, none lost
 
 
 def test_a_sample_paused_past_the_staleness_bound_starts_over():

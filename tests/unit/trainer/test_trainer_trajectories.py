@@ -8,7 +8,7 @@ import pytest
 from streamrl_cli.recipe.schema import AgentConfig
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.trainer.batch import Rollout, collate
-from streamrl_cli.trainer.sample_routing import generated, trajectory_rewards
+from streamrl_cli.trainer.sample_routing import generated, trajectory_rewards, trajectory_turns
 from streamrl_cli.transport.wire import Episode, Sample
 
 
@@ -17,7 +17,7 @@ def trajectory(mask, reward=0.0, stop="done"):
     return Sample(
         prompt_id="it0/p", sample_index=0, token_ids=list(range(10, 10 + n)),
         logprobs=[-0.5 if m else 0.0 for m in mask], finish_reason="stop", weight_version=3,
-        loss_mask=list(mask), episode=Episode(turns=2, env_reward=reward, stop=stop),
+        loss_mask=list(mask), episode=Episode(turns=2, env_reward=reward, stop=stop, model_tokens=sum(mask)),
     )  # fmt: skip
 
 
@@ -68,3 +68,11 @@ def test_single_turn_samples_keep_the_task_reward():
                weight_version=0)  # fmt: skip
     assert trajectory_rewards(AgentConfig(), Lengths(), [Prompt("p", "q")], [s], ["ab"]) == [2.0]
     assert generated(s) == 2
+
+
+def test_a_groups_turns_are_what_the_ranker_learns_turn_by_turn():
+    s = trajectory([1, 1, 0, 1])
+    assert trajectory_turns([s, trajectory([1, 0])]) == [(2, 3), (2, 1)]
+    single = Sample(prompt_id="p", sample_index=0, token_ids=[5], logprobs=[-1.0], finish_reason="stop",
+                    weight_version=0)  # fmt: skip
+    assert trajectory_turns([single]) == []  # single-turn groups: totals only, as before
