@@ -135,7 +135,7 @@ class Evaluator:
     def _record(self, rnd: _Round) -> dict[str, Any]:
         rids = list(rnd.prompts)
         samples = [rnd.samples[r] for r in rids]
-        from streamrl_cli.trainer.sample_routing import trajectory_rewards
+        from streamrl_cli.trainer.samples import trajectory_rewards
 
         texts = [self.detokenize(s.token_ids) for s in samples]
         scores = trajectory_rewards(self.cfg.agent, self.task, [rnd.prompts[r] for r in rids], samples, texts)

@@ -16,7 +16,7 @@ import pytest
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.trainer.distill import TeacherScoring
-from streamrl_cli.trainer.sample_routing import _join
+from streamrl_cli.trainer.samples import join as _join
 from streamrl_cli.transport.wire import Request, Sample
 
 
