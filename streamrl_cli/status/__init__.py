@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from streamrl_cli.launch.launcher import Report
     from streamrl_cli.recipe.schema import TrainConfig
 
-ROLE_ORDER = ("rendezvous", "trainer", "generator", "teacher")
+ROLE_ORDER = ("rendezvous", "trainer", "generator", "teacher", "env_server")
 SCHEMA_VERSION = 1
 
 
