@@ -112,8 +112,14 @@ def test_a_server_serves_reset_and_step_of_a_real_environment(tmp_path, token, s
                 ([{"role": "user", "content": "obs2"}], 0.25, False),
                 ([], 1.0, True),
             ]
-            assert host.stats()["agent/env_calls/env_server-0"] == 5  # reset, 3 steps, close
-            assert host.stats()["agent/env_servers"] == 1 and not host.failures
+            assert host.calls == {"env_server-0": 5}  # reset, 3 steps, close
+            stats = host.stats()
+            assert (
+                stats["agent/env_calls"],
+                stats["agent/env_servers"],
+                stats["agent/env_servers_used"],
+            ) == (5, 1, 1)
+            assert not host.failures
         finally:
             await host.close()
 
