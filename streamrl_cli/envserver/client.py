@@ -46,6 +46,9 @@ SLACK_S = 30.0
 HEARTBEAT_S = 2.0  # ZeroMQ heartbeats on each connection ...
 HEARTBEAT_TIMEOUT_S = 10.0  # ... and how long one may go unanswered before the connection is dropped
 POLL_S = 10.0  # the longest wait on the rendezvous' events between two looks at the members
+PING_S = (
+    10.0  # how often a server hears from us (it closes a client's sessions after stall_after_s of silence)
+)
 
 
 class _Server:
@@ -156,7 +159,11 @@ class RemoteEnvHost:
         )
         s = _Server(member, sock, sock.get_monitor_socket(events))
         sock.connect(tcp_endpoint(s.address))
-        s.tasks = [asyncio.create_task(self._watch(s)), asyncio.create_task(self._read(s))]
+        s.tasks = [
+            asyncio.create_task(self._watch(s)),
+            asyncio.create_task(self._read(s)),
+            asyncio.create_task(self._ping(s)),
+        ]
         log.info("environment servers: connecting to %s at %s", s.member_id, s.address)
         return s
 
@@ -193,6 +200,16 @@ class RemoteEnvHost:
                 fut = s.pending.pop(cid, None)
                 if fut is not None and not fut.done():
                     fut.set_result((kind, out))
+
+    async def _ping(self, s: _Server) -> None:
+        """Say we are here, so that the server keeps our sessions (see server.EnvServer._sweep)."""
+        import zmq
+
+        with contextlib.suppress(zmq.ZMQError, asyncio.CancelledError):
+            while not s.dead:
+                await asyncio.sleep(PING_S)
+                if s.up:
+                    await s.sock.send_multipart([encode([0, "ping", self._client, None])])
 
     def _lost(self, s: _Server, detail: str) -> None:
         """`s` is gone: each of its trajectories ends env_died; new ones go elsewhere."""

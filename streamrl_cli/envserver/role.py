@@ -60,7 +60,9 @@ class EnvServerRole:
         self.rdv = RendezvousClient.from_run_dir(run_dir, tls_ca=self.spec.rendezvous_ca)
         failure: BaseException | None = None
         try:
-            self.server = EnvServer(settings_of(self.spec), read_secret(run_dir))
+            self.server = EnvServer(
+                settings_of(self.spec), read_secret(run_dir), client_silent_s=self.spec.train.stall_after_s
+            )
             port = await self.server.start()
             host = socket.gethostname()
             workers = self.server.host.settings.workers

@@ -18,7 +18,10 @@ find it there (:mod:`.client`).
 
 Wire format (msgpack): a request is ``[call id, op, session id, payload]`` with op ``reset`` (the
 task's row: a session starts), ``step`` (the model's turn) or ``close``; the answer is
-``[call id, "ok", result]`` or ``[call id, "fail", [stop reason, detail]]``.
+``[call id, "ok", result]`` or ``[call id, "fail", [stop reason, detail]]``. A session id is
+``<client>-<n>``; a client also sends ``[0, "ping", client, null]`` now and then (no answer). The
+sessions of a client silent for ``client_silent_s`` (``train.stall_after_s``: a generator that
+died or was restarted) are closed: their environments would otherwise stay until the run ends.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections import Counter
 from typing import Any
 
@@ -41,7 +45,7 @@ log = logging.getLogger("streamrl.env_server")
 SERVICE = "env"  # the CURVE keys' label (transport.zmq_common.curve_keys)
 ROLE = "env_server"  # its rendezvous role: member ids are "env_server-<rank>"
 ADDRESS = "env"  # the key of its address in its rendezvous record
-OPS = ("reset", "step", "close")
+OPS = ("reset", "step", "close", "ping")
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder()
 
@@ -66,8 +70,13 @@ def settings_of(spec: EnvServerSpec) -> EnvSettings:
 class EnvServer:
     """An :class:`EnvHost` served on an authenticated ZeroMQ socket (see the module docstring)."""
 
-    def __init__(self, settings: EnvSettings, token: str, *, bind_host: str = "0.0.0.0"):
+    def __init__(
+        self, settings: EnvSettings, token: str, *, bind_host: str = "0.0.0.0", client_silent_s: float = 900.0
+    ):
         self.host = EnvHost(settings)
+        self.client_silent_s = client_silent_s
+        self.heard: dict[str, float] = {}  # client -> when it last said anything (monotonic)
+        self.swept = 0  # sessions closed because their client went silent
         self.token, self.bind_host = token, bind_host
         self.sessions: dict[str, Session] = {}  # session id (the client's) -> its environment
         self.calls: Counter[str] = Counter()  # op -> calls answered
@@ -97,6 +106,13 @@ class EnvServer:
 
     async def serve(self) -> None:
         """Answer requests until cancelled; each call runs as its own task (a slow step holds up no other)."""
+        sweeper = asyncio.create_task(self._sweep())
+        try:
+            await self._receive()
+        finally:
+            sweeper.cancel()
+
+    async def _receive(self) -> None:
         while True:
             frames = await self._sock.recv_multipart()
             if len(frames) != 2:
@@ -110,6 +126,10 @@ class EnvServer:
             except (msgspec.DecodeError, ValueError, TypeError) as e:
                 self.stats["malformed"] += 1
                 log.warning("env server: dropped a malformed request: %s", e)
+                continue
+            client = sid if op == "ping" else sid.rpartition("-")[0]
+            self.heard[client] = time.monotonic()
+            if op == "ping":
                 continue
             task = asyncio.create_task(self._answer(peer, cid, op, sid, payload))
             self._tasks.add(task)
@@ -145,12 +165,30 @@ class EnvServer:
             raise EnvFailure(ENV_DIED, f"this environment server has no session {sid} (it restarted?)")
         return await session.step(payload)
 
+    async def _sweep(self) -> None:
+        """Close the sessions of clients silent for client_silent_s (see the module docstring)."""
+        while True:
+            await asyncio.sleep(min(30.0, self.client_silent_s / 4))
+            now = time.monotonic()
+            gone = {c for c, t in self.heard.items() if now - t > self.client_silent_s}
+            for sid in [sid for sid in self.sessions if sid.rpartition("-")[0] in gone]:
+                session = self.sessions.pop(sid)
+                self.swept += 1
+                with contextlib.suppress(EnvFailure):
+                    await session.close()
+            for c in gone:
+                del self.heard[c]
+            if gone:
+                log.info("env server: %d client(s) silent for %.0f s: their sessions closed", len(gone),
+                         self.client_silent_s)  # fmt: skip
+
     def metrics(self) -> dict[str, Any]:
         return {
             "env_server/sessions": len(self.sessions),
             "env_server/processes": sum(not w.dead for w in self.host.workers),
             "env_server/restarts": self.host.restarts,
             "env_server/rejected": self.stats["rejected"],
+            "env_server/swept": self.swept,
             **{f"env_server/calls/{op}": n for op, n in sorted(self.calls.items())},
             **{f"env_server/failures/{k}": n for k, n in sorted(self.host.failures.items())},
         }

@@ -276,3 +276,46 @@ async def _until(predicate, timeout: float = 60.0) -> None:
     while not predicate():
         assert loop.time() < deadline, "condition not reached"
         await asyncio.sleep(0.05)
+
+
+def test_a_silent_clients_sessions_are_closed_and_a_pinging_ones_kept(tmp_path, token, monkeypatch):
+    """A generator that died mid-trajectory never closes its sessions: the server closes them once it
+    has heard nothing from it for client_silent_s; a live client's pings keep its own open."""
+    from streamrl_cli.envserver import client
+
+    monkeypatch.setattr(client, "PING_S", 0.1)
+
+    async def scenario():
+        server = EnvServer(
+            EnvSettings(env=f"{ENVS}:Scripted", workers=1), token, bind_host="127.0.0.1", client_silent_s=1.0
+        )
+        port = await server.start()
+        serving = asyncio.create_task(server.serve())
+        directory = Directory()
+        directory.put("env_server-0", port)
+        live = RemoteEnvHost(EnvSettings(env=f"{ENVS}:Scripted"), run_dir=tmp_path, directory=directory)
+        await live.start()
+        ctx = zmq.asyncio.Context()
+        dead = make_client_socket(ctx, curve_keys(token, SERVICE))
+        try:
+            kept = await live.open()
+            await kept.reset({})
+            dead.connect(f"tcp://127.0.0.1:{port}")
+            await dead.send_multipart([encode([1, "reset", "deadbeef-1", {}])])
+            assert await dead.recv_multipart()  # its session is open; then it says nothing more
+            dead.close(linger=0)
+            assert len(server.sessions) == 2
+            await _until(lambda: server.swept == 1)
+            assert list(server.sessions) == [kept.sid]
+            step = await kept.step("a turn")  # the live one goes on
+            assert step.observation == [{"role": "user", "content": "obs1"}]
+            await kept.close()
+            assert not server.sessions and server.metrics()["env_server/swept"] == 1
+        finally:
+            await live.close()
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+            await server.close()
+            ctx.term()
+
+    asyncio.run(scenario())
