@@ -112,6 +112,7 @@ class RemoteEnvHost:
         self._keys = curve_keys(read_secret(self.run_dir), SERVICE)
         self._ctx = zmq.asyncio.Context()
         self._discovery = asyncio.create_task(self._discover(), name="env-servers")
+        self._discovery.add_done_callback(lambda _: self._changed.set())  # open() sees it end
         await self._usable()
 
     # ---- discovery ----
@@ -191,9 +192,9 @@ class RemoteEnvHost:
 
         with contextlib.suppress(zmq.ZMQError, asyncio.CancelledError):
             while not s.dead:
-                (body,) = await s.sock.recv_multipart()
+                frames = await s.sock.recv_multipart()
                 try:
-                    cid, kind, out = decode(body)
+                    cid, kind, out = decode(frames[-1])
                 except (msgspec.DecodeError, ValueError, TypeError) as e:  # another version's server
                     log.warning("environment servers: undecodable answer from %s: %s", s.member_id, e)
                     continue
@@ -241,6 +242,9 @@ class RemoteEnvHost:
     async def _usable(self) -> list[_Server]:
         deadline = time.monotonic() + self.no_server_s
         while not (usable := [s for s in self.servers.values() if s.up and not s.dead]):
+            found = self._discovery
+            if found is not None and found.done() and not found.cancelled() and found.exception():
+                raise AgentError(f"finding the environment servers failed: {found.exception()!r}")
             left = deadline - time.monotonic()
             if left <= 0:
                 known = ", ".join(f"{s.member_id} at {s.address}" for s in self.servers.values()) or "none"

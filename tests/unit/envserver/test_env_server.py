@@ -319,3 +319,39 @@ def test_a_silent_clients_sessions_are_closed_and_a_pinging_ones_kept(tmp_path, 
             ctx.term()
 
     asyncio.run(scenario())
+
+
+def test_a_frozen_server_is_unreachable_its_trajectory_ends_env_died(tmp_path, token, servers, monkeypatch):
+    """A server that stops answering (SIGSTOP: its socket stays open, nothing reads it) is found out by
+    the connection's heartbeats, not waited on for ever."""
+    from streamrl_cli.envserver import client
+
+    monkeypatch.setattr(client, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(client, "HEARTBEAT_TIMEOUT_S", 1.0)
+    settings = EnvSettings(env=f"{ENVS}:Blocking", workers=1, timeout_s=600.0)
+    servers.append(Server(settings, token))
+    directory = Directory()
+    directory.put("env_server-0", servers[0].port)
+
+    async def scenario():
+        host = RemoteEnvHost(settings, run_dir=tmp_path, directory=directory, no_server_s=1.0)
+        await host.start()
+        try:
+            s = await host.open()
+            marker = tmp_path / "reached"
+            call = asyncio.create_task(s.reset({"marker": str(marker)}))
+            await _until(marker.exists)
+            os.killpg(servers[0].proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(EnvFailure) as e:
+                    await asyncio.wait_for(call, 60)  # the bound of this test, far past the heartbeats'
+                assert e.value.reason == ENV_DIED and "dropped" in e.value.detail
+                await s.close()
+                with pytest.raises(AgentError, match="no environment server reachable"):
+                    await host.open()  # still listed alive, never serving: a bounded wait, then loudly
+            finally:
+                os.killpg(servers[0].proc.pid, signal.SIGCONT)
+        finally:
+            await host.close()
+
+    asyncio.run(scenario())
