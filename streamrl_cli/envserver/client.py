@@ -64,6 +64,10 @@ class _Server:
         self.pending: dict[int, asyncio.Future] = {}
         self.sessions: set[str] = set()
         self.tasks: list[asyncio.Task] = []
+        # Who we are to the server, on this connection: our session ids start with it and our pings
+        # carry it. A new connection is a new client: what the server still holds of a connection we
+        # gave up on (its trajectories ended env_died here) is not pinged any more, and is swept.
+        self.client = secrets.token_hex(6)
 
     @property
     def key(self) -> tuple[Any, str]:
@@ -92,7 +96,6 @@ class RemoteEnvHost:
         self.lost = 0  # connections lost (their trajectories ended env_died)
         self._changed = asyncio.Event()  # a server came up (or went): open() looks again
         self._ids = itertools.count(1)
-        self._client = secrets.token_hex(6)  # our session ids are ours alone on a shared server
         self._ctx: Any = None
         self._keys: Any = None
         self._discovery: asyncio.Task | None = None
@@ -210,7 +213,7 @@ class RemoteEnvHost:
             while not s.dead:
                 await asyncio.sleep(PING_S)
                 if s.up:
-                    await s.sock.send_multipart([encode([0, "ping", self._client, None])])
+                    await s.sock.send_multipart([encode([0, "ping", s.client, None])])
 
     def _lost(self, s: _Server, detail: str) -> None:
         """`s` is gone: each of its trajectories ends env_died; new ones go elsewhere."""
@@ -261,7 +264,7 @@ class RemoteEnvHost:
     async def open(self) -> RemoteSession:
         """A session for one trajectory, on the server with the fewest open sessions."""
         s = min(await self._usable(), key=lambda x: len(x.sessions))
-        sid = f"{self._client}-{next(self._ids)}"
+        sid = f"{s.client}-{next(self._ids)}"
         s.sessions.add(sid)
         return RemoteSession(self, s, sid)
 
