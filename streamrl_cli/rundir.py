@@ -156,9 +156,9 @@ def is_event(rec: dict) -> bool:
 # What marks a directory as a run directory when its run.json is gone: files only `streamrl run`
 # writes there. config.yaml alone is too common a name, so it counts only beside the secret.
 RUN_MARKERS = ("run.json", "local.json", "jobs.json", "events.jsonl", "rendezvous.json")
-ROLE_NAMES = ("trainer", "generator", "teacher", "rendezvous")
+ROLE_NAMES = ("trainer", "generator", "teacher", "env_server", "rendezvous")
 # Roles of many instances (array tasks on SLURM): a run goes on while one of each pool is left.
-POOL_ROLES = ("generator", "teacher")
+POOL_ROLES = ("generator", "teacher", "env_server")
 
 
 @dataclass

@@ -264,6 +264,14 @@ class EnvHost:
             w.stop()
         self.workers.clear()
 
+    def stats(self) -> dict[str, Any]:
+        """For the generator's metrics: processes started in place of others, alive, failures."""
+        return {
+            "agent/env_restarts": self.restarts,
+            "agent/env_processes": sum(not w.dead for w in self.workers),
+            **{f"agent/env_failures/{k}": v for k, v in sorted(self.failures.items())},
+        }
+
     async def _call(self, w: _Worker, op: str, sid: int, payload: Any) -> Any:
         fut = w.send(next(self._ids), op, sid, payload)
         try:

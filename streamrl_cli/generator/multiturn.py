@@ -3,7 +3,8 @@
 :class:`AgentEngine` wraps the generator's inference engine. The generator role, its admission
 queue, the sample stream, weight updates, cancellation and partial rollout see an ordinary
 engine: a request of ``n`` samples goes in, one finished group comes out. Inside, each sample is an
-episode: the environment's reset (in a worker process, :mod:`.env_host`), then model turns (one
+episode: the environment's reset (in a worker process, :mod:`.env_host`, or on one of the run's
+environment servers, :mod:`streamrl_cli.envserver`), then model turns (one
 engine request each, on the prompt and every token so far) and environment turns (the
 environment's answer rendered on its own, :mod:`.render`) until the environment is done or a budget
 ends it (:mod:`.trajectory`). The completion is the trajectory: its token ids (model and
@@ -35,6 +36,7 @@ from typing import Any
 from streamrl_cli.agent.env_host import EnvFailure, EnvHost, EnvSettings
 from streamrl_cli.agent.render import Renderer
 from streamrl_cli.agent.trajectory import ABORTED, DONE, MAX_TOKENS, MAX_TURNS, Trajectory
+from streamrl_cli.envserver.client import RemoteEnvHost
 from streamrl_cli.generator.engine import (
     Completion,
     EngineHealth,
@@ -94,6 +96,7 @@ class AgentEngine(GenerationEngine):
         inner: GenerationEngine,
         settings: EnvSettings,
         *,
+        host: EnvHost | RemoteEnvHost | None = None,
         model_path: str,
         max_turns: int,
         max_turn_tokens: int,
@@ -102,7 +105,7 @@ class AgentEngine(GenerationEngine):
     ):
         self.inner = inner
         self.settings = settings
-        self.host = EnvHost(settings)
+        self.host = host if host is not None else EnvHost(settings)  # or the run's environment servers
         self.model_path = model_path
         self.tokenizer: Any = None
         self.chat_template = chat_template
@@ -336,12 +339,8 @@ class AgentEngine(GenerationEngine):
             self._waiting.pop(rid, None)
 
     def stats(self) -> dict[str, Any]:
-        """The environment processes' totals since start, for the generator's metrics."""
-        return {
-            "agent/env_restarts": self.host.restarts,
-            "agent/env_processes": sum(not w.dead for w in self.host.workers),
-            **{f"agent/env_failures/{k}": v for k, v in sorted(self.host.failures.items())},
-        }
+        """The environment processes' (or servers') totals since start, for the generator's metrics."""
+        return self.host.stats()
 
     async def pause_requests(self, request_ids: Iterable[str]) -> None:
         """End these requests between turns: each episode's turn in flight finishes, and the
@@ -404,7 +403,12 @@ def wrap(inner: GenerationEngine, spec: Any) -> GenerationEngine:
         env=a.env, env_args=dict(a.env_args), tools=list(a.tools), tool_format=a.tool_format,
         workers=a.env_workers, timeout_s=a.step_timeout_s,
     )  # fmt: skip
+    host = None
+    if spec.env_servers > 0:  # the run's environment servers host them, found through the rendezvous
+        host = RemoteEnvHost(
+            settings, run_dir=spec.run_dir, tls_ca=spec.rendezvous_ca, no_server_s=spec.train.stall_after_s
+        )
     return AgentEngine(
-        inner, settings, model_path=os.path.expanduser(spec.model.path), max_turns=a.max_turns,
+        inner, settings, host=host, model_path=os.path.expanduser(spec.model.path), max_turns=a.max_turns,
         max_turn_tokens=a.max_turn_tokens or task.max_output_len, chat_template=template,
     )  # fmt: skip

@@ -13,10 +13,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from streamrl_cli.recipe.schema import ClusterConfig, PlannerConfig, Recipe
-from streamrl_cli.roles.spec import GeneratorSpec, RendezvousSpec, RoleSpec, TeacherSpec, TrainerSpec
+from streamrl_cli.roles.spec import (
+    EnvServerSpec,
+    GeneratorSpec,
+    RendezvousSpec,
+    RoleSpec,
+    TeacherSpec,
+    TrainerSpec,
+)
 from streamrl_cli.rundir import RunDir
 
-ROLES = ("rendezvous", "trainer", "generator", "teacher")
+ROLES = ("rendezvous", "trainer", "generator", "teacher", "env_server")
 
 
 @dataclass(kw_only=True)
@@ -68,6 +75,9 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
     expected = {"trainer": trainer_world(recipe), "generator": g.instances}
     if teacher.instances > 0:
         expected["teacher"] = teacher.instances
+    envs = r.roles.env_server
+    if envs.instances > 0:
+        expected["env_server"] = envs.instances
     common = dict(
         run_name=r.run.name,
         run_dir=str(run_dir),
@@ -111,6 +121,7 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
             task=copy.deepcopy(r.task),
             train=copy.deepcopy(r.train),
             agent=copy.deepcopy(r.agent),
+            env_servers=envs.instances,
             max_staleness=r.algorithm.max_staleness,
             **common,
         ),
@@ -124,6 +135,18 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
             settings=copy.deepcopy(teacher),
             model=copy.deepcopy(r.model),
             task=copy.deepcopy(r.task),
+            train=copy.deepcopy(r.train),
+            **common,
+        ),
+        "env_server": EnvServerSpec(
+            role="env_server",
+            cluster=envs.cluster or g.cluster,
+            site=r.clusters[envs.cluster or g.cluster].site,
+            world=envs.instances,
+            program=envs.program,
+            weight_transport="none",  # it runs environments, not the model
+            settings=copy.deepcopy(envs),
+            agent=copy.deepcopy(r.agent),
             train=copy.deepcopy(r.train),
             **common,
         ),
@@ -142,8 +165,10 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
 
 
 def roles_of(recipe: Recipe) -> tuple[str, ...]:
-    """The roles this recipe runs: the teacher only for on-policy distillation."""
-    return tuple(r for r in ROLES if r != "teacher" or recipe.roles.teacher.instances > 0)
+    """The roles this recipe runs: the teacher only for on-policy distillation, environment servers
+    only when the recipe asks for them."""
+    pools = {"teacher": recipe.roles.teacher.instances, "env_server": recipe.roles.env_server.instances}
+    return tuple(r for r in ROLES if pools.get(r, 1) > 0)
 
 
 def _absolute(p: PlannerConfig) -> PlannerConfig:
@@ -236,6 +261,25 @@ def jobs(recipe: Recipe) -> list[JobSpec]:
                 array=te.instances,
                 max_running=te.max_running,
                 signal_lead_s=te.signal_lead_s,
+            )
+        )
+    es = r.roles.env_server
+    if es.instances > 0:
+        out.append(
+            job_spec(
+                r,
+                "env_server",
+                es.cluster or g.cluster,
+                es.partition,
+                nodes=1,
+                tasks=1,
+                gpus=0,
+                cpus=es.cpus_per_task,
+                mem=es.mem_gb,
+                time_min=es.time_min,
+                array=es.instances,
+                max_running=None,
+                signal_lead_s=es.signal_lead_s,
             )
         )
     return out

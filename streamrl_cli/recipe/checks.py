@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from streamrl_cli.recipe import presets
 from streamrl_cli.recipe.paths import is_reward_file
@@ -19,6 +20,7 @@ from streamrl_cli.recipe.schema import (
     RESERVED_SBATCH,
     AlgorithmConfig,
     ClusterConfig,
+    EnvServerConfig,
     GeneratorConfig,
     Recipe,
     RoleJobConfig,
@@ -26,6 +28,7 @@ from streamrl_cli.recipe.schema import (
 )
 
 Problem = tuple[str, str]
+_Pool = TypeVar("_Pool", TeacherConfig, EnvServerConfig)
 
 
 def templates_dir() -> Path:
@@ -40,6 +43,7 @@ def check(r: Recipe) -> list[Problem]:
         *_trainer(r),
         *_generator(r),
         *_teacher(r),
+        *_env_server(r),
         *_rendezvous(r),
         *_run_roots(r),
         *_workload(r),
@@ -54,6 +58,7 @@ def resolve(r: Recipe) -> Recipe:
     the roles read what runs, and the run's config.yaml shows it."""
     a = presets.fill(r.algorithm, r.task.max_output_len)  # the algorithm's defaults for keys left unset
     r.roles.teacher = teacher_placed(r)
+    r.roles.env_server = env_server_placed(r)
     if a.is_correction == "auto":  # truncated IS corrects the lag of async or resumed samples
         lags = a.mode == "async" or r.rollout.partial
         # With old_policy=behaviour the loss's own ratio is already against the generators' policy.
@@ -204,10 +209,46 @@ def _generator(r: Recipe) -> Iterator[Problem]:
 
 def teacher_placed(r: Recipe) -> TeacherConfig:
     """roles.teacher with its placement filled in: the generators' cluster (and partition) unless set."""
-    t, g = r.roles.teacher, r.roles.generator
-    cluster = t.cluster or g.cluster
-    partition = t.partition if t.partition is not None or cluster != g.cluster else g.partition
-    return dataclasses.replace(t, cluster=cluster, partition=partition)
+    return _beside_generators(r, r.roles.teacher)
+
+
+def env_server_placed(r: Recipe) -> EnvServerConfig:
+    """roles.env_server with its placement and workers filled in: the generators' cluster (and
+    partition) unless set, agent.env_workers processes each unless set."""
+    e = _beside_generators(r, r.roles.env_server)
+    return dataclasses.replace(e, workers=r.agent.env_workers if e.workers is None else e.workers)
+
+
+def _beside_generators(r: Recipe, job: _Pool) -> _Pool:
+    g = r.roles.generator
+    cluster = job.cluster or g.cluster
+    partition = job.partition if job.partition is not None or cluster != g.cluster else g.partition
+    return dataclasses.replace(job, cluster=cluster, partition=partition)
+
+
+def _env_server(r: Recipe) -> Iterator[Problem]:
+    """Environment servers: only for multi-turn rollouts, placed anywhere (no GPU asked)."""
+    e = env_server_placed(r)
+    if e.instances < 0:
+        yield (
+            "roles.env_server.instances",
+            f"must be 0 (environments beside each generator) or more, got {e.instances}",
+        )
+        return
+    if e.instances == 0:
+        return
+    if not r.agent.enabled:
+        yield (
+            "roles.env_server.instances",
+            f"{e.instances} environment server(s) but no multi-turn task: set agent.env (or agent.tools), "
+            "or instances=0",
+        )
+    if e.workers is not None and e.workers < 1:
+        yield "roles.env_server.workers", f"environment processes per server: at least 1, got {e.workers}"
+    placement: list[Problem] = []
+    _placement(r, "env_server", e, placement)
+    yield from placement
+    yield from _common(e, "env_server")
 
 
 def _teacher(r: Recipe) -> Iterator[Problem]:

@@ -202,6 +202,21 @@ class TeacherConfig(RoleJobConfig):
 
 
 @dataclass(kw_only=True)
+class EnvServerConfig(RoleJobConfig):
+    """Environment servers (docs/agents.md): processes of their own, on any cluster (a CPU partition
+    will do), that host multi-turn environments for every generator, found through the rendezvous;
+    heavy environments then take no CPU or memory beside an engine. Off (instances 0): each
+    generator hosts its environments itself (agent.env_workers processes)."""
+
+    instances: int = 0  # environment servers (array tasks); 0: environments beside each generator
+    cluster: str | None = None  # type: ignore[assignment]  # key of `clusters` (null: the generators')
+    # partition of that cluster (null: the generators' when the cluster is theirs); no GPU is asked
+    partition: str | None = None
+    workers: int | None = None  # environment processes each server hosts (null: agent.env_workers)
+    program: str = "streamrl_cli.envserver.role:main"  # `module:function` each server runs
+
+
+@dataclass(kw_only=True)
 class RendezvousConfig:
     """The run's control-plane server (see streamrl_cli.rendezvous)."""
 
@@ -223,6 +238,7 @@ class RolesConfig:
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # the generator job array
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)  # the control plane
     teacher: TeacherConfig = field(default_factory=TeacherConfig)  # on-policy distillation's teachers
+    env_server: EnvServerConfig = field(default_factory=EnvServerConfig)  # multi-turn environments' hosts
 
 
 # PEFT's names for the linear layers of Llama-family blocks (Llama, Qwen2/2.5/3, Mistral): LoRA's
@@ -474,7 +490,8 @@ class AgentConfig:
     max_turn_tokens: int | None = None  # tokens of one model turn (null: task.max_output_len)
     # A trajectory's tokens (model and environment, after the prompt) are bounded by task.max_output_len.
     step_timeout_s: float = 30.0  # for one reset or step of the environment; past it the trajectory ends
-    env_workers: int = 2  # processes per generator that host the environments
+    # Processes that host the environments: per generator, or per server with roles.env_server.
+    env_workers: int = 2
     # The reward a trajectory is trained on: the environment's (the sum of its step rewards), the
     # task's reward function on the whole conversation after the prompt, or their sum.
     reward: str = choices(*AGENT_REWARDS, default="env")

@@ -223,7 +223,11 @@ class RendezvousClient:
     # ---- discovery and events ----
 
     def members(self, role: str | None = None) -> list[dict[str, Any]]:
-        return self._call("GET", "/v1/members", params={"role": role} if role else None)["members"]
+        return self.members_doc(role)["members"]
+
+    def members_doc(self, role: str | None = None) -> dict[str, Any]:
+        """The members (of `role`) and ``event_seq``: events after it change them (long-poll ``events``)."""
+        return self._call("GET", "/v1/members", params={"role": role} if role else None)
 
     def events(self, since: int = 0, timeout: float = 0.0, limit: int = 1000) -> dict[str, Any]:
         """Events after `since`; waits up to `timeout` s (server cap 60) when there are none yet."""
@@ -234,7 +238,7 @@ class RendezvousClient:
         """Block until `count` members of `role` are alive; return them. Long-polls, never spins."""
         deadline = time.monotonic() + timeout
         while True:
-            doc = self._call("GET", "/v1/members", params={"role": role})
+            doc = self.members_doc(role)
             alive = [m for m in doc["members"] if m["state"] == "alive"]
             left = deadline - time.monotonic()
             if len(alive) >= count:

@@ -22,6 +22,7 @@ from streamrl_cli.errors import StreamRLError
 from streamrl_cli.recipe.schema import (
     AgentConfig,
     AlgorithmConfig,
+    EnvServerConfig,
     GeneratorConfig,
     ModelConfig,
     PlannerConfig,
@@ -41,7 +42,7 @@ class RoleSpec:
 
     run_name: str  # the run's name
     run_dir: str  # absolute path of the run directory (shared filesystem on clusters)
-    role: str  # trainer | generator | teacher | rendezvous
+    role: str  # trainer | generator | teacher | env_server | rendezvous
     cluster: str  # recipe key of the cluster it runs on
     site: str  # the cluster's site
     world: int  # processes of this role (trainer ranks, generator instances)
@@ -84,6 +85,8 @@ class GeneratorSpec(RoleSpec):
     task: TaskConfig = field(default_factory=TaskConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn: environment, tools, budgets
+    # Environment servers the trainer's run has (instances 0: the generator hosts its environments).
+    env_servers: int = 0
     # algorithm.max_staleness: how many versions requests in flight may lag the newest one (with
     # model.lora.sync adapter, the engine serves that many adapters at once, plus the newest).
     max_staleness: int = 1
@@ -101,6 +104,15 @@ class TeacherSpec(RoleSpec):
 
 
 @dataclass(kw_only=True)
+class EnvServerSpec(RoleSpec):
+    """One environment server: how many environment processes it hosts, and the environment they make."""
+
+    settings: EnvServerConfig = field(default_factory=EnvServerConfig)  # roles.env_server (workers filled)
+    agent: AgentConfig = field(default_factory=AgentConfig)  # the environment, its tools, step timeout
+    train: TrainConfig = field(default_factory=TrainConfig)  # stall_after_s: the wait for a lost trainer
+
+
+@dataclass(kw_only=True)
 class RendezvousSpec(RoleSpec):
     """The control-plane server."""
 
@@ -111,6 +123,7 @@ SPECS: dict[str, type[RoleSpec]] = {
     "trainer": TrainerSpec,
     "generator": GeneratorSpec,
     "teacher": TeacherSpec,
+    "env_server": EnvServerSpec,
     "rendezvous": RendezvousSpec,
 }
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from streamrl_cli.recipe.schema import TrainConfig
     from streamrl_cli.roles.spec import RoleSpec
 
-ROLE_ORDER = ("rendezvous", "trainer", "generator", "teacher")
+ROLE_ORDER = ("rendezvous", "trainer", "generator", "teacher", "env_server")
 SCHEMA_VERSION = 1
 
 

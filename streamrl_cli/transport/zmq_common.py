@@ -33,13 +33,14 @@ class CurveKeys:
     client_secret: bytes
 
 
-def curve_keys(token: str) -> CurveKeys:
-    """Both CURVE key pairs of a run, derived from its token (HMAC-SHA256 with fixed labels)."""
+def curve_keys(token: str, service: str = "samples") -> CurveKeys:
+    """Both CURVE key pairs of a run's `service` (the sample stream, the environment servers),
+    derived from its token (HMAC-SHA256 with fixed labels): one service's keys open no other's."""
 
-    def secret(label: bytes) -> bytes:
-        return zmq.utils.z85.encode(hmac.new(token.encode(), label, hashlib.sha256).digest())
+    def secret(label: str) -> bytes:
+        return zmq.utils.z85.encode(hmac.new(token.encode(), label.encode(), hashlib.sha256).digest())
 
-    ss, cs = secret(b"streamrl/samples/curve/server"), secret(b"streamrl/samples/curve/client")
+    ss, cs = secret(f"streamrl/{service}/curve/server"), secret(f"streamrl/{service}/curve/client")
     return CurveKeys(zmq.curve_public(ss), ss, zmq.curve_public(cs), cs)
 
 

@@ -60,3 +60,12 @@ def divide(a: int, b: int) -> float:
         b: The divisor.
     """
     return a / b
+
+
+class Blocking:
+    """reset(row) writes row["marker"] (its trajectory reached the environment), then waits for ever."""
+
+    def reset(self, row):
+        with open(row["marker"], "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(3600)

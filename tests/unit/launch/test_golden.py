@@ -41,9 +41,21 @@ TEACHER = [
     "roles.teacher.instances=2",
     "roles.teacher.model.path=/models/teacher",
 ]
+# Multi-turn environments on servers of their own: an array job on a CPU partition of the trainer's
+# cluster (not the generators'), and the generators' spec says there are servers to find.
+ENV_SERVER = [
+    "agent.env=my_project.envs:Sandbox",
+    "roles.env_server.instances=4",
+    "roles.env_server.cluster=a",
+    "+clusters.a.partitions.cpu={gpus_per_node:0,cpus_per_node:64,mem_gb_per_node:256}",
+    "roles.env_server.partition=cpu",
+    "roles.env_server.cpus_per_task=8",
+    "roles.env_server.workers=16",
+]
 CASES = {name: (name, []) for name in list_recipes()} | {
     "two-site-h800-h20+site-options": ("two-site-h800-h20", SITE_OPTIONS),
     "two-site-h800-h20+teacher": ("two-site-h800-h20", TEACHER),
+    "two-site-h800-h20+env-server": ("two-site-h800-h20", ENV_SERVER),
 }
 
 

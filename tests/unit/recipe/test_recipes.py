@@ -121,7 +121,7 @@ def test_a_role_spec_that_does_not_fit_is_refused_by_name(tmp_path):
     bad = tmp_path / "g.yaml"
     bad.write_text(spec_yaml(spec).replace("role: generator", "role: juggler"))
     with pytest.raises(
-        StreamRLError, match="unknown role 'juggler'.*trainer, generator, teacher, rendezvous"
+        StreamRLError, match="unknown role 'juggler'.*trainer, generator, teacher, env_server, rendezvous"
     ):
         load_spec(bad)
     bad.write_text(spec_yaml(spec).replace("max_num_seqs: 64", "max_num_seqs: lots"))
