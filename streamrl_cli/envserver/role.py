@@ -19,6 +19,7 @@ from typing import Any
 
 from streamrl_cli.envserver.server import ADDRESS, ROLE, EnvServer, settings_of
 from streamrl_cli.errors import StreamRLError
+from streamrl_cli.roles.serving import serve_until_stopped
 from streamrl_cli.roles.spec import EnvServerSpec
 
 log = logging.getLogger("streamrl.env_server")
@@ -92,19 +93,10 @@ class EnvServerRole:
 
     async def _serve(self) -> None:
         assert self.server is not None
-        tasks = [
-            asyncio.create_task(self.server.serve(), name="serve"),
-            asyncio.create_task(self._follow_trainer(), name="trainer"),
-            asyncio.create_task(self._report(), name="metrics"),
-        ]
-        stop = asyncio.create_task(self._stop.wait(), name="stop")
-        done, _ = await asyncio.wait([*tasks, stop], return_when=asyncio.FIRST_COMPLETED)
-        for t in [*tasks, stop]:
-            t.cancel()
-        await asyncio.gather(*tasks, stop, return_exceptions=True)
-        for t in done:
-            if t is not stop and not t.cancelled() and t.exception() is not None:
-                raise t.exception()  # type: ignore[misc]
+        await serve_until_stopped(
+            {"serve": self.server.serve(), "trainer": self._follow_trainer(), "metrics": self._report()},
+            self._stop,
+        )
 
     async def _follow_trainer(self) -> None:
         """Return once the run is over: the trainer left for good (not to come back: a requeue, a

@@ -50,6 +50,7 @@ from streamrl_cli.generator.weights import WeightPath, make_weight_path
 from streamrl_cli.rendezvous.client import RendezvousClient, RendezvousRequestError
 from streamrl_cli.roles.entry import cpu_slot
 from streamrl_cli.roles.requeue import under_slurm
+from streamrl_cli.roles.serving import serve_until_stopped
 from streamrl_cli.roles.spec import GeneratorSpec, TeacherSpec
 from streamrl_cli.weights.layout import STARTING, WAITING
 
@@ -286,21 +287,16 @@ class GeneratorRole:
         log.info("%s serving %s, streaming to %s", self.member_id, self._info()["model"], address)
 
     async def _serve(self, since: int) -> int:
-        tasks = [
-            asyncio.create_task(self._receive(), name="receive"),
-            asyncio.create_task(self._deliver(), name="deliver"),
-            asyncio.create_task(self._follow_events(since), name="events"),
-            asyncio.create_task(self._report(), name="metrics"),
-            asyncio.create_task(self._watch_engine(), name="health"),
-        ]
-        stop = asyncio.create_task(self._stop.wait(), name="stop")
-        done, _ = await asyncio.wait([*tasks, stop], return_when=asyncio.FIRST_COMPLETED)
-        for t in [*tasks, stop]:
-            t.cancel()
-        await asyncio.gather(*tasks, stop, return_exceptions=True)
-        for t in done:
-            if t is not stop and not t.cancelled() and t.exception() is not None:
-                raise t.exception()
+        await serve_until_stopped(
+            {
+                "receive": self._receive(),
+                "deliver": self._deliver(),
+                "events": self._follow_events(since),
+                "metrics": self._report(),
+                "health": self._watch_engine(),
+            },
+            self._stop,
+        )
         return 0
 
     async def _watch_engine(self) -> None:

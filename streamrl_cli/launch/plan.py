@@ -227,61 +227,32 @@ def jobs(recipe: Recipe) -> list[JobSpec]:
             signal_lead_s=t.signal_lead_s,
         )
     )
-    out.append(
-        job_spec(
-            r,
-            "generator",
-            g.cluster,
-            g.partition,
-            nodes=1,
-            tasks=1,
-            gpus=g.gpus_per_instance,
-            cpus=g.cpus_per_task,
-            mem=g.mem_gb,
-            time_min=g.time_min,
-            array=g.instances,
-            max_running=g.max_running,
-            signal_lead_s=g.signal_lead_s,
-        )
-    )
-    te = r.roles.teacher
-    if te.instances > 0:
-        out.append(
-            job_spec(
-                r,
-                "teacher",
-                te.cluster or g.cluster,
-                te.partition,
-                nodes=1,
-                tasks=1,
-                gpus=te.gpus_per_instance,
-                cpus=te.cpus_per_task,
-                mem=te.mem_gb,
-                time_min=te.time_min,
-                array=te.instances,
-                max_running=te.max_running,
-                signal_lead_s=te.signal_lead_s,
+    # The pools: an array of one-node instances each (teachers and environment servers placed like
+    # the generators unless their section says where).
+    te, es = r.roles.teacher, r.roles.env_server
+    for role, section, cluster, gpus, max_running in (
+        ("generator", g, g.cluster, g.gpus_per_instance, g.max_running),
+        ("teacher", te, te.cluster or g.cluster, te.gpus_per_instance, te.max_running),
+        ("env_server", es, es.cluster or g.cluster, 0, None),
+    ):
+        if section.instances > 0 or role == "generator":
+            out.append(
+                job_spec(
+                    r,
+                    role,
+                    cluster,
+                    section.partition,
+                    nodes=1,
+                    tasks=1,
+                    gpus=gpus,
+                    cpus=section.cpus_per_task,
+                    mem=section.mem_gb,
+                    time_min=section.time_min,
+                    array=section.instances,
+                    max_running=max_running,
+                    signal_lead_s=section.signal_lead_s,
+                )
             )
-        )
-    es = r.roles.env_server
-    if es.instances > 0:
-        out.append(
-            job_spec(
-                r,
-                "env_server",
-                es.cluster or g.cluster,
-                es.partition,
-                nodes=1,
-                tasks=1,
-                gpus=0,
-                cpus=es.cpus_per_task,
-                mem=es.mem_gb,
-                time_min=es.time_min,
-                array=es.instances,
-                max_running=None,
-                signal_lead_s=es.signal_lead_s,
-            )
-        )
     return out
 
 
