@@ -431,14 +431,22 @@ class TrainerRole:
         One that is still starting (not registered yet, or loading its engine) after `WAIT_S` does
         not hold the run: it starts with those serving, and the late one joins a run in progress
         (as a scaled-up instance does). Only a run with none of the role serving fails then.
+
+        A member that left (it failed and said why) is gone. One the server marked lost is not, yet:
+        a process starting its engine on busy cores can miss its heartbeats and come back at its
+        next one; one that died is seen by the run's supervisor, which fails the run once none of
+        the role is left.
         """
         deadline = time.monotonic() + WAIT_S
         while True:
             members = self.rdv.members(role)
-            alive = [m for m in members if m["state"] == "alive"]
-            gone = [m for m in members if m["state"] in ("lost", "left")]
+            alive = [m for m in members if m["state"] in ("alive", "lost")]
+            gone = [m for m in members if m["state"] == "left"]
             # "waiting for weights": up, joined a run in progress; it gets the version pushed first
-            serving = [m for m in alive if m.get("reported_state") in ("generating", "waiting for weights")]
+            serving = [
+                m for m in alive
+                if m["state"] == "alive" and m.get("reported_state") in ("generating", "waiting for weights")
+            ]  # fmt: skip
             if len(serving) >= expected:
                 return
             if serving and len(serving) + len(gone) >= expected and len(alive) == len(serving):

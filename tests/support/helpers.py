@@ -59,7 +59,7 @@ def slurm_up(cluster: str | None = None) -> bool:
 
 
 @contextlib.contextmanager
-def rendezvous_in_thread(run_dir: Path):
+def rendezvous_in_thread(run_dir: Path, lease_s: float = 30.0):
     """A real rendezvous server of ``run_dir`` on loopback, in a thread of this process: yields an
     httpx client that carries the run's token (stopped when the block ends)."""
     import asyncio
@@ -77,7 +77,7 @@ def rendezvous_in_thread(run_dir: Path):
     (run_dir / "rendezvous.json").unlink(missing_ok=True)  # the last server's, now stopped
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
-    coro = run(run_dir, host="127.0.0.1", port=0, lease_s=30.0, ssl_context=None, token=token, stop=stop)
+    coro = run(run_dir, host="127.0.0.1", port=0, lease_s=lease_s, ssl_context=None, token=token, stop=stop)
     thread = threading.Thread(target=loop.run_until_complete, args=(coro,), daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

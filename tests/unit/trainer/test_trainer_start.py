@@ -53,3 +53,32 @@ def test_no_generator_serving_after_the_wait_fails_the_run_naming_them(tmp_path,
         generator(tmp_path, 0, "loading engine")
         with pytest.raises(StreamRLError, match=r"no generator serving after 1s of 2 expected.*generator-0"):
             wait(tmp_path, 2)
+
+
+def test_a_generator_lost_while_starting_is_waited_for_and_one_that_left_is_gone(tmp_path, monkeypatch):
+    """Lost (silent past its lease: an engine starting on busy cores) is not gone: it may come back at
+    its next heartbeat, and a process that died is the supervisor's to see. Left (failed, said why) is."""
+    import time
+
+    monkeypatch.setattr(trainer_main, "WAIT_S", 1.0)
+    with rendezvous_in_thread(tmp_path, lease_s=0.4):
+        g = generator(tmp_path, 0, "loading engine")
+        rdv = RendezvousClient.from_run_dir(tmp_path)
+        deadline = time.monotonic() + 30
+        while rdv.members("generator")[0]["state"] != "lost":
+            assert time.monotonic() < deadline, "the server never marked the silent generator lost"
+            time.sleep(0.05)
+        # Lost all along: the run waits its whole wait, then fails as for one still starting.
+        with pytest.raises(StreamRLError, match=r"no generator serving after 1s of 1 expected.*generator-0"):
+            wait(tmp_path, 1)
+        # It comes back, serving (heartbeating from now on): the run starts.
+        g.set_status(state="generating")
+        g.start_heartbeat(interval=0.05)
+        while rdv.members("generator")[0]["state"] != "alive":
+            assert time.monotonic() < deadline, "the generator's heartbeats did not revive it"
+            time.sleep(0.05)
+        wait(tmp_path, 1)
+        # One that left is gone at once.
+        g.leave("vLLM could not start")
+        with pytest.raises(StreamRLError, match=r"every generator failed at start \(generator-0: left\)"):
+            wait(tmp_path, 1)
