@@ -6,8 +6,9 @@ rendezvous role's job watcher for SLURM jobs (launch.server_role) — runs :func
 :class:`Member`: running, completed, failed or cancelled) and carries out what the rule decides;
 the rule itself (:class:`Rule`) is the same for both:
 
-- a generator or teacher that failed (and was not released by scaling) is *lost*: the run goes on
-  without it, its work re-dispatched by the trainer; the side reaps what it left;
+- a pool member (generator, teacher, environment server) that failed, and was not released by
+  scaling, is *lost*: the run goes on without it, its work re-dispatched; the side reaps what it
+  left;
 - a pool whose members have all ended, one of them lost, while the trainer runs, cannot serve
   the run: it fails;
 - a trainer that failed is started again (it resumes from its newest checkpoint) while
