@@ -432,21 +432,21 @@ class TrainerRole:
         not hold the run: it starts with those serving, and the late one joins a run in progress
         (as a scaled-up instance does). Only a run with none of the role serving fails then.
 
-        A member that left (it failed and said why) is gone. One the server marked lost is not, yet:
-        a process starting its engine on busy cores can miss its heartbeats and come back at its
-        next one; one that died is seen by the run's supervisor, which fails the run once none of
-        the role is left.
+        A member that left (it failed and said why) is gone, and so is one the server marked lost
+        after it had served (killed or stalled: a restarted trainer must not wait for it). One lost
+        while still starting is not, yet: a process starting its engine on busy cores can miss its
+        heartbeats and come back at its next one; one that died is seen by the run's supervisor,
+        which fails the run once none of the role is left.
         """
         deadline = time.monotonic() + WAIT_S
         while True:
             members = self.rdv.members(role)
-            alive = [m for m in members if m["state"] in ("alive", "lost")]
-            gone = [m for m in members if m["state"] == "left"]
             # "waiting for weights": up, joined a run in progress; it gets the version pushed first
-            serving = [
-                m for m in alive
-                if m["state"] == "alive" and m.get("reported_state") in ("generating", "waiting for weights")
-            ]  # fmt: skip
+            served = [m for m in members if m.get("reported_state") in ("generating", "waiting for weights")]
+            starting_lost = [m for m in members if m["state"] == "lost" and m not in served]
+            alive = [m for m in members if m["state"] == "alive"] + starting_lost
+            gone = [m for m in members if m["state"] in ("lost", "left") and m not in starting_lost]
+            serving = [m for m in served if m["state"] == "alive"]
             if len(serving) >= expected:
                 return
             if serving and len(serving) + len(gone) >= expected and len(alive) == len(serving):

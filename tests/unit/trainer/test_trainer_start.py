@@ -78,6 +78,14 @@ def test_a_generator_lost_while_starting_is_waited_for_and_one_that_left_is_gone
             assert time.monotonic() < deadline, "the generator's heartbeats did not revive it"
             time.sleep(0.05)
         wait(tmp_path, 1)
+        # Lost once it had served (killed: a restarted trainer finds it so), it is gone at once.
+        g.stop_heartbeat()
+        while rdv.members("generator")[0]["state"] != "lost":
+            assert time.monotonic() < deadline, "the server never marked the silent generator lost"
+            time.sleep(0.05)
+        monkeypatch.setattr(trainer_main, "WAIT_S", 600.0)  # would fail the test's time limit if waited
+        with pytest.raises(StreamRLError, match=r"every generator failed at start \(generator-0: lost\)"):
+            wait(tmp_path, 1)
         # One that left is gone at once.
         g.leave("vLLM could not start")
         with pytest.raises(StreamRLError, match=r"every generator failed at start \(generator-0: left\)"):
