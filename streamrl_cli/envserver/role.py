@@ -19,6 +19,7 @@ from typing import Any
 
 from streamrl_cli.envserver.server import ADDRESS, ROLE, EnvServer, settings_of
 from streamrl_cli.errors import StreamRLError
+from streamrl_cli.roles.requeue import requeue_leave_reason
 from streamrl_cli.roles.serving import serve_until_stopped
 from streamrl_cli.roles.spec import EnvServerSpec
 
@@ -139,7 +140,7 @@ class EnvServerRole:
     async def _shutdown(self, failure: BaseException | None) -> None:
         if self.rdv is not None and self.rdv.member_id is not None:
             if self._requeue and failure is None:
-                reason = self._requeue_task()
+                reason = requeue_leave_reason(self.member_id)
             elif failure is None or isinstance(failure, asyncio.CancelledError):
                 reason = "stopped"
             else:
@@ -155,14 +156,3 @@ class EnvServerRole:
             self.rdv.close()
         if self.server is not None:
             await self.server.close()
-
-    def _requeue_task(self) -> str:
-        from streamrl_cli.roles.requeue import REQUEUED, own_job_id, requeue_self
-
-        log.info("%s: requeuing task %s", self.member_id, own_job_id())
-        try:
-            job = requeue_self()
-        except StreamRLError as e:
-            log.error("%s: %s", self.member_id, e)
-            return f"failed: {e}"
-        return f"{REQUEUED}: SIGUSR2, task {job}"

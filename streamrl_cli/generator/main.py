@@ -49,7 +49,7 @@ from streamrl_cli.generator.stream import Meter, prompt_of, to_engine_request, t
 from streamrl_cli.generator.weights import WeightPath, make_weight_path
 from streamrl_cli.rendezvous.client import RendezvousClient, RendezvousRequestError
 from streamrl_cli.roles.entry import cpu_slot
-from streamrl_cli.roles.requeue import under_slurm
+from streamrl_cli.roles.requeue import requeue_leave_reason, under_slurm
 from streamrl_cli.roles.serving import serve_until_stopped
 from streamrl_cli.roles.spec import GeneratorSpec, TeacherSpec
 from streamrl_cli.weights.layout import STARTING, WAITING
@@ -581,19 +581,6 @@ class GeneratorRole:
             "pid": os.getpid(),
         }
 
-    def _requeue_task(self) -> str:
-        """Our task back in the queue (after USR2): the leave reason that says so, or why not."""
-        from streamrl_cli.roles.requeue import REQUEUED, own_job_id, requeue_self
-
-        # Logged first: SLURM ends the task once it is back in the queue, and may lose later output.
-        log.info("%s: requeuing task %s", self.member_id, own_job_id())
-        try:
-            job = requeue_self()
-        except StreamRLError as e:
-            log.error("%s: %s", self.member_id, e)
-            return f"failed: {e}"
-        return f"{REQUEUED}: SIGUSR2, task {job}"
-
     async def _shutdown(self) -> None:
         # Order: stop producing, hand over what was produced, then say we left (the trainer
         # re-dispatches the rest at once), then free the engine.
@@ -602,7 +589,7 @@ class GeneratorRole:
         if self.rdv is not None:
             failure = self._failure
             if self._requeue and failure is None:
-                reason = self._requeue_task()
+                reason = requeue_leave_reason(self.member_id)
             elif self._stop.is_set() or failure is None or isinstance(failure, asyncio.CancelledError):
                 reason = "stopped"
             else:  # said loudly: `streamrl status` shows it as this member's last error

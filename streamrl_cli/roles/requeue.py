@@ -53,6 +53,22 @@ def requeue_self(timeout_s: float = 60.0) -> str:
     return job
 
 
+def requeue_leave_reason(member_id: str) -> str:
+    """Put this pool member's task back in the queue (after USR2); the leave reason that says so,
+    or why it could not be. Logged first: SLURM ends the task once it is back in the queue, and
+    may lose later output."""
+    import logging
+
+    log = logging.getLogger("streamrl.roles")
+    log.info("%s: requeuing task %s", member_id, own_job_id())
+    try:
+        job = requeue_self()
+    except ClusterError as e:
+        log.error("%s: %s", member_id, e)
+        return f"failed: {e}"
+    return f"{REQUEUED}: SIGUSR2, task {job}"
+
+
 class EndSignals:
     """USR2 and SIGTERM under SLURM: remembered (`requested`, `signal_name`) for the role to act
     on at its next safe point, not acted on inside the handler. `on_signal` is also called (from
