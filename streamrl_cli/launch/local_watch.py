@@ -78,7 +78,7 @@ class LocalSide:
         n = int(self.run.info().get("trainer_restarts") or 0) + 1
         self.run.update_info(trainer_restarts=n)
         mark_trainer_start(self.run)
-        self.run.event("trainer_restarted", restart=n, exit_codes={k: _code(v) for k, v in codes.items()})
+        self.run.event("trainer_restarted", restart=n, exit_codes=codes)
         for m in dead:
             self.console.print(
                 f"[yellow]trainer rank {m.rank} exited with {m.detail}[/yellow]; "
@@ -151,20 +151,16 @@ def _member(rec: local.LocalProc, code: int | None, released: bool = False) -> M
     state = RUNNING if code is None else COMPLETED if code == 0 else FAILED
     return Member(
         role=rec.role, key=str(rec.pid), rank=rec.rank, state=state,
-        detail="" if code is None else str(code), released=released, ref=rec,
+        detail=code, released=released, ref=rec,
     )  # fmt: skip
 
 
-def _code(detail: str) -> int | None:
-    return int(detail) if detail.lstrip("-").isdigit() else None
-
-
-def _member_failed(run: RunDir, rec: local.LocalProc, code: str, console: Console) -> None:
+def _member_failed(run: RunDir, rec: local.LocalProc, code: int | None, console: Console) -> None:
     """A generator (or teacher) died (killed, crashed): the trainer re-dispatches its work to the
     others (it sees the member leave or its lease expire); here, what it left running in its group
     is stopped."""
     left = local.reap(rec)
-    run.event("member_failed", role=rec.role, rank=rec.rank, exit_code=_code(code), reaped=left)
+    run.event("member_failed", role=rec.role, rank=rec.rank, exit_code=code, reaped=left)
     console.print(
         f"[yellow]{rec.role} rank {rec.rank} exited with {code}[/yellow]; the run goes on without it"
         + (f" (stopped {len(left)} process(es) it left: {left})" if left else "")

@@ -45,7 +45,7 @@ class Member:
     key: str  # unique for the run: a process id, a SLURM job and task
     rank: int | None
     state: str  # RUNNING, COMPLETED, FAILED or CANCELLED
-    detail: str = ""  # the launcher's own word for how it ended: an exit code, a SLURM job state
+    detail: int | str | None = None  # how it ended, in its launcher's terms: an exit code, a SLURM job state
     released: bool = False  # scaled in: it leaves on purpose, whatever its exit
     restartable: bool = True  # a failed trainer that starting again can help (not a SLURM DEADLINE)
     ref: Any = field(default=None, compare=False)  # the side's own record of it
