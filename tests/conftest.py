@@ -19,6 +19,36 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def pytest_sessionstart(session):
+    """Before any worker starts, make the models the shipped recipes build on first use (cached in
+    ~/.cache/streamrl/models: nothing to do after the first run on a machine). On a fresh machine
+    (CI) the first run that needed one warmed it up under the full suite's load: the agent recipe's
+    800 supervised steps took ~60 s alone and 7.5 min inside the suite, holding up its worker.
+    Only when the session includes engine tests, and only once (the controller, or a lone process)."""
+    config = session.config
+    if hasattr(config, "workerinput") or "not slow" in (config.getoption("markexpr") or ""):
+        return
+    targets = config.args or ["tests"]
+    if not any(t.rstrip("/") in ("tests", ".", "tests/e2e", "tests/slurm") for t in targets):
+        return
+    from streamrl_cli.errors import StreamRLError
+    from streamrl_cli.models.warmup import ensure_model
+    from streamrl_cli.recipe.load import load
+
+    say = config.pluginmanager.get_plugin("terminalreporter")
+    for recipe in ("local", "local-agent"):
+        r = load(recipe).recipe
+        if os.path.exists(os.path.expanduser(r.model.path)):
+            continue
+        if say is not None:
+            say.write_line(f"making {r.model.name} for the suite (first run on this machine): {r.model.path}")
+        try:
+            ensure_model(r.model, r.task)
+        except StreamRLError as e:  # the tests that need it will say so
+            if say is not None:
+                say.write_line(f"could not make {r.model.name}: {e}")
+
+
 @pytest.fixture(autouse=True)
 def streamrl_home(tmp_path, monkeypatch):
     home = tmp_path / "home"
