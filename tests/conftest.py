@@ -44,7 +44,7 @@ def pytest_sessionstart(session):
             say.write_line(f"making {r.model.name} for the suite (first run on this machine): {r.model.path}")
         try:
             ensure_model(r.model, r.task)
-        except StreamRLError as e:  # the tests that need it will say so
+        except (StreamRLError, OSError, RuntimeError, ValueError) as e:  # the tests that need it will say so
             if say is not None:
                 say.write_line(f"could not make {r.model.name}: {e}")
 
