@@ -11,6 +11,7 @@ decides (a preemption with requeue, or a cancel).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -18,6 +19,8 @@ import threading
 from collections.abc import Callable
 
 from streamrl_cli.errors import ClusterError
+
+log = logging.getLogger("streamrl.roles")
 
 # Leave reasons (prefixes) of a member whose job comes back (requeued by itself, or by SLURM after a
 # preemption): its peers wait for it instead of ending.
@@ -57,9 +60,6 @@ def requeue_leave_reason(member_id: str) -> str:
     """Put this pool member's task back in the queue (after USR2); the leave reason that says so,
     or why it could not be. Logged first: SLURM ends the task once it is back in the queue, and
     may lose later output."""
-    import logging
-
-    log = logging.getLogger("streamrl.roles")
     log.info("%s: requeuing task %s", member_id, own_job_id())
     try:
         job = requeue_self()
