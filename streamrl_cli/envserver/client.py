@@ -324,7 +324,7 @@ class RemoteEnvHost:
         for s in list(self.servers.values()):  # (every trajectory closed its session as it ended)
             self._lost(s, "closing")
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # closes any socket still open: term() would wait on it forever
 
 
 class RemoteSession:

@@ -202,5 +202,5 @@ class EnvServer:
         if self._auth is not None:
             self._auth.stop()
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # closes any socket still open: term() would wait on it forever
         await self.host.close()
