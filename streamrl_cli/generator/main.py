@@ -14,6 +14,9 @@ Everything runs on one asyncio loop (the engine is async); the blocking clients 
 long-polls, the sender's request queue) are called in threads. A generator finishes when the
 trainer leaves, or on SIGTERM (`streamrl cancel`, SLURM); it then aborts what is in flight and
 leaves the rendezvous, so the trainer re-dispatches what it still owed without waiting a lease.
+SIGTERM while it is still starting (importing vLLM, starting its engine: a minute or more on a
+busy host, and blocking the loop) abandons the start at once (`StoppedStarting`) instead of
+finishing it first: a run that ends, or a scale-in, does not wait for an engine nobody will use.
 
 A generator that joins a run in progress (a restarted array task, elastic scale-out: the run has
 proposed versions already) must not serve the checkpoint's weights: it reports ``waiting for
@@ -66,10 +69,34 @@ POLL_S = 0.5  # how long one blocking call in a thread may wait before checking 
 TRAINER_EVENTS = ("member_left", "member_lost", "member_registered")  # about trainer rank 0
 
 
+class StoppedStarting(BaseException):
+    """SIGTERM or SIGINT before the generator served: raised by the signal handler wherever the
+    start-up is (a BaseException, like KeyboardInterrupt, so that no `except Exception` on the way
+    takes it for a failure of the start)."""
+
+
 def main(spec: GeneratorSpec, rank: int) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per rendezvous call otherwise
-    return asyncio.run(GeneratorRole(spec, rank).run())
+    return run_role(GeneratorRole(spec, rank))
+
+
+def run_role(role: GeneratorRole) -> int:
+    """Run a pool member's loop; stopped while starting, it ends cleanly (exit 0) like one stopped
+    while it served."""
+    try:
+        return asyncio.run(role.run())
+    except StoppedStarting as e:
+        log.info("%s: %s while starting: start-up abandoned", role.member_id, e)
+        return 0
+
+
+def _stop_starting(signum: int, _frame: object) -> None:
+    """The start-up's handler of SIGTERM/SIGINT: once, then later ones are ignored (the way out,
+    leaving the rendezvous, must not be cut short again)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    raise StoppedStarting(signal.Signals(signum).name)
 
 
 def engine_kwargs(spec: GeneratorSpec, rank: int = 0) -> dict[str, Any]:
@@ -221,8 +248,8 @@ class GeneratorRole:
         from streamrl_cli.roles.preflight import wait_for_file
 
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # until we serve: the start-up is abandoned at once
+            signal.signal(sig, _stop_starting)
         if under_slurm():  # hand our work back now, and come back in the requeued task
             loop.add_signal_handler(signal.SIGUSR2, self._requeue_requested)
         run_dir = Path(self.spec.run_dir)
@@ -256,7 +283,12 @@ class GeneratorRole:
                 await asyncio.to_thread(self.rdv.heartbeat)
             else:
                 await self._connect()
+            for sig in (signal.SIGTERM, signal.SIGINT):  # from here on a stop hands over first
+                loop.add_signal_handler(sig, self._stop.set)
             return await self._serve(since)
+        except StoppedStarting:
+            self._stop.set()  # we leave the rendezvous as stopped, not failed
+            raise
         except BaseException as e:
             self._failure = e
             raise

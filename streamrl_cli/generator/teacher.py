@@ -19,7 +19,6 @@ same only under one vocabulary.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.generator.engine import GenerationResult, make_engine
-from streamrl_cli.generator.main import GeneratorRole, instance_engine
+from streamrl_cli.generator.main import GeneratorRole, instance_engine, run_role
 from streamrl_cli.roles.spec import TeacherSpec
 from streamrl_cli.transport.wire import Sample
 
@@ -37,7 +36,7 @@ log = logging.getLogger("streamrl.teacher")
 def main(spec: TeacherSpec, rank: int) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    return asyncio.run(TeacherRole(spec, rank).run())
+    return run_role(TeacherRole(spec, rank))
 
 
 def engine_kwargs(spec: TeacherSpec, rank: int = 0) -> dict[str, Any]:

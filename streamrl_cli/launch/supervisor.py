@@ -18,7 +18,7 @@ the rule itself (:class:`Rule`) is the same for both:
   the end, and every failure, to be seen on ``confirm`` polls in a row.
 
 After the end, :func:`supervise` gives the pools ``Side.grace_s`` to leave on their own (they
-hand over and exit once the trainer has left), has the side stop what is left, and records how
+hand over and exit once the trainer has left; a failed run gives none), has the side stop what is left, and records how
 the run ended in run.json and events.jsonl, unless a cancel already did.
 """
 
@@ -193,9 +193,11 @@ def supervise(run: RunDir, side: Side) -> Outcome:
 
 def _wind_down(run: RunDir, side: Side, out: Outcome) -> None:
     """The pools leave on their own once the trainer left (they hand over first); what is still
-    there after ``grace_s`` is stopped. Then the run's end is recorded, unless a cancel (from
+    there after ``grace_s`` is stopped. A failed run gets no grace: nothing of it is handed over,
+    and with its trainer still up (a pool lost, say) the pools would not leave before it, so what is
+    left is stopped at once. Then the run's end is recorded, unless a cancel (from
     `streamrl cancel`, or a signal) is recording it."""
-    deadline = time.monotonic() + side.grace_s
+    deadline = time.monotonic() + (0.0 if out.state == FAILED else side.grace_s)
     while not side.pools_ended() and time.monotonic() < deadline:
         time.sleep(min(side.poll_s, max(0.0, deadline - time.monotonic())))
     stopped = side.stop_leftovers()

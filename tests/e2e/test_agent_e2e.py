@@ -222,6 +222,11 @@ def test_with_no_environment_server_left_the_run_fails_saying_why(tmp_path):
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     (end,) = [e for e in events if e.get("event") == "failed"]
     assert end["reason"] == "no env_server left: every env_server failed", end
+    # A failed run stops what is left at once; the generator, still starting its engine, abandons
+    # the start-up on SIGTERM (stopped, not killed after a grace period).
+    assert [s for s in end["stopped"] if "generator" in s] and not [
+        s for s in end["stopped"] if "killed" in s
+    ], end
     record = json.loads((run_dir / "members" / "env_server-0.json").read_text())
     assert "CalcEnv(colour): CalcEnv() takes no arguments" in record["error"], record
     assert not [r for r in records(run_dir) if r.get("role") == "trainer" and "iteration" in r]

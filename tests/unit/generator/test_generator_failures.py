@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -105,6 +106,44 @@ def test_a_generator_that_cannot_reach_the_sample_stream_fails_with_its_reason(
             and "no answer from the trainer" in member["last_error"]
         )
     finally:
+        trainer.close()
+
+
+class BlockingStartEngine(StartingEngine):
+    """An engine whose start blocks the loop for a minute, as vLLM's (AsyncLLM.from_engine_args)
+    does for as long as its processes take to start; says when it began and whether it finished."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.began, self.finished = threading.Event(), False
+
+    async def start(self) -> None:
+        self.began.set()
+        time.sleep(60)
+        self.finished = True
+
+
+def test_sigterm_while_the_engine_starts_abandons_the_start_and_leaves_as_stopped(rendezvous):
+    # A run that ends (or a scale-in) stops a generator still starting its engine: it must not
+    # finish a start nobody will use first (minutes on a busy host: the launcher's grace is 10 s).
+    trainer = RendezvousClient.from_run_dir(rendezvous)
+    engine = BlockingStartEngine()
+    role = GeneratorRole(generator_spec(rendezvous), 0, engine=engine)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def stop_once_starting() -> None:
+        if engine.began.wait(60):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_once_starting, daemon=True).start()
+    try:
+        assert generator_main.run_role(role) == 0  # a clean exit, as when stopped while serving
+        assert engine.began.is_set() and not engine.finished
+        (member,) = trainer.members("generator")
+        assert member["state"] == "left" and member["last_error"] is None, member  # stopped, not failed
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         trainer.close()
 
 

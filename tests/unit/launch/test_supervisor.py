@@ -158,6 +158,34 @@ def test_supervise_records_the_end_with_what_failed_and_what_was_lost(tmp_path):
     assert ev["lost"] == ["generator-0"] and ev["failed"] == [] and ev["stopped"] == ["stopped generator-1"]
 
 
+class LingeringSide(ScriptedSide):
+    """Pools that leave on their own only when asked the fifth time, with an hour's grace."""
+
+    grace_s = 3600.0
+
+    def __init__(self, polls: list[list[Member]]) -> None:
+        super().__init__(polls)
+        self.asked = 0
+
+    def pools_ended(self) -> bool:
+        self.asked += 1
+        return self.asked >= 5
+
+
+def test_a_failed_run_stops_what_is_left_at_once_a_finished_one_gives_the_pools_their_grace(tmp_path):
+    # A pool lost while the trainer runs fails the run: the generators would not leave before the
+    # trainer does, so waiting for them is only a wait; they are stopped at once.
+    run = RunDir(tmp_path)
+    run.update_info(state="running", trainer_restarts=0)
+    side = LingeringSide([[m("trainer", 0), m("env_server", 0, FAILED), m("generator", 0)]])
+    out = supervise(run, side)
+    assert out.state == FAILED and side.asked <= 1 and side.done[-2:] == [("stop",), ("ended", FAILED)]
+    # A finished run: the pools are given the time to leave on their own (asked until they left).
+    side = LingeringSide([[m("trainer", 0, COMPLETED), m("generator", 0)]])
+    out = supervise(RunDir(tmp_path / "b"), side)
+    assert out.state == "finished" and side.asked == 5
+
+
 def test_a_trainer_that_cannot_be_started_again_fails_the_run(tmp_path, monkeypatch):
     from streamrl_cli.launch import supervisor
 
