@@ -18,8 +18,8 @@ the rule itself (:class:`Rule`) is the same for both:
   the end, and every failure, to be seen on ``confirm`` polls in a row.
 
 After the end, :func:`supervise` gives the pools ``Side.grace_s`` to leave on their own (they
-hand over and exit once the trainer has left; a failed run gives none), has the side stop what is left, and records how
-the run ended in run.json and events.jsonl, unless a cancel already did.
+hand over and exit once the trainer has left; a failed run gives none), has the side stop what
+is left, and records how the run ended in run.json and events.jsonl, unless a cancel already did.
 """
 
 from __future__ import annotations
