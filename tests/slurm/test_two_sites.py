@@ -4,12 +4,19 @@ The trainer runs on cluster `local`, the generator array on cluster `remote` (an
 weight version crosses once, over TCP, to the far site's relay, which broadcasts it there; the run
 trains to completion with the reward rising, and `streamrl status` shows the sites. The far cluster
 does not share the run directory (`clusters.remote.run_root`): its jobs run from their own copy.
+Mid-run the far site's relay is killed (at any point of a version's way: fetching, broadcasting to
+its site, serving): the other generator there takes over as relay within its lease (a member
+waiting in a broadcast whose source died notices it within seconds, not at the group's timeout),
+and the run completes, every iteration trained once. The same with LoRA adapter versions, after
+the site went to zero and back: tests/slurm/test_elastic_slurm.py.
 Needs both SLURM test clusters (scripts/slurm-test-cluster.sh start; CI starts them).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -20,8 +27,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 # Long enough to be watched live: generators post their metrics (the cross-site transfer that
 # `status` shows) every 5 s, and 6 iterations were over within seconds of the engines serving, so
-# status saw the far site only after its members had left (a refused stop's CI failure).
-ITERATIONS = 40
+# status saw the far site only after its members had left (a refused stop's CI failure). The relay
+# is killed once status has shown it serving, and versions must still cross after that.
+ITERATIONS = 60
 RUN_S = 1200  # liveness bound: queueing, two vLLM engines and DeepSpeed on 2 shared cores
 
 
@@ -62,11 +70,16 @@ def test_two_site_testbed_trains_through_the_relay(slurm_remote, runs_root, tmp_
     deadline = time.monotonic() + RUN_S
     seen: list[dict] = []  # the far site, each time status showed a transfer across sites
     doc: dict = {}
+    relay, killed_at = "", -1
     while time.monotonic() < deadline:
         doc = status(run)
         remote = [s for s in doc.get("sites", []) if not s["trainer_site"]]
         if remote and remote[0]["last_wan_transfer"]:
             seen.append(remote[0])  # seen while the run is live: the server answers
+            if not relay and remote[0]["relay"] and _serving(remote[0], remote[0]["relay"]):
+                relay = remote[0]["relay"]  # shown serving as the relay: now it is killed
+                os.kill(json.loads((there / "members" / f"{relay}.json").read_text())["pid"], signal.SIGKILL)
+                killed_at = len([r for r in records(run, "trainer") if "iteration" in r])
         if doc["state"] in ("finished", "failed", "ended", "stalled", "cancelled"):
             break
         time.sleep(2)
@@ -74,7 +87,8 @@ def test_two_site_testbed_trains_through_the_relay(slurm_remote, runs_root, tmp_
     assert doc["state"] == "finished", f"{doc['state']}: {doc.get('problems')}\n{logs}"
 
     trainer = [r for r in records(run, "trainer") if "iteration" in r]
-    assert [r["iteration"] for r in trainer] == list(range(ITERATIONS))
+    assert [r["iteration"] for r in trainer] == list(range(ITERATIONS))  # each once, in order
+    assert relay in ("generator-0", "generator-1") and 0 < killed_at < ITERATIONS, (relay, killed_at)
     rewards = [r["reward_mean"] for r in trainer]
     half = ITERATIONS // 2
     assert sum(rewards[half:]) / half > sum(rewards[:half]) / half, rewards
@@ -85,6 +99,9 @@ def test_two_site_testbed_trains_through_the_relay(slurm_remote, runs_root, tmp_
         if r.get("weights/relay"):
             fetched.setdefault(r["weights/version"], set()).add(r["member_id"])
     assert fetched and all(len(ids) == 1 for ids in fetched.values()), fetched
+    # After the kill, the versions crossed to the far site through the other generator.
+    late = {m for v, ids in fetched.items() if v > killed_at + 2 for m in ids}
+    assert late and relay not in late, (relay, killed_at, fetched)
 
     # `streamrl status` told, per site, who is there, which one is the relay, and what crossed.
     # The relay is the lowest-ranked generator there that is alive and past start-up: generator-0
