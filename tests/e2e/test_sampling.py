@@ -3,13 +3,12 @@ log-probs are of the distribution vLLM sampled from (or the importance ratio wou
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 import torch
 
-from streamrl_cli.generator.engine import GenerationRequest, SamplingSpec, make_engine
+from streamrl_cli.generator.engine import GenerationRequest, SamplingSpec
 from streamrl_cli.recipe.load import load
 from streamrl_cli.trainer.losses import SamplingTransform, sampled_logprobs, token_logprobs
 
@@ -90,30 +89,37 @@ def test_sampling_keys_reach_every_request():
 
 
 @pytest.fixture(scope="module")
-def peaked_model(tmp_path_factory) -> Path:
+def peaked_model(tmp_path_factory, tied_model_dir) -> Path:
+    """The shared engine's model (tests/e2e/conftest.py) with peaked weights, saved for the trainer's side."""
     from transformers import AutoModelForCausalLM
 
-    from streamrl_cli.models.tiny import build_tiny_model
-
-    path = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tied_model_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             p.copy_(noise * 0.3 if p.ndim == 2 else 1.0 + 0.1 * noise if "norm" in name else 0.1 * noise)
+    path = tmp_path_factory.mktemp("models") / "tiny-peaked"
     model.save_pretrained(path)
+    for f in tied_model_dir.glob("*.json"):  # the tokenizer's files too
+        if not (path / f.name).exists():
+            (path / f.name).write_bytes(f.read_bytes())
     return path
 
 
 @pytest.fixture(scope="module")
-def served(peaked_model):
-    loop = asyncio.new_event_loop()
-    eng = make_engine("vllm", model=str(peaked_model), max_model_len=256, max_num_seqs=8)
-    loop.run_until_complete(eng.start())
-    yield loop, eng
-    loop.run_until_complete(eng.close())
-    loop.close()
+def served(engine_loop, shared_engine, peaked_model, tied_model_dir):
+    """The session's shared engine, serving the peaked weights (loaded in place, as a version); its
+    model's own weights are loaded back afterwards, for the modules that expect them."""
+    from safetensors.torch import load_file
+
+    def load(model: Path) -> None:
+        state = load_file(str(model / "model.safetensors"))
+        engine_loop.run_until_complete(shared_engine.load_weights(shared_engine.weight_version + 1, state))
+
+    load(peaked_model)
+    yield engine_loop, shared_engine
+    load(tied_model_dir)
 
 
 def _generate(served, spec: SamplingSpec, prompt: list[int], rid: str):
