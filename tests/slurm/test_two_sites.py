@@ -80,7 +80,11 @@ def test_two_site_testbed_trains_through_the_relay(slurm_remote, runs_root, tmp_
                 relay = remote[0]["relay"]  # shown serving as the relay: now it is killed
                 os.kill(json.loads((there / "members" / f"{relay}.json").read_text())["pid"], signal.SIGKILL)
                 killed_at = len([r for r in records(run, "trainer") if "iteration" in r])
-        if doc["state"] in ("finished", "failed", "ended", "stalled", "cancelled"):
+        # The run's end is its own record (run.json). `status` alone can say "failed" for a moment
+        # before it: every job has ended, the killed relay's FAILED, and the end is not recorded yet.
+        recorded = json.loads((run / "run.json").read_text()).get("state")
+        if recorded in ("finished", "failed", "cancelled") or doc["state"] == "stalled":
+            doc = status(run)
             break
         time.sleep(2)
     logs = "\n".join(p.read_text(errors="replace")[-1500:] for d in (run, far) for p in d.rglob("*.out"))
