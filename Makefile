@@ -1,6 +1,6 @@
 # The two commands of the README (run, test) and the fast tier. All set up .venv first (idempotent).
-# `make test` runs the tiers side by side on two xdist workers: e2e then SLURM tests on one, unit
-# tests on the other (tests/conftest.py, pytest_xdist_make_scheduler).
+# `make test` runs on two xdist workers: the SLURM tests as one scope on one, the e2e modules (longest
+# first) then the unit modules on whichever is free (tests/conftest.py, pytest_xdist_make_scheduler).
 .PHONY: run test test-fast venv lint
 
 PYTEST = .venv/bin/python -m pytest

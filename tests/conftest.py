@@ -115,12 +115,61 @@ def slurm_remote(slurm):
 # A test that starts real engines or processes is `slow` wherever it lives; slow tests get a longer
 # timeout (each scenario also checks its own deadline step by step).
 SLOW_TIMEOUT_S = 900
-TIER_ORDER = {"e2e": 0, "slurm": 1, "unit": 2}
+TIER_ORDER = {"slurm": 0, "e2e": 1, "unit": 2}
 
 
 def tier(nodeid: str) -> str:
     parts = nodeid.split("::")[0].split("/")
     return parts[1] if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIER_ORDER else "unit"
+
+
+# `make test` (-n 2) hands out scopes, longest first, to whichever worker is nearly done with its own
+# (pytest_xdist_make_scheduler): the SLURM tier as one scope (two SLURM runs at once waited for each
+# other's jobs to leave the test clusters' nodes and raced their timeouts), then the e2e modules in
+# this order (the longest first, as summed from full runs' --durations; a module not listed comes
+# after them), then the unit modules. The two workers then end within one short unit module of each
+# other, whatever a machine makes of each module's length.
+E2E_LONGEST_FIRST = tuple(
+    f"tests/e2e/{m}.py"
+    for m in (
+        "test_local_faults",
+        "test_agent_e2e",
+        "test_long_tail_e2e",
+        "test_distill_e2e",
+        "test_trainer_e2e",
+        "test_generator_elastic",
+        "test_user_task_e2e",
+        "test_planner_profile",
+        "test_member_failures",
+        "test_generator_role",
+        "test_generator_relay",
+        "test_generator_engine",
+        "test_sampling",
+        "test_skew_lpt",
+        "test_generator_lora",
+        "test_trainer_learner",
+        "test_chaos",
+        "test_trainer_lora",
+        "test_install",
+        "test_export",
+    )
+)
+# The modules on the session's shared engine (tests/e2e/conftest.py): one scope, one engine start.
+SHARED_ENGINE = frozenset(
+    f"tests/e2e/{m}.py" for m in ("test_generator_engine", "test_sampling", "test_skew_lpt")
+)
+
+
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def order(nodeid: str) -> tuple[int, int]:
+    t, module = tier(nodeid), module_of(nodeid)
+    if t != "e2e":
+        return TIER_ORDER[t], 0
+    known = module in E2E_LONGEST_FIRST
+    return TIER_ORDER[t], E2E_LONGEST_FIRST.index(module) if known else len(E2E_LONGEST_FIRST)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -132,50 +181,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("slow") is not None and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
-    # e2e, then SLURM, then unit, then the side modules: the heavy tiers go out first, as one scope
-    # (pytest_xdist_make_scheduler)
-    items.sort(key=lambda item: (item.nodeid.split("::", 1)[0] in SIDE, TIER_ORDER[tier(item.nodeid)]))
-
-
-# End-to-end modules that run on the unit tests' worker once the unit tests are done, beside the
-# heavy scope: summed from a full run's durations, the unit tier took a quarter of the heavy one's
-# time and that worker then stood idle. Local runs only (no SLURM job of theirs waits for the heavy
-# scope's to leave a node), and each waits on its run's events with liveness bounds, not speeds, so
-# a second run on the machine makes it slower, never wrong.
-SIDE = frozenset(
-    f"tests/e2e/{m}.py"
-    for m in (
-        "test_local_faults",
-        "test_agent_e2e",
-        "test_long_tail_e2e",
-        "test_generator_elastic",
-        "test_user_task_e2e",
-        "test_export",
-        "test_planner_profile",
-        "test_chaos",
-        "test_distill_e2e",
-    )
-)
+    # SLURM, then e2e longest first, then unit: the order scopes go out in (stable: a module's tests
+    # keep their file order)
+    items.sort(key=lambda item: order(item.nodeid))
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """`-n 2` (make test): the e2e and SLURM tests on one worker, one after another (one scope), and
-    the unit tests, module by module (some run in order on one module fixture), on the other, then
-    the SIDE modules there. Two SLURM runs at once waited for each other's jobs to leave the test
-    clusters' nodes and raced their timeouts, so SLURM tests stay in the one scope. Scopes go out in
-    collection order (the heavy one first, see the sort above); a worker holding a scope takes
-    nothing else until it is done. `make test-fast` (unit tier only) spreads the modules over both
-    workers."""
+    """`-n 2` (make test): scopes go out in collection order (the sort above), each to the worker
+    that is nearly through its own: the SLURM tier is one scope, the shared-engine e2e modules one,
+    every other module its own (a module's tests stay on one worker: some run in order on one
+    module fixture). One worker takes the SLURM scope first; the other takes the e2e modules, longest
+    first, and the unit modules; when the SLURM scope is done its worker takes what is left.
+    `make test-fast` (unit tier only) spreads the modules over both workers the same way."""
     from xdist.scheduler import LoadScopeScheduling
 
     class TierScheduling(LoadScopeScheduling):
         def __init__(self, config, log=None):  # type: ignore[no-untyped-def]
-            config.option.loadscopereorder = False  # keep collection order: the heavy scope first
+            config.option.loadscopereorder = False  # keep collection order: the longest first
             super().__init__(config, log)
 
         def _split_scope(self, nodeid: str) -> str:
-            # a unit module stays on one worker: some run their tests in order on one module fixture
-            module = nodeid.split("::", 1)[0]
-            return "heavy" if tier(nodeid) in ("e2e", "slurm") and module not in SIDE else module
+            module = module_of(nodeid)
+            if tier(nodeid) == "slurm":
+                return "slurm"
+            return "shared-engine" if module in SHARED_ENGINE else module
 
     return TierScheduling(config, log)
