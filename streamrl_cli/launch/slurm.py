@@ -24,7 +24,7 @@ from streamrl_cli.errors import ClusterError
 from streamrl_cli.launch.launcher import Added, Instance, Launcher, Report, Submission
 from streamrl_cli.launch.plan import JobSpec
 from streamrl_cli.recipe.checks import templates_dir
-from streamrl_cli.rundir import RunDir, read_json_checked, write_atomic, write_json
+from streamrl_cli.rundir import POOL_ROLES, RunDir, read_json_checked, write_atomic, write_json
 
 SUBMITIT_COMMAND = "{python} -u -m submitit.core._submit {folder}"
 SRUN_ARGS = ("--kill-on-bad-exit=1", "--cpu-bind=cores")
@@ -487,6 +487,23 @@ def all_ended(jobs_with_tasks: list[dict]) -> bool:
     return all(t["state"] in TERMINAL for j in jobs_with_tasks for t in j["tasks"]) and bool(jobs_with_tasks)
 
 
+def ending(jobs_with_tasks: list[dict]) -> str:
+    """How a run ended whose jobs (the current ones: a trainer restart's replaced jobs are not
+    listed) all ended, judged as the run's supervisor judges its members. A generator, teacher or
+    environment server task that failed or was released (cancelled) was a pool member lost or let go,
+    which ends no run: the trainer's job and the other roles' say how it ended. So a finished run
+    that lost a generator (or its site's relay) on the way says finished while its end is recorded,
+    not failed. Without a trainer job among them (a launcher holding only pools), a lost member
+    leaves the ending to the trainer's launcher ("ended")."""
+    judged = [j for j in jobs_with_tasks if j["role"] not in POOL_ROLES]
+    if {t["state"] for j in judged for t in j["tasks"]} - {"COMPLETED"}:
+        return "failed"
+    if any(j["role"] == "trainer" for j in judged):
+        return "finished"
+    pools = {t["state"] for j in jobs_with_tasks if j["role"] in POOL_ROLES for t in j["tasks"]}
+    return "finished" if pools <= {"COMPLETED"} else "ended"
+
+
 def unfinished(jobs_with_tasks: list[dict], unknown: bool = False) -> list[dict]:
     """The jobs with a task that SLURM does not report ended. With ``unknown`` a job SLURM knows
     nothing of (forgotten, or SLURM unreachable) counts too: for a run without a readable record of
@@ -570,9 +587,7 @@ class SlurmLauncher(Launcher):
                     where = j.get("slurm_cluster") or "default cluster"
                     problems.append(f"{j['role']} job {j['job_id']}{task} on {where}: {t['state']}")
         states = {t["state"] for j in jobs for t in j["tasks"]}
-        ended = None
-        if jobs and all_ended(jobs):
-            ended = "finished" if states == {"COMPLETED"} else "failed"
+        ended = ending(jobs) if jobs and all_ended(jobs) else None
         return Report(
             key="jobs",
             units=units,

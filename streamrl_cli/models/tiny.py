@@ -16,9 +16,11 @@ concurrent builders (parallel tests, several engineers) never see a half-written
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -79,6 +81,14 @@ def is_built(path: str | os.PathLike) -> bool:
     return all((p / name).is_file() for name in REQUIRED)
 
 
+def library_output_to_stderr() -> contextlib.AbstractContextManager:
+    """Around saving a model: transformers' save_pretrained imports DeepSpeed where it is installed
+    (accelerate unwraps the model), and DeepSpeed logs to the stdout of its first import for the rest
+    of the process (an accelerator warning at once on a CPU). A command's stdout is its result
+    (`streamrl profile` lists the profiles it wrote there), so library output goes to stderr."""
+    return contextlib.redirect_stdout(sys.stderr)
+
+
 def build_tiny_model(path: str | os.PathLike = DEFAULT_PATH, spec: TinySpec | None = None) -> Path:
     """Build the tiny model and tokenizer at ``path`` (reused if already there); returns the path."""
     spec = spec or TinySpec()
@@ -88,9 +98,10 @@ def build_tiny_model(path: str | os.PathLike = DEFAULT_PATH, spec: TinySpec | No
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        tokenizer = _build_tokenizer(spec)
-        tokenizer.save_pretrained(tmp)
-        _build_model(spec, len(tokenizer), tokenizer).save_pretrained(tmp, safe_serialization=True)
+        with library_output_to_stderr():
+            tokenizer = _build_tokenizer(spec)
+            tokenizer.save_pretrained(tmp)
+            _build_model(spec, len(tokenizer), tokenizer).save_pretrained(tmp, safe_serialization=True)
         (tmp / MARKER).write_text(json.dumps({"builder": __name__, **asdict(spec)}, indent=2) + "\n")
         try:
             tmp.rename(target)

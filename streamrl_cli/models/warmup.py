@@ -175,8 +175,11 @@ def _save_atomically(model, tokenizer, out: Path, info: dict, wanted: dict) -> N
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     old = None
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        from streamrl_cli.models.tiny import library_output_to_stderr
+
+        with library_output_to_stderr():
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
         (tmp / MARKER).write_text(json.dumps(info, indent=2) + "\n")  # last: marks it complete
         done = _marker(out)
         if done is not None and all(done.get(k) == v for k, v in wanted.items()):

@@ -67,6 +67,8 @@ def export_checkpoint(
     import torch
     from transformers import AutoTokenizer, GenerationConfig
 
+    from streamrl_cli.models.tiny import library_output_to_stderr
+
     out = Path(out).expanduser().resolve()
     if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
         raise ExportError(f"{out} exists and is not empty; choose another --out (nothing was written)")
@@ -84,13 +86,14 @@ def export_checkpoint(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
-        try:
-            if not adapter:  # an adapter directory is not a model: its base has the generation config
-                GenerationConfig.from_pretrained(base).save_pretrained(tmp)
-        except OSError:  # the base has none: save_pretrained wrote the model's default already
-            pass
+        with library_output_to_stderr():
+            model.save_pretrained(tmp, safe_serialization=True)
+            AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
+            try:
+                if not adapter:  # an adapter directory is not a model: its base has the generation config
+                    GenerationConfig.from_pretrained(base).save_pretrained(tmp)
+            except OSError:  # the base has none: save_pretrained wrote the model's default already
+                pass
         (tmp / MARKER).write_text(f"{checkpoint}\n")
         if out.exists():
             shutil.rmtree(out)

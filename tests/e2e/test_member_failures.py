@@ -9,6 +9,7 @@ Liveness is bounded by subprocess timeouts, never by timing assertions.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -69,7 +70,9 @@ def test_a_killed_generators_engine_stops_unwatched_and_cancel_stops_what_is_lef
             timeout=120,
         )
         assert out.returncode == 0, out.stdout + out.stderr
-        assert "stopped local generator rank 0" in out.stdout, out.stdout
+        # Its orphaned engine leaves on SIGTERM, or, when its shutdown outlasts the grace period on
+        # a busy host, is killed after it: either way cancel names it, and nothing is left (below).
+        assert re.search(r"^(stopped|killed) local generator rank 0 ", out.stdout, re.M), out.stdout
     finally:
         if proc.poll() is None:
             proc.kill()

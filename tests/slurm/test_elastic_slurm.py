@@ -29,6 +29,7 @@ from support.helpers import (
     SHRINKING,
     job_logs,
     metrics_records,
+    relay_fetches,
     shrinking_dataset,
     streamrl,
     wait_on_run,
@@ -56,16 +57,6 @@ def relay_of(run: Path, site: str) -> str | None:
     if out.returncode != 0:
         return None
     return next((s["relay"] for s in json.loads(out.stdout).get("sites", []) if s["site"] == site), None)
-
-
-def relay_fetches(run: Path) -> dict[int, set[str]]:
-    """version -> the far-site members that fetched it through the relay (generators report relay
-    fetches in their periodic records)."""
-    fetched: dict[int, set[str]] = {}
-    for r in metrics_records(run, "generator"):
-        if r.get("weights/relay"):
-            fetched.setdefault(r["weights/version"], set()).add(r["member_id"])
-    return fetched
 
 
 def event_seq(run: Path) -> int:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.helpers import streamrl
+from support.helpers import relay_fetches, streamrl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -71,6 +71,7 @@ def test_two_site_testbed_trains_through_the_relay(slurm_remote, runs_root, tmp_
     seen: list[dict] = []  # the far site, each time status showed a transfer across sites
     doc: dict = {}
     relay, killed_at = "", -1
+    endings: list[str] = []  # what status said of the run's end, each time it said one
     while time.monotonic() < deadline:
         doc = status(run)
         remote = [s for s in doc.get("sites", []) if not s["trainer_site"]]
@@ -80,8 +81,11 @@ def test_two_site_testbed_trains_through_the_relay(slurm_remote, runs_root, tmp_
                 relay = remote[0]["relay"]  # shown serving as the relay: now it is killed
                 os.kill(json.loads((there / "members" / f"{relay}.json").read_text())["pid"], signal.SIGKILL)
                 killed_at = len([r for r in records(run, "trainer") if "iteration" in r])
-        # The run's end is its own record (run.json). `status` alone can say "failed" for a moment
-        # before it: every job has ended, the killed relay's FAILED, and the end is not recorded yet.
+        # The run's end is its own record (run.json). Before it is recorded, once every job has
+        # ended (the killed relay's FAILED), status judges the ending from the jobs as the run's
+        # supervisor does, by the trainer's: never "failed" for a run that finished.
+        if doc["state"] in ("finished", "failed", "ended"):
+            endings.append(doc["state"])
         recorded = json.loads((run / "run.json").read_text()).get("state")
         if recorded in ("finished", "failed", "cancelled") or doc["state"] == "stalled":
             doc = status(run)
@@ -89,6 +93,7 @@ def test_two_site_testbed_trains_through_the_relay(slurm_remote, runs_root, tmp_
         time.sleep(2)
     logs = "\n".join(p.read_text(errors="replace")[-1500:] for d in (run, far) for p in d.rglob("*.out"))
     assert doc["state"] == "finished", f"{doc['state']}: {doc.get('problems')}\n{logs}"
+    assert set(endings) <= {"finished"}, (endings, doc.get("problems"))
 
     trainer = [r for r in records(run, "trainer") if "iteration" in r]
     assert [r["iteration"] for r in trainer] == list(range(ITERATIONS))  # each once, in order
@@ -98,10 +103,7 @@ def test_two_site_testbed_trains_through_the_relay(slurm_remote, runs_root, tmp_
     assert sum(rewards[half:]) / half > sum(rewards[:half]) / half, rewards
 
     # One copy of each version crossed the link: for every version, exactly one generator fetched it.
-    fetched: dict[int, set[str]] = {}
-    for r in records(run, "generator"):
-        if r.get("weights/relay"):
-            fetched.setdefault(r["weights/version"], set()).add(r["member_id"])
+    fetched = relay_fetches(run)
     assert fetched and all(len(ids) == 1 for ids in fetched.values()), fetched
     # After the kill, the versions crossed to the far site through the other generator.
     late = {m for v, ids in fetched.items() if v > killed_at + 2 for m in ids}

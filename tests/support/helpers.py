@@ -114,6 +114,16 @@ def metrics_records(run: Path, role: str) -> list[dict]:
     return [r for r in read_jsonl(run / "metrics.jsonl").records if r.get("role") == role]
 
 
+def relay_fetches(run: Path) -> dict[int, set[str]]:
+    """version -> the far-site members that fetched it across sites through the relay (generators
+    report relay fetches in their periodic records)."""
+    fetched: dict[int, set[str]] = {}
+    for r in metrics_records(run, "generator"):
+        if r.get("weights/relay"):
+            fetched.setdefault(r["weights/version"], set()).add(r["member_id"])
+    return fetched
+
+
 def job_logs(run: Path, tail: int | None = 2500) -> str:
     """Every SLURM job log of a run: the last `tail` characters of each (None: whole)."""
     files = sorted((run / "logs").rglob("*.out"))

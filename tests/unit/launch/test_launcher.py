@@ -104,3 +104,26 @@ def test_every_launcher_reports_and_the_status_document_keeps_its_keys(slurm_run
     reports = launcher.reports(p.run)
     assert [r.key for r in reports] == ["jobs", "processes"]
     assert not any(r.started or r.live(unknown=True) for r in reports)  # a dry run started nothing
+
+
+def test_how_a_slurm_run_ended_is_told_by_its_trainer_not_by_a_lost_generator():
+    """`streamrl status` of a run whose jobs all ended, before the run's end is recorded: a pool
+    member lost (a killed relay's task FAILED) or released (CANCELLED) ends no run."""
+
+    def job(role: str, *states: str) -> dict:
+        return {"role": role, "tasks": [{"task": i, "state": s} for i, s in enumerate(states)]}
+
+    done = job("trainer", "COMPLETED")
+    assert slurm.ending([done, job("generator", "COMPLETED", "COMPLETED")]) == "finished"
+    assert (
+        slurm.ending([done, job("generator", "FAILED", "COMPLETED"), job("teacher", "CANCELLED")])
+        == "finished"
+    )
+    assert slurm.ending([done, job("rendezvous", "COMPLETED"), job("env_server", "NODE_FAIL")]) == "finished"
+    # the trainer's job, or another role that is no pool, tells a failed run
+    assert slurm.ending([job("trainer", "FAILED"), job("generator", "COMPLETED")]) == "failed"
+    assert slurm.ending([job("trainer", "CANCELLED"), job("generator", "FAILED")]) == "failed"
+    assert slurm.ending([done, job("rendezvous", "TIMEOUT"), job("generator", "COMPLETED")]) == "failed"
+    # pools alone (the trainer under another launcher): all completed, or "ended", leaving it to that one
+    assert slurm.ending([job("generator", "COMPLETED", "COMPLETED")]) == "finished"
+    assert slurm.ending([job("generator", "COMPLETED", "FAILED")]) == "ended"

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -66,3 +69,26 @@ def test_ensure_model_builders(tmp_path):
         ensure_model(ModelConfig(path=str(tmp_path / "nope"), builder="big"), TASK)
     with pytest.raises(StreamRLError, match="warmup_steps"):
         ensure_model(ModelConfig(path=str(tmp_path / "nope"), builder="tiny-warm", warmup_steps=0), TASK)
+
+
+def test_building_a_model_leaves_stdout_to_the_command(tmp_path):
+    """Saving a model imports DeepSpeed (through accelerate), which logs to stdout from its first
+    import on: a fresh process (no DS_ACCELERATOR, as in a user's shell) that builds the tiny model
+    and saves a warmed one prints nothing there (`streamrl profile` lists its results on stdout)."""
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from streamrl_cli.models.tiny import build_tiny_model\n"
+        "from streamrl_cli.models.warmup import ensure_model\n"
+        "from streamrl_cli.recipe.schema import ModelConfig, TaskConfig\n"
+        f"build_tiny_model(Path({str(tmp_path / 'tiny')!r}))\n"
+        "task = TaskConfig(name='builtin', dataset=None, num_prompts=16, max_output_len=16)\n"
+        f"warm = ModelConfig(path={str(tmp_path / 'warm')!r}, builder='tiny-warm', warmup_steps=2)\n"
+        "ensure_model(warm, task)\n"
+        "import deepspeed; assert 'deepspeed' in sys.modules\n"
+        "deepspeed.utils.logger.warning('a later DeepSpeed log line')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout == "", out.stdout
+    assert "Setting accelerator to CPU" in out.stderr and "a later DeepSpeed log line" in out.stderr
