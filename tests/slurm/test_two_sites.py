@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.helpers import relay_fetches, streamrl
+from support.helpers import metrics_records, relay_fetches, streamrl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -37,12 +37,6 @@ def status(run: Path) -> dict:
     out = streamrl("status", str(run), "--json")
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
-
-
-def records(run: Path, role: str) -> list[dict]:
-    return [
-        r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r.get("role") == role
-    ]
 
 
 def _serving(site: dict, member_id: str) -> bool:
@@ -80,7 +74,7 @@ def test_two_site_testbed_trains_through_the_relay(slurm_remote, runs_root, tmp_
             if not relay and remote[0]["relay"] and _serving(remote[0], remote[0]["relay"]):
                 relay = remote[0]["relay"]  # shown serving as the relay: now it is killed
                 os.kill(json.loads((there / "members" / f"{relay}.json").read_text())["pid"], signal.SIGKILL)
-                killed_at = len([r for r in records(run, "trainer") if "iteration" in r])
+                killed_at = len([r for r in metrics_records(run, "trainer") if "iteration" in r])
         # The run's end is its own record (run.json). Before it is recorded, once every job has
         # ended (the killed relay's FAILED), status judges the ending from the jobs as the run's
         # supervisor does, by the trainer's: never "failed" for a run that finished.
@@ -95,7 +89,7 @@ def test_two_site_testbed_trains_through_the_relay(slurm_remote, runs_root, tmp_
     assert doc["state"] == "finished", f"{doc['state']}: {doc.get('problems')}\n{logs}"
     assert set(endings) <= {"finished"}, (endings, doc.get("problems"))
 
-    trainer = [r for r in records(run, "trainer") if "iteration" in r]
+    trainer = [r for r in metrics_records(run, "trainer") if "iteration" in r]
     assert [r["iteration"] for r in trainer] == list(range(ITERATIONS))  # each once, in order
     assert relay in ("generator-0", "generator-1") and 0 < killed_at < ITERATIONS, (relay, killed_at)
     rewards = [r["reward_mean"] for r in trainer]
