@@ -13,6 +13,10 @@ and `VLLM_CPU_KVCACHE_SPACE` is counted in whole GiB). The settings that make RL
 * the prefix cache is reset after every update, or prompts longer than one KV block would be
   served from blocks computed with the old weights.
 
+Between bursts the engine's processes sleep after 50 ms without a message instead of spinning for
+vLLM's second (``vllm_idle``, a vLLM plugin): an idle engine leaves its core to the trainer and
+the other engines of its host.
+
 With ``lora`` (``model.lora.sync: adapter``; ``generator.main.lora_serving``) the engine serves
 each version as a LoRA adapter over the base weights it loaded at start: an update receives the
 adapter (the workers write it to a directory of ours: vLLM 0.32 loads adapters from paths only)
@@ -36,6 +40,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Iterable, I
 from pathlib import Path
 from typing import Any, TypeVar
 
+from streamrl_cli.generator import vllm_idle
 from streamrl_cli.generator.engine import (
     Completion,
     EngineError,
@@ -114,6 +119,8 @@ class VLLMEngine(GenerationEngine):
 
         self.on_cpu = current_platform.is_cpu()
         args = dict(self._args)
+        # Read by our vLLM plugin in the engine core and worker processes: set before they are spawned.
+        os.environ.setdefault(vllm_idle.ENV, str(vllm_idle.DEFAULT_IDLE_SPIN_S))
         if self.on_cpu:
             # Read by the worker process when it sizes its KV cache; must be set before the spawn.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self._cpu_kv_cache_gib))

@@ -78,6 +78,9 @@ def test_the_local_default_trains_and_records_every_iteration(local_run, first_o
     for path in logs:
         log = path.read_text()
         assert all(f"serving weight version {v} " in log for v in (1, 2, 3, 4)), log[-2000:]
+        # vLLM loaded our plugin in its engine core and worker: an idle engine sleeps after 50 ms
+        said = [line for line in log.splitlines() if "a waiting reader sleeps after 0.05s" in line]
+        assert any("(EngineCore" in line for line in said) and any("Worker" in line for line in said), said
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("iter-*")) == ["iter-000001", "iter-000003"]
 
 
