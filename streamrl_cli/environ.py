@@ -40,6 +40,10 @@ JOB_POLL = "STREAMRL_JOB_POLL_S"
 # How long members wait for a rendezvous server whose job requeued itself (SLURM holds a requeued
 # job for a while before it may start, then it queues like any job). Default 1800 s.
 REQUEUE_WAIT = "STREAMRL_RENDEZVOUS_REQUEUE_WAIT_S"
+# Seconds a waiting reader in vLLM's processes spins after its last message before it sleeps until
+# woken (streamrl_cli/generator/vllm_idle.py, a vLLM plugin). The generator sets 0.05 unless it is
+# set already; 1 is vLLM's own.
+VLLM_IDLE_SPIN = "STREAMRL_VLLM_IDLE_SPIN_S"
 
 
 def seconds(name: str, default: float) -> float:

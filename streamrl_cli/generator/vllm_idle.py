@@ -23,7 +23,8 @@ from __future__ import annotations
 import logging
 import os
 
-ENV = "STREAMRL_VLLM_IDLE_SPIN_S"
+from streamrl_cli.environ import VLLM_IDLE_SPIN as ENV
+
 DEFAULT_IDLE_SPIN_S = 0.05  # a decode step on these engines takes milliseconds; vLLM's own: 1 s
 
 # A child of vLLM's logger: vLLM's processes print it with their own prefix ("(Worker pid=…)").
