@@ -36,25 +36,18 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
+from streamrl_cli.rundir import read_jsonl
+
 REPO = Path(__file__).resolve().parents[1]
 STREAMRL = [sys.executable, "-m", "streamrl_cli.cli"]
 console = Console()
 SERVING = re.compile(r"^(\S+ \S+) streamrl.generator INFO generator-(\d+): serving weight version", re.M)
 
 
-def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line still being written
-            pass
-    return out
-
-
 def trained(run_dir: Path) -> list[dict]:
-    return [r for r in records(run_dir) if r.get("role") == "trainer" and "iteration" in r]
+    """The trainer's iteration records so far (a line still being written is skipped)."""
+    recs = read_jsonl(run_dir / "metrics.jsonl").records
+    return [r for r in recs if r.get("role") == "trainer" and "iteration" in r]
 
 
 def first_serving(log: Path) -> float | None:

@@ -46,16 +46,22 @@ REQUEUE_WAIT = "STREAMRL_RENDEZVOUS_REQUEUE_WAIT_S"
 VLLM_IDLE_SPIN = "STREAMRL_VLLM_IDLE_SPIN_S"
 
 
+def nonnegative(raw: str) -> float | None:
+    """`raw` as a number ≥ 0 (inf included), or None when it is not one (NaN, negative, not a number)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
 def seconds(name: str, default: float) -> float:
     """A duration in seconds from the environment variable `name` (`default` when unset or empty)."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
+    value = nonnegative(raw)
+    if value is None or value == float("inf"):
         raise StreamRLError(f"{name}={raw!r}: expected a number of seconds ≥ 0 (unset: {default:g})")
     return value
 

@@ -24,6 +24,7 @@ import logging
 import os
 
 from streamrl_cli.environ import VLLM_IDLE_SPIN as ENV
+from streamrl_cli.environ import nonnegative
 
 DEFAULT_IDLE_SPIN_S = 0.05  # a decode step on these engines takes milliseconds; vLLM's own: 1 s
 
@@ -36,11 +37,8 @@ def idle_spin_s(environ: dict[str, str] | os._Environ[str] = os.environ) -> floa
     raw = environ.get(ENV, "").strip()
     if not raw:
         return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:  # also NaN
+    value = nonnegative(raw)
+    if value is None:
         log.warning("%s=%r is not a number of seconds >= 0; vLLM's own idle spin is kept", ENV, raw)
         return None
     return value

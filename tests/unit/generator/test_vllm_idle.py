@@ -63,18 +63,19 @@ def test_a_reader_spins_for_the_set_time_then_sleeps_and_without_the_variable_vl
 
 def test_a_value_that_is_not_seconds_is_said_and_vllms_own_kept():
     # (In a fresh interpreter: a process that started an engine in-process has the plugin loaded.)
-    probe = (
+    script = (
         "import sys; from streamrl_cli.generator.vllm_idle import register; register(); "
         "print('vllm.distributed.device_communicators.shm_broadcast' in sys.modules)"
     )
     for bad in ("soon", "-1", "nan"):
         env = {**os.environ, vllm_idle.ENV: bad}
         out = subprocess.run(
-            [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120
+            [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
         )
+        said = out.stdout + out.stderr
         assert out.returncode == 0 and out.stdout.strip() == "False", (
-            out.stdout + out.stderr
-        )  # nothing patched
+            said
+        )  # vLLM not imported: nothing patched
         assert f"{vllm_idle.ENV}={bad!r} is not a number of seconds >= 0" in out.stderr, out.stderr
 
 
