@@ -32,6 +32,7 @@ from typing import Any
 
 import msgspec
 
+from streamrl_cli import limits
 from streamrl_cli.agent.env_host import AgentError, EnvFailure, EnvSettings
 from streamrl_cli.agent.environment import Message, StepResult
 from streamrl_cli.agent.trajectory import ENV_DIED, ENV_ERROR, ENV_TIMEOUT
@@ -152,6 +153,7 @@ class RemoteEnvHost:
         from streamrl_cli.transport.zmq_common import make_client_socket, tcp_endpoint
 
         sock = make_client_socket(self._ctx, self._keys)
+        sock.maxmsgsize = limits.ENV_SERVER_FRAME  # as the server: a longer answer drops the connection
         sock.heartbeat_ivl = int(HEARTBEAT_S * 1000)
         sock.heartbeat_timeout = int(HEARTBEAT_TIMEOUT_S * 1000)
         events = (
@@ -272,11 +274,17 @@ class RemoteEnvHost:
         if s.dead:
             raise EnvFailure(ENV_DIED, f"environment server {s.member_id} is gone")
         cid = next(self._ids)
+        try:  # what the server would refuse fails this trajectory here, not the server's connection
+            frame = encode([cid, op, sid, limits.check_depth(payload, f"the {op} payload")])
+            if len(frame) > limits.ENV_SERVER_FRAME:
+                raise limits.FrameError(f"{len(frame)} bytes, over the limit of {limits.ENV_SERVER_FRAME}")
+        except (ValueError, TypeError) as e:  # limits.FrameError; msgspec's TypeError: not encodable
+            raise EnvFailure(ENV_ERROR, f"cannot send {op} to the environment server: {e}") from None
         fut = asyncio.get_running_loop().create_future()
         s.pending[cid] = fut
         bound = self.settings.timeout_s + SLACK_S
         try:
-            await s.sock.send_multipart([encode([cid, op, sid, payload])])
+            await s.sock.send_multipart([frame])
             kind, out = await asyncio.wait_for(asyncio.shield(fut), bound)
         except TimeoutError:
             s.pending.pop(cid, None)

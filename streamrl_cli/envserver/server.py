@@ -12,7 +12,11 @@ generator of the run over one ZeroMQ socket::
                        ◄──── answer (ok / the failure's stop reason) ─────┘
 
 The socket is CURVE-encrypted and admits only clients holding the run's token (the keys are
-derived from it, as the sample stream's are: ``transport.zmq_common``). The server registers as
+derived from it, as the sample stream's are: ``transport.zmq_common``). Even a token holder's frame
+is bounded (:mod:`streamrl_cli.limits`): a frame over ``ENV_SERVER_FRAME`` bytes drops its
+connection unread, and one nested deeper than ``MAX_DEPTH`` levels, or not a request at all, is
+answered ``[call id or 0, "fail", ["env_error", why]]`` and counted as malformed; the server goes on
+serving. The server registers as
 member ``env_server-<rank>`` with its address (``addresses.env``) (:mod:`.role`); generators
 find it there (:mod:`.client`).
 
@@ -36,6 +40,7 @@ from typing import Any
 
 import msgspec
 
+from streamrl_cli import limits
 from streamrl_cli.agent.env_host import AgentError, EnvFailure, EnvHost, EnvSettings, Session
 from streamrl_cli.agent.trajectory import ENV_DIED, ENV_ERROR
 from streamrl_cli.roles.spec import EnvServerSpec
@@ -54,8 +59,9 @@ def encode(msg: Any) -> bytes:
     return _enc.encode(msg)
 
 
-def decode(data: bytes) -> Any:
-    return _dec.decode(data)
+def decode(data: bytes, what: str = "a frame") -> Any:
+    """A frame of this wire within its limits (``limits.FrameError`` past them)."""
+    return limits.decode(_dec.decode, data, what, max_bytes=limits.ENV_SERVER_FRAME)
 
 
 def settings_of(spec: EnvServerSpec) -> EnvSettings:
@@ -100,6 +106,7 @@ class EnvServer:
         # end of the socket is the asyncio view of the same socket.
         self._ctx = zmq.Context()
         self._sync, self._auth = make_server_socket(self._ctx, curve_keys(self.token, SERVICE), self.stats)
+        self._sync.maxmsgsize = limits.ENV_SERVER_FRAME  # a longer frame drops its sender, unread
         self.port = self._sync.bind_to_random_port(f"tcp://{self.bind_host}")
         self._sock = zmq.asyncio.Socket.from_socket(self._sync)
         return self.port
@@ -119,13 +126,18 @@ class EnvServer:
                 self.stats["malformed"] += 1
                 continue
             peer, body = frames
+            request: Any = None
             try:
-                cid, op, sid, payload = decode(body)
-                if op not in OPS or not isinstance(cid, int) or not isinstance(sid, str):
-                    raise ValueError(f"op {op!r}")
-            except (msgspec.DecodeError, ValueError, TypeError) as e:
-                self.stats["malformed"] += 1
-                log.warning("env server: dropped a malformed request: %s", e)
+                request = limits.decode(_dec.decode, body, "a request", max_bytes=limits.ENV_SERVER_FRAME,
+                                        max_depth=None)  # fmt: skip
+                if not isinstance(request, list) or len(request) != 4:
+                    raise ValueError("not [call id, op, session id, payload]")
+                cid, op, sid, payload = request
+                if op not in OPS or type(cid) is not int or not isinstance(sid, str):
+                    raise ValueError(f"op {op!r}, call id {cid!r}, session id {sid!r}")
+                limits.check_depth(payload, f"the {op} payload")
+            except (msgspec.DecodeError, ValueError, TypeError) as e:  # limits.FrameError is a ValueError
+                self._malformed(peer, request, e)
                 continue
             client = sid if op == "ping" else sid.rpartition("-")[0]
             self.heard[client] = time.monotonic()
@@ -135,15 +147,33 @@ class EnvServer:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def _malformed(self, peer: bytes, request: Any, error: Exception) -> None:
+        """Count and answer a frame that is no request: the call it names (if it names one) fails at
+        once rather than at its client's timeout; call id 0 (a ping's: no client waits on it) if not."""
+        n = self.stats["malformed"] = self.stats["malformed"] + 1
+        if n % 100 == 1:  # a peer sending garbage must not flood the log
+            log.warning("env server: dropped a malformed request (%d so far): %s", n, error)
+        cid = request[0] if isinstance(request, list) and request and type(request[0]) is int else 0
+        reply = [cid, "fail", [ENV_ERROR, f"malformed request: {error}"[:500]]]
+        task = asyncio.create_task(self._send(peer, reply))  # a peer that reads nothing holds up no one
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, peer: bytes, reply: list) -> None:
+        with contextlib.suppress(Exception):  # the client is gone: its trajectory ended with it
+            await self._sock.send_multipart([peer, encode(reply)])
+
     async def _answer(self, peer: bytes, cid: int, op: str, sid: str, payload: Any) -> None:
         try:
             out = await self._call(op, sid, payload)
             reply = [cid, "ok", dataclasses.asdict(out) if dataclasses.is_dataclass(out) else out]
         except EnvFailure as e:
             reply = [cid, "fail", [e.reason, e.detail]]
+        except Exception as e:  # noqa: BLE001 - a payload the host could not take: this call fails, not the server
+            log.warning("env server: %s of session %s failed: %r", op, sid, e)
+            reply = [cid, "fail", [ENV_ERROR, f"{op} failed on the environment server: {e!r}"[:500]]]
         self.calls[op] += 1
-        with contextlib.suppress(Exception):  # the client is gone: its trajectory ended with it
-            await self._sock.send_multipart([peer, encode(reply)])
+        await self._send(peer, reply)
 
     async def _call(self, op: str, sid: str, payload: Any) -> Any:
         if op == "reset":
@@ -188,6 +218,7 @@ class EnvServer:
             "env_server/processes": sum(not w.dead for w in self.host.workers),
             "env_server/restarts": self.host.restarts,
             "env_server/rejected": self.stats["rejected"],
+            "env_server/malformed": self.stats["malformed"],
             "env_server/swept": self.swept,
             **{f"env_server/calls/{op}": n for op, n in sorted(self.calls.items())},
             **{f"env_server/failures/{k}": n for k, n in sorted(self.host.failures.items())},

@@ -356,3 +356,83 @@ def test_a_frozen_server_is_unreachable_its_trajectory_ends_env_died(tmp_path, t
             await host.close()
 
     asyncio.run(scenario())
+
+
+def test_deep_huge_and_malformed_frames_of_a_token_holder_leave_the_server_serving(tmp_path, token, servers):
+    """One token holder's hostile frames (issue: a 1 KB reset nested 1,000 levels deep killed the server,
+    900 levels left the call unanswered, a 256 MiB frame took and kept ~500 MB): each bad frame is
+    answered with an error or drops only its own connection, the server's memory stays where it was,
+    and a valid reset and step on a new connection succeed afterwards."""
+    import psutil
+
+    from streamrl_cli import limits
+    from streamrl_cli.envserver.server import decode
+
+    servers.append(Server(EnvSettings(env=f"{ENVS}:Scripted", workers=1), token))
+    server = servers[0]
+    proc = psutil.Process(server.proc.pid)
+    keys = curve_keys(token, SERVICE)
+
+    def deep(levels: int) -> bytes:  # [cid, "reset", sid, [[[...null...]]]] as raw msgpack, no recursion
+        return b"\x94\x01\xa5reset\xa3g-9" + b"\x91" * levels + b"\xc0"
+
+    async def call(sock, frame: bytes, timeout: float = 10.0):
+        await sock.send_multipart([frame])
+        return decode((await asyncio.wait_for(sock.recv_multipart(), timeout))[-1])
+
+    async def scenario():
+        ctx = zmq.asyncio.Context()
+        try:
+            sock = make_client_socket(ctx, keys)
+            sock.connect(f"tcp://127.0.0.1:{server.port}")
+            rss0 = proc.memory_info().rss
+            # Too deep for the decoder: no call id to answer by, so call 0 (a ping's, no client waits on
+            # it); decodable but over the limit: call 1 fails.
+            for levels, answered in ((1000, 0), (100_000, 0), (900, 1), (limits.MAX_DEPTH + 1, 1)):
+                cid, kind, (reason, detail) = await call(sock, deep(levels))
+                assert (cid, kind, reason) == (answered, "fail", ENV_ERROR) and "nest" in detail, (
+                    levels,
+                    detail,
+                )
+            for junk in (b"\xc1", b"not msgpack at all", encode({"a": 1}), encode([1, "reset"]),
+                         encode(["x", "reset", "g-1", {}]), encode([2, "format_disk", "g-1", {}])):  # fmt: skip
+                cid, kind, (reason, detail) = await call(sock, junk)
+                assert kind == "fail" and reason == ENV_ERROR and "malformed" in detail, junk
+            assert cid == 2  # the call a frame names is answered as that call
+            # Over the frame limit: ZeroMQ drops this connection unread (nothing to answer on).
+            big = encode([3, "reset", "g-2", {"prompt": "x" * (limits.ENV_SERVER_FRAME + 1024)}])
+            await sock.send_multipart([big])
+            await asyncio.sleep(1.0)
+            del big
+            sock.close(linger=0)
+            assert server.proc.poll() is None, "the server died"
+            assert proc.memory_info().rss - rss0 < 32 << 20, "the oversized frame was read into memory"
+            good = make_client_socket(ctx, keys)
+            good.connect(f"tcp://127.0.0.1:{server.port}")
+            assert await call(good, encode([7, "reset", "g-3", {"prompt": "p"}])) == [7, "ok", []]
+            cid, kind, step = await call(good, encode([8, "step", "g-3", "turn"]))
+            assert (cid, kind, step["reward"], step["done"]) == (8, "ok", 0.25, False)
+            good.close(linger=0)
+            # Our own client refuses such a row itself: its trajectory fails env_error at once, and
+            # the server is not taken for lost (a timeout would have dropped it for every trajectory).
+            directory = Directory()
+            directory.put("env_server-0", server.port)
+            host = RemoteEnvHost(EnvSettings(env=f"{ENVS}:Scripted"), run_dir=tmp_path, directory=directory)
+            await host.start()
+            try:
+                row: list = []
+                for _ in range(200):
+                    row = [row]
+                with pytest.raises(EnvFailure) as failed:
+                    await (await host.open()).reset({"prompt": "p", "deep": row})
+                assert failed.value.reason == ENV_ERROR and "nests deeper" in failed.value.detail
+                s = await host.open()
+                assert await s.reset({"prompt": "p"}) == [] and host.lost == 0
+                await s.close()
+            finally:
+                await host.close()
+        finally:
+            ctx.destroy(linger=0)
+
+    asyncio.run(scenario())
+    assert server.proc.poll() is None
