@@ -5,8 +5,8 @@ streams, the weight relay, the environment server) reads its limits from here, s
 says what any of them accepts (``docs/security.md`` prints it):
 
 * a **frame limit**: a longer frame is refused before its body is read or decoded (ZeroMQ's
-  ``ZMQ_MAXMSGSIZE`` drops the sender's connection unread; the relay refuses the announced length;
-  aiohttp answers 413);
+  ``ZMQ_MAXMSGSIZE`` drops the sender's connection unread; the relay and the weight broadcast
+  refuse the announced length; aiohttp answers 413);
 * a **nesting limit**: free-form values (a dataset row, a sampling document, an environment's step)
   may nest at most :data:`MAX_DEPTH` levels. msgpack and JSON decoders recurse once per level, so a
   1 KB frame nested 1,000 levels deep raises ``RecursionError`` inside the decoder; 900 levels
@@ -38,12 +38,15 @@ FRAMES = {
     "relay_preauth": 1024,
     # A reset's row or a step's text (a model turn; an observation with a file's contents).
     "env_server": 16 << 20,
+    # A weight broadcast's transfer plan (names, shapes, buckets: ~100 bytes a tensor).
+    "weight_plan": 64 << 20,
 }
 SAMPLE_STREAM_FRAME = FRAMES["sample_stream"]
 RELAY_FRAME = FRAMES["relay"]
 RELAY_PREAUTH_FRAME = FRAMES["relay_preauth"]
 RENDEZVOUS_BODY = FRAMES["rendezvous"]
 ENV_SERVER_FRAME = FRAMES["env_server"]
+WEIGHT_PLAN_FRAME = FRAMES["weight_plan"]
 
 
 class FrameError(ValueError):

@@ -16,13 +16,15 @@ from typing import Annotated, Any
 import msgspec
 from aiohttp import web
 
-MAX_BODY = 256 * 1024  # a register body with engine info fits in a few KiB
+from streamrl_cli import limits
+
+MAX_BODY = limits.RENDEZVOUS_BODY  # a register body with engine info fits in a few KiB
 MAX_RECORD = 16 * 1024  # metrics and progress documents are meant to be small
 MAX_TRANSFER = 128 * 1024  # a proposal's transfer document: a weight group layout, ~20 bytes per rank
 MAX_KEYS = 64
 MAX_DEPTH = 8  # free-form documents are journaled with the json module: keep them shallow
 MAX_POLL_S = 60.0
-MAX_BODY_DEPTH = 32  # any body, before the free-form documents' own MAX_DEPTH is checked
+MAX_BODY_DEPTH = limits.MAX_DEPTH  # any body, before the free-form documents' own MAX_DEPTH is checked
 # HTTP status of each state-machine refusal (state.Rejected.code); anything else is 409.
 REJECT_STATUS = {"unknown_member": 404, "unknown_version": 404, "member_left": 410}
 
@@ -201,23 +203,12 @@ def check_document(
         why = f"uses reserved key(s) {bad}"
     elif size > max_bytes or len(doc) > MAX_KEYS:
         why = f"is too large ({size} bytes, {len(doc)} keys)"
-    elif _depth(doc) > MAX_DEPTH:
+    elif limits.depth(doc, MAX_DEPTH) > MAX_DEPTH:
         why = f"nests deeper than {MAX_DEPTH} levels"
     else:
         return
-    limits = f"{max_bytes} bytes, {MAX_KEYS} keys and {MAX_DEPTH} levels"
-    raise invalid(path, f"{what} {why}; keep it under {limits}, without {sorted(reserved)}")
-
-
-def _depth(obj: Any) -> int:
-    """Nesting depth of a decoded JSON value, without recursion (the value may be hostile)."""
-    deepest, stack = 0, [(obj, 1)]
-    while stack:
-        value, d = stack.pop()
-        deepest = max(deepest, d)
-        if d <= MAX_DEPTH and isinstance(value, dict | list):
-            stack.extend((v, d + 1) for v in (value.values() if isinstance(value, dict) else value))
-    return deepest
+    bounds = f"{max_bytes} bytes, {MAX_KEYS} keys and {MAX_DEPTH} levels"
+    raise invalid(path, f"{what} {why}; keep it under {bounds}, without {sorted(reserved)}")
 
 
 def check_progress(path: str, doc: dict[str, Any]) -> None:

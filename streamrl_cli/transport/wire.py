@@ -30,13 +30,15 @@ from typing import Any
 
 import msgspec
 
+from streamrl_cli import limits
+
 HELLO, SAMPLES, REQUEST_ACK = b"H", b"S", b"a"
 WELCOME, ACK, REQUESTS, REFUSED = b"W", b"A", b"R", b"X"
 
 PROTOCOL = 2  # 2: one frame per message
 # Largest message either end reads (ZeroMQ's ZMQ_MAXMSGSIZE: a longer one drops that peer's
-# connection before anything is allocated). A full batch of 64 samples of 32K tokens is ~27 MB.
-MAX_MESSAGE = 64 << 20
+# connection before anything is allocated); its size is in streamrl_cli.limits with every wire's.
+MAX_MESSAGE = limits.SAMPLE_STREAM_FRAME
 
 
 class Episode(msgspec.Struct, kw_only=True):
@@ -158,8 +160,12 @@ _batch_dec = msgspec.msgpack.Decoder(tuple[list[int], list[msgspec.Raw]])
 
 
 def decode_batch(data: bytes | memoryview) -> tuple[list[int], list[msgspec.Raw]]:
-    """(seqs, items still encoded): items are decoded one by one, so one bad item spoils only itself."""
-    seqs, items = _batch_dec.decode(data)
+    """(seqs, items still encoded): items are decoded one by one, so one bad item spoils only itself.
+    An item nested too deeply to skip is a FrameError (msgspec recurses to skip a Raw value)."""
+    try:
+        seqs, items = _batch_dec.decode(data)
+    except RecursionError:
+        raise limits.FrameError("a batch item nests too deeply to decode") from None
     if len(seqs) != len(items):
         raise ValueError(f"batch of {len(items)} items carries {len(seqs)} sequence numbers")
     return seqs, items
@@ -179,7 +185,14 @@ def decode_sample(data: bytes | memoryview) -> Sample:
 
 
 def decode_request(data: bytes | memoryview) -> Request:
-    return _request_dec.decode(data)
+    """A request; its free-form parts (``sampling``, ``env``) nest at most ``limits.MAX_DEPTH`` levels."""
+    try:
+        req = _request_dec.decode(data)
+    except RecursionError:
+        raise limits.FrameError("a request nests too deeply to decode") from None
+    limits.check_depth(req.sampling, "a request's sampling")
+    limits.check_depth(req.env, "a request's environment row")
+    return req
 
 
 def decode_seqs(data: bytes | memoryview) -> list[int]:

@@ -35,6 +35,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from streamrl_cli import limits
 from streamrl_cli.weights import WeightTransferError
 from streamrl_cli.weights.plan import Bucket, Plan, plan_buckets
 
@@ -347,11 +348,16 @@ def iter_buckets(
         raise WeightTransferError(
             f"weight broadcast out of step: header {header.tolist()} lacks the magic number"
         )
+    if not 0 < meta_len <= limits.WEIGHT_PLAN_FRAME:
+        raise WeightTransferError(
+            f"weight broadcast out of step: a transfer plan of {meta_len} bytes announced "
+            f"(limit {limits.WEIGHT_PLAN_FRAME})"
+        )
     meta = torch.empty(meta_len, dtype=torch.uint8, device=device)
     _wait(_broadcast(pg, meta, src), source_gone)
     try:
         plan = msgspec.msgpack.decode(meta.cpu().numpy().tobytes(), type=Plan)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, RecursionError) as e:
         raise WeightTransferError(f"weight metadata of version {version} is not a transfer plan: {e}") from e
     if len(plan.buckets) != n_buckets:
         raise WeightTransferError(

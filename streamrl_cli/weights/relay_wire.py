@@ -53,13 +53,14 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from streamrl_cli import limits
 from streamrl_cli.weights import WeightTransferError
 from streamrl_cli.weights.plan import TensorSpec
 from streamrl_cli.weights.relay_delta import TensorDelta
 
 PROTOCOL = 3  # 2: sealed frames (AES-GCM) after the handshake; 3: delta versions (relay_delta)
-MAX_FRAME = 64 << 20  # a manifest of a huge model is a few MB; anything larger is garbage
-PREAUTH_MAX_FRAME = 1024  # Challenge, Hello, Welcome, Error are < 200 bytes
+MAX_FRAME = limits.RELAY_FRAME  # a manifest of a huge model is a few MB; anything larger is garbage
+PREAUTH_MAX_FRAME = limits.RELAY_PREAUTH_FRAME  # Challenge, Hello, Welcome, Error are < 200 bytes
 TAG = 16  # AES-GCM tag bytes
 SEAL_SLICE = 1 << 20  # chunk payloads are sealed and opened this many bytes at a time
 
@@ -137,6 +138,17 @@ class Error(msgspec.Struct, tag=True):
 Message = Challenge | Hello | Welcome | GetManifest | Manifest | GetChunks | ChunkHeader | Error
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Message)
+
+
+def _decode(body: bytes) -> Message:
+    """A frame's message, or ProtocolError (an unknown field nested deeply makes msgspec recurse; a
+    string that is not UTF-8 makes it raise UnicodeDecodeError)."""
+    try:
+        return _dec.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"undecodable frame: {e}") from None
+    except RecursionError:
+        raise ProtocolError(f"undecodable frame: nested deeper than {limits.MAX_DEPTH} levels") from None
 
 
 class Conn:
@@ -217,10 +229,7 @@ class Conn:
                 body = AESGCM(self._rx_key).decrypt(self._next_rx_nonce(), body, head)
             except (InvalidTag, ValueError):
                 raise ProtocolError("a frame failed authentication (tampered or corrupted)") from None
-        try:
-            return _dec.decode(body)
-        except msgspec.DecodeError as e:
-            raise ProtocolError(f"undecodable frame: {e}") from None
+        return _decode(body)
 
     def recv_exact(self, n: int) -> bytes:
         buf = bytearray(n)
@@ -327,10 +336,7 @@ class ServerHandshake:
             raise ProtocolError("bytes after the first frame, before the handshake ended")
         if len(self._buf) < 4 + n:
             return None
-        try:
-            return _dec.decode(bytes(self._buf[4:]))
-        except msgspec.DecodeError as e:
-            raise ProtocolError(f"undecodable frame: {e}") from None
+        return _decode(bytes(self._buf[4:]))
 
     def answer(self, msg: Message) -> tuple[bytes, bytes, bytes] | None:
         """(Welcome frame, server-to-client key, client-to-server key) if `msg` proves the token."""
