@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -40,7 +41,10 @@ from pathlib import Path
 from typing import Any
 
 from streamrl_cli import environ
-from streamrl_cli.errors import RunNotFoundError
+from streamrl_cli.errors import RecipeError, RunNotFoundError
+from streamrl_cli.recipe.schema import RUN_NAME
+
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # <run name>-<timestamp>[-<n>]
 
 
 def streamrl_home() -> Path:
@@ -352,12 +356,17 @@ class RunDir:
 
 
 def create(root: Path, name: str, now: float | None = None) -> RunDir:
-    """A new, empty run directory `<root>/<name>-<timestamp>` (suffixed if that exists)."""
+    """A new, empty run directory `<root>/<name>-<timestamp>` (suffixed if that exists); `name` must
+    be a run name (recipe.schema.RUN_NAME), so the directory is always directly inside `root`."""
+    if not RUN_NAME.fullmatch(name):
+        raise RecipeError([f"run.name: {name!r} is not a run name (1-64 letters, digits, '.', '_', '-')"])
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     root = root.expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
     for i in range(100):
         path = root / (f"{name}-{stamp}" + (f"-{i}" if i else ""))
+        if path.resolve().parent != root:  # a name rule that let one through would be a bug: say so
+            raise RuntimeError(f"run directory {path} would not lie directly under {root}")
         try:
             path.mkdir()
         except FileExistsError:
@@ -373,7 +382,22 @@ def catalog_add(run: RunDir) -> None:
     home = streamrl_home()
     home.mkdir(parents=True, exist_ok=True)
     with open(home / "catalog.jsonl", "a") as f:
-        f.write(json.dumps({"run": run.name, "path": str(run.path), "created": time.time()}) + "\n")
+        rec = {"run": run.name, "path": str(run.path), "root": str(run.path.parent), "created": time.time()}
+        f.write(json.dumps(rec) + "\n")
+
+
+def _listed(rec: dict) -> bool:
+    """A catalog record of a run directory `streamrl run` made: an absolute, normal path directly inside
+    the record's root, whose last part is the record's run id (a run name and its timestamp)."""
+    path, run = rec["path"], rec.get("run")
+    return (
+        isinstance(run, str)
+        and _RUN_ID.fullmatch(run) is not None
+        and os.path.isabs(path)
+        and os.path.normpath(path) == path
+        and os.path.basename(path) == run
+        and rec.get("root", os.path.dirname(path)) == os.path.dirname(path)
+    )
 
 
 def catalog() -> list[RunDir]:
@@ -381,6 +405,8 @@ def catalog() -> list[RunDir]:
     read = read_jsonl(streamrl_home() / "catalog.jsonl", lambda r: isinstance(r.get("path"), str))
     seen: dict[str, RunDir] = {}
     for rec in read.records:
+        if not _listed(rec):
+            continue
         run = RunDir(Path(rec["path"]))
         if run.is_run():  # one that lost its run.json still is: status and cancel must find it
             seen[str(run.path)] = run

@@ -18,6 +18,7 @@ from streamrl_cli.recipe.schema import (
     ALGORITHMS,
     LOGGERS,
     RESERVED_SBATCH,
+    RUN_NAME,
     AlgorithmConfig,
     ClusterConfig,
     EnvServerConfig,
@@ -39,6 +40,7 @@ def templates_dir() -> Path:
 
 def check(r: Recipe) -> list[Problem]:
     return [
+        *_run(r),
         *_clusters(r),
         *_trainer(r),
         *_generator(r),
@@ -72,6 +74,17 @@ def _algorithm_of(r: Recipe) -> AlgorithmConfig:
     if a.name not in ALGORITHMS:  # reported by the schema walk; the rest checked as the default's
         a = dataclasses.replace(a, name=AlgorithmConfig().name)
     return presets.filled(a, r.task.max_output_len)
+
+
+def _run(r: Recipe) -> Iterator[Problem]:
+    """The run's name becomes a directory under run.root: nothing that could leave it or mislead."""
+    if not RUN_NAME.fullmatch(r.run.name):
+        yield (
+            "run.name",
+            f"{r.run.name!r} is not a run name: use 1-64 letters, digits, '.', '_' or '-', starting with a "
+            "letter or digit (it names the run's directory under run.root, its jobs and its logs), e.g. "
+            "gsm8k-grpo_7b.v2",
+        )
 
 
 def _clusters(r: Recipe) -> Iterator[Problem]:
@@ -448,8 +461,9 @@ def _workload(r: Recipe) -> Iterator[Problem]:
     for key in ("global_batch", "micro_batch", "iterations"):
         if getattr(t, key) < 1:
             yield f"train.{key}", f"must be at least 1, got {getattr(t, key)}"
-    if task.max_output_len < 1 or task.max_prompt_len < 1:
-        yield "task.max_output_len", "prompt and output lengths must be at least 1 token"
+    for key in ("max_prompt_len", "max_output_len"):
+        if getattr(task, key) < 1:
+            yield f"task.{key}", f"must be at least 1 token, got {getattr(task, key)}"
     yield from _training(r)
 
 
@@ -459,8 +473,9 @@ def _training(r: Recipe) -> Iterator[Problem]:
         yield "algorithm.lr", f"must be ≥ 0 (0 keeps the policy fixed), got {a.lr}"
     if a.critic_lr <= 0:
         yield "algorithm.critic_lr", f"must be positive, got {a.critic_lr}"
-    if a.clip_ratio <= 0 or a.clip_ratio_high <= 0:
-        yield "algorithm.clip_ratio", "clip ratios must be positive"
+    for key in ("clip_ratio", "clip_ratio_high"):
+        if getattr(a, key) <= 0:
+            yield f"algorithm.{key}", f"a clip ratio: must be positive, got {getattr(a, key)}"
     if a.temperature <= 0:
         yield "algorithm.temperature", f"must be positive (logits are divided by it), got {a.temperature}"
     if not 0 < a.top_p <= 1:
@@ -474,8 +489,9 @@ def _training(r: Recipe) -> Iterator[Problem]:
     if a.is_cap < 1:
         yield "algorithm.is_cap", f"importance weights are truncated at is_cap: must be ≥ 1, got {a.is_cap}"
     yield from _algorithm(r, a)
-    if not 0 <= a.lam <= 1 or not 0 <= a.gamma <= 1:
-        yield "algorithm.lam", f"gamma and lam must be in [0, 1], got {a.gamma} and {a.lam}"
+    for key in ("gamma", "lam"):
+        if not 0 <= getattr(a, key) <= 1:
+            yield f"algorithm.{key}", f"must be in [0, 1], got {getattr(a, key)}"
     unknown = [x for x in t.loggers if x not in LOGGERS]
     if unknown:
         names = ", ".join(map(repr, unknown))
@@ -511,11 +527,16 @@ def _training(r: Recipe) -> Iterator[Problem]:
         )
     if not t.stall_after_s > 0 or t.stall_after_s == float("inf"):
         yield "train.stall_after_s", f"must be a positive number of seconds, got {t.stall_after_s}"
-    if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
-        yield "train.checkpoint_every", "checkpoint_every must be ≥ 0 and keep_checkpoints ≥ 1"
-    if r.model.num_attention_heads < 1 or r.model.num_kv_heads < 1:
-        yield "model.num_attention_heads", "head counts must be at least 1"
-    elif r.model.num_attention_heads % r.model.num_kv_heads:
+    if t.checkpoint_every < 0:
+        yield "train.checkpoint_every", f"must be 0 (only the last) or more, got {t.checkpoint_every}"
+    if t.keep_checkpoints < 1:
+        yield "train.keep_checkpoints", f"must be at least 1, got {t.keep_checkpoints}"
+    for key in ("num_attention_heads", "num_kv_heads"):
+        if getattr(r.model, key) < 1:
+            yield f"model.{key}", f"must be at least 1, got {getattr(r.model, key)}"
+    if min(r.model.num_attention_heads, r.model.num_kv_heads) >= 1 and (
+        r.model.num_attention_heads % r.model.num_kv_heads
+    ):
         yield (
             "model.num_kv_heads",
             (f"{r.model.num_kv_heads} KV heads do not divide {r.model.num_attention_heads} attention heads"),

@@ -152,11 +152,19 @@ def _without(tree: dict, bad: dict[str, str]) -> dict:
         for k in keys[:-1]:
             node = node.get(k) if isinstance(node, dict) else None
         if isinstance(node, dict) and keys[-1] in node:
-            if node[keys[-1]] == "???":
-                node[keys[-1]] = ""
+            if node[keys[-1]] == "???" or _required(keys):
+                node[keys[-1]] = ""  # a required value left missing would stop the conversion
             else:
                 del node[keys[-1]]
     return out
+
+
+def _required(keys: list[str]) -> bool:
+    """Whether the schema has no default for ``keys`` (``???``)."""
+    node: Any = _schema_defaults()
+    for k in keys:
+        node = node.get(k) if isinstance(node, dict) else None
+    return node == "???"
 
 
 def _convert(tree: dict, problems: list[str]) -> Recipe | None:

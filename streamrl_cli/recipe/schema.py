@@ -8,6 +8,7 @@ that every problem of a recipe is reported at once rather than the first ``__pos
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,15 +52,48 @@ def choices(*values: str, default: str | None) -> Any:
     return field(default=default, metadata={"choices": values})
 
 
+# Upper bounds of sizes and counts (checked by the schema walk before anything is converted, written
+# or allocated): what a user could mean on the largest cluster there is, and no more. A value past
+# one is refused with the bound and its key; tighter, situational bounds (a model's context, this
+# machine's cores for local processes) are checked where they are known.
+NODES = 16_384  # nodes of one job (a 100k-GPU cluster is ~12,500 8-GPU nodes)
+GPUS_PER_NODE = 128  # GPUs of one node (8 today; rack-scale systems are split into nodes of 4-8)
+CPUS_PER_NODE = 4_096  # CPU cores of one node
+MEM_GB = 65_536  # memory of one node, GiB
+INSTANCES = 100_000  # instances of one pool (SLURM array tasks)
+TIME_MIN = 527_040  # a job's time limit, minutes (a year)
+SECONDS = 7 * 86_400  # leases, timeouts and bounds in seconds (a week)
+RESTARTS = 10_000  # restarts of a role, checkpoints kept
+ITERATIONS = 10_000_000  # iterations (and every count measured in them)
+STEPS = 10_000_000  # supervised warm-up steps of a built model
+TOKENS = 1 << 24  # tokens of one prompt or output (16M: past every model's context)
+VOCAB = 1 << 24  # tokens of a vocabulary (top_k)
+PROMPTS = 100_000_000  # prompts of a dataset (the built-in task makes them in memory)
+BATCH = 1 << 20  # prompts of an iteration, samples of a micro-batch
+GROUP = 1 << 16  # samples of one prompt
+SEQS = 1 << 16  # sequences one engine instance runs at once
+WORKERS = 4_096  # environment processes of one generator or server
+TURNS = 100_000  # model turns of one trajectory
+LAYERS = 4_096  # transformer layers
+HIDDEN = 1 << 20  # model width (and a LoRA rank, which is below it)
+HEADS = 4_096  # attention heads
+PARAMS_B = 1_000_000  # parameters, billions
+
+
+def at_most(bound: float, default: Any) -> Any:
+    """A number field of at most ``bound`` (checked by the validator)."""
+    return field(default=default, metadata={"max": bound})
+
+
 @dataclass(kw_only=True)
 class PartitionConfig:
     """One SLURM partition: what a node in it offers."""
 
-    gpus_per_node: int = 0  # GPUs on each node (0: CPU-only partition)
+    gpus_per_node: int = at_most(GPUS_PER_NODE, 0)  # GPUs on each node (0: CPU-only partition)
     gpu_type: str = "none"  # hardware kind of those GPUs (h800, h20, h100, ...), used by tune-split
-    cpus_per_node: int = 1  # CPU cores on each node
-    mem_gb_per_node: int = 1  # memory of each node, GiB
-    max_nodes: int = 1  # nodes a single job may take in this partition
+    cpus_per_node: int = at_most(CPUS_PER_NODE, 1)  # CPU cores on each node
+    mem_gb_per_node: int = at_most(MEM_GB, 1)  # memory of each node, GiB
+    max_nodes: int = at_most(NODES, 1)  # nodes a single job may take in this partition
 
 
 @dataclass(kw_only=True)
@@ -70,7 +104,7 @@ class ClusterConfig:
     slurm_cluster: str | None = None  # name for sbatch/squeue/scancel -M; null: the host's own cluster
     site: str = "default"  # datacenter: roles at different sites exchange weights over TCP, not NCCL
     partitions: dict[str, PartitionConfig] = field(default_factory=dict)  # partitions roles may use
-    local_gpus: int = 0  # GPUs of this machine (launcher=local only)
+    local_gpus: int = at_most(GPUS_PER_NODE, 0)  # GPUs of this machine (launcher=local only)
     account: str | None = None  # sbatch --account
     qos: str | None = None  # sbatch --qos
     setup_template: str | None = None  # file in slurm_templates/ whose lines run before each role
@@ -98,25 +132,24 @@ class RoleJobConfig:
 
     cluster: str = "???"  # key of `clusters` this role runs on
     partition: str | None = None  # partition of that cluster (required for SLURM clusters)
-    time_min: int = 60  # wall-clock limit of the job, minutes
-    cpus_per_task: int = 1  # CPU cores per task
-    mem_gb: int | None = (
-        None  # memory per node, GiB (null: the job's GPU share of the partition's node memory)
-    )
+    time_min: int = at_most(TIME_MIN, 60)  # wall-clock limit of the job, minutes
+    cpus_per_task: int = at_most(CPUS_PER_NODE, 1)  # CPU cores per task
+    # memory per node, GiB (null: the job's GPU share of the partition's node memory)
+    mem_gb: int | None = at_most(MEM_GB, None)
     program: str = "streamrl_cli.roles.preflight:main"  # `module:function` the role's processes run
     # SLURM: USR2 comes this long before the time limit. The trainer finishes its iteration, saves a
     # checkpoint and requeues its job, which resumes from it (a run longer than the limit goes on in
     # the requeued job); a generator hands its work back and requeues its task. Give the trainer an
     # iteration plus a checkpoint's write.
-    signal_lead_s: int = 120
+    signal_lead_s: int = at_most(SECONDS, 120)
 
 
 @dataclass(kw_only=True)
 class TrainerConfig(RoleJobConfig):
     """The trainer job: one task per GPU (one per node on CPU), all nodes of one job."""
 
-    nodes: int = 1  # nodes of the trainer job
-    gpus_per_node: int = 1  # GPUs on each trainer node
+    nodes: int = at_most(NODES, 1)  # nodes of the trainer job
+    gpus_per_node: int = at_most(GPUS_PER_NODE, 1)  # GPUs on each trainer node
     # The trainer is DeepSpeed ZeRO data parallel (stages 0-3, optional CPU offload): it runs no
     # tensor or pipeline parallel layout, so these stay 1 (anything else is refused, not ignored).
     tensor_parallel: int = 1  # TP degree: 1 only
@@ -128,7 +161,7 @@ class TrainerConfig(RoleJobConfig):
     # newest checkpoint, at most this many times per run: by `streamrl run` for a local trainer, by
     # the rendezvous role's job watcher (a new job) on SLURM. Generators wait for it up to
     # train.stall_after_s. 0: the run fails with its trainer.
-    restarts: int = 2
+    restarts: int = at_most(RESTARTS, 2)
 
 
 @dataclass(kw_only=True)
@@ -141,10 +174,12 @@ class ElasticConfig:
     """
 
     enabled: bool = False  # the trainer asks for instances by this rule (off: the count stays as launched)
-    min: int = 1  # never fewer instances (at least 1: the rule needs one to measure)
-    max: int = 1  # never more instances
-    patience: int = 2  # iterations in a row a condition must hold before an instance is added or released
-    cooldown: int = 2  # iterations after a change with no other change (a new instance needs to start)
+    min: int = at_most(INSTANCES, 1)  # never fewer instances (at least 1: the rule needs one to measure)
+    max: int = at_most(INSTANCES, 1)  # never more instances
+    # iterations in a row a condition must hold before an instance is added or released
+    patience: int = at_most(ITERATIONS, 2)
+    # iterations after a change with no other change (a new instance needs to start)
+    cooldown: int = at_most(ITERATIONS, 2)
     idle_release: float = 0.5  # release one when generators idle more than this fraction of iterations
 
 
@@ -152,13 +187,14 @@ class ElasticConfig:
 class GeneratorConfig(RoleJobConfig):
     """Generator instances: one SLURM array task per instance, so scaling is adding/cancelling tasks."""
 
-    instances: int = 1  # generator instances (array tasks)
-    gpus_per_instance: int = 1  # GPUs per instance (on one node)
-    tensor_parallel: int = 1  # TP degree inside an instance; must divide gpus_per_instance
-    max_running: int | None = None  # array throttle (`%N`); null: all at once
+    instances: int = at_most(INSTANCES, 1)  # generator instances (array tasks)
+    gpus_per_instance: int = at_most(GPUS_PER_NODE, 1)  # GPUs per instance (on one node)
+    # TP degree inside an instance; must divide gpus_per_instance
+    tensor_parallel: int = at_most(GPUS_PER_NODE, 1)
+    max_running: int | None = at_most(INSTANCES, None)  # array throttle (`%N`); null: all at once
     # Sequences one instance runs at once (vLLM's max_num_seqs): the bound of its admission queue for
     # every dispatch (random + FIFO runs exactly this many; Algorithm 2 picks batch sizes up to it).
-    max_num_seqs: int = 64
+    max_num_seqs: int = at_most(SEQS, 64)
     engine: str = choices(*ENGINES, default="vllm")  # inference engine
     # Generators at another site than the trainer: how their relay fetches each weight version
     # across sites. delta: only what changed since the version it holds (bit-exact, checked per
@@ -180,7 +216,7 @@ class TeacherModelConfig:
     # tiny Qwen2 twice as wide and deep as the tiny policy and trains it on the built-in task's
     # exact answers (warmup_steps supervised steps), a teacher that knows the task.
     builder: str | None = field(default=None, metadata={"choices": TEACHER_BUILDERS})
-    warmup_steps: int = 600  # builder tiny-teacher: supervised steps
+    warmup_steps: int = at_most(STEPS, 600)  # builder tiny-teacher: supervised steps
 
 
 @dataclass(kw_only=True)
@@ -189,14 +225,15 @@ class TeacherConfig(RoleJobConfig):
     that score the policy's sampled tokens (their log-probs under the teacher), streamed to the
     trainer like samples; an instance lost has its work re-dispatched to the others."""
 
-    instances: int = 0  # teacher instances (array tasks); 0: no teacher
+    instances: int = at_most(INSTANCES, 0)  # teacher instances (array tasks); 0: no teacher
     cluster: str | None = None  # type: ignore[assignment]  # key of `clusters` (null: the generators')
     # partition of that cluster (null: the generators' when the cluster is theirs)
     partition: str | None = None
-    gpus_per_instance: int = 1  # GPUs per instance (on one node)
-    tensor_parallel: int = 1  # TP degree inside an instance; must divide gpus_per_instance
-    max_num_seqs: int = 64  # sequences an instance scores at once
-    max_running: int | None = None  # array throttle (`%N`); null: all at once
+    gpus_per_instance: int = at_most(GPUS_PER_NODE, 1)  # GPUs per instance (on one node)
+    # TP degree inside an instance; must divide gpus_per_instance
+    tensor_parallel: int = at_most(GPUS_PER_NODE, 1)
+    max_num_seqs: int = at_most(SEQS, 64)  # sequences an instance scores at once
+    max_running: int | None = at_most(INSTANCES, None)  # array throttle (`%N`); null: all at once
     program: str = "streamrl_cli.generator.teacher:main"  # `module:function` each instance runs
     model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
 
@@ -208,11 +245,13 @@ class EnvServerConfig(RoleJobConfig):
     heavy environments then take no CPU or memory beside an engine. Off (instances 0): each
     generator hosts its environments itself (agent.env_workers processes)."""
 
-    instances: int = 0  # environment servers (array tasks); 0: environments beside each generator
+    # environment servers (array tasks); 0: environments beside each generator
+    instances: int = at_most(INSTANCES, 0)
     cluster: str | None = None  # type: ignore[assignment]  # key of `clusters` (null: the generators')
     # partition of that cluster (null: the generators' when the cluster is theirs); no GPU is asked
     partition: str | None = None
-    workers: int | None = None  # environment processes each server hosts (null: agent.env_workers)
+    # environment processes each server hosts (null: agent.env_workers)
+    workers: int | None = at_most(WORKERS, None)
     program: str = "streamrl_cli.envserver.role:main"  # `module:function` each server runs
 
 
@@ -225,11 +264,11 @@ class RendezvousConfig:
     partition: str | None = None  # with placement=job: the partition of its job
     bind_host: str = "127.0.0.1"  # address the server listens on (0.0.0.0 for other hosts)
     port: int = 0  # port (0: any free port)
-    lease_s: float = 10.0  # a member silent for this long is marked lost
+    lease_s: float = at_most(SECONDS, 10.0)  # a member silent for this long is marked lost
     tls_cert: str | None = None  # PEM certificate: serve HTTPS (cross-site links)
     tls_key: str | None = None  # PEM private key of tls_cert
     tls_ca: str | None = None  # CA bundle to verify the server (self-signed: tls_cert); null: system CAs
-    time_min: int = 60  # with placement=job: its wall-clock limit, minutes
+    time_min: int = at_most(TIME_MIN, 60)  # with placement=job: its wall-clock limit, minutes
 
 
 @dataclass(kw_only=True)
@@ -252,7 +291,7 @@ class LoraConfig:
     """LoRA adapters on the policy (PEFT): the base weights stay frozen and only the adapters train.
     What each weight version sends the generators is `sync`'s choice."""
 
-    rank: int = 0  # adapter rank r (0: off, every weight trains)
+    rank: int = at_most(HIDDEN, 0)  # adapter rank r (0: off, every weight trains)
     alpha: float = 16.0  # scaling numerator: the adapter's update is (alpha / rank) · B·A
     dropout: float = 0.0  # dropout on the adapters' input while training, in [0, 1)
     # Modules that get an adapter, by the last part of their name (PEFT's target_modules): linear
@@ -271,16 +310,17 @@ class ModelConfig:
 
     name: str = "???"  # display name
     path: str = "???"  # local directory (or hub id on clusters with a cache) for from_pretrained
-    params_b: float = 0.0  # parameters, billions
-    num_layers: int = 1  # transformer layers
-    hidden_size: int = 64  # model width
-    num_attention_heads: int = 2  # query heads (tensor-parallel sizes must divide it)
-    num_kv_heads: int = 2  # key/value heads
+    params_b: float = at_most(PARAMS_B, 0.0)  # parameters, billions
+    num_layers: int = at_most(LAYERS, 1)  # transformer layers
+    hidden_size: int = at_most(HIDDEN, 64)  # model width
+    num_attention_heads: int = at_most(HEADS, 2)  # query heads (tensor-parallel sizes must divide it)
+    num_kv_heads: int = at_most(HEADS, 2)  # key/value heads
     dtype: str = choices(*DTYPES, default="bfloat16")  # weights and compute dtype
     # How to make the model when `path` does not exist yet (null: it must exist): "tiny" builds the
     # tiny Qwen2 of streamrl_cli.models.tiny, "tiny-warm" also warms it up on the built-in task (SFT).
     builder: str | None = field(default=None, metadata={"choices": MODEL_BUILDERS})
-    warmup_steps: int = 0  # builder tiny-warm: supervised steps on the built-in task before RL
+    # builder tiny-warm: supervised steps on the built-in task before RL
+    warmup_steps: int = at_most(STEPS, 0)
     lora: LoraConfig = field(default_factory=LoraConfig)  # train LoRA adapters instead of every weight
 
 
@@ -292,8 +332,9 @@ class AlgorithmConfig:
 
     name: str = choices(*ALGORITHMS, default="grpo")  # RL algorithm (a preset of the keys below)
     mode: str = choices(*MODES, default="sync-stream")  # pipelining between generation and training
-    group_size: int = 8  # samples per prompt
-    max_staleness: int = 1  # async, partial rollout: max versions a sample (its oldest token) may lag
+    group_size: int = at_most(GROUP, 8)  # samples per prompt
+    # async, partial rollout: max versions a sample (its oldest token) may lag
+    max_staleness: int = at_most(ITERATIONS, 1)
     # Advantage estimator: gae (critic), grpo, rloo, reinforce++, reinforce++-baseline; null: the algorithm's.
     advantage: str | None = choices(*ADVANTAGES, default=None)
     # Policy loss: clip (PPO/GRPO/DAPO), gspo, cispo; null: the algorithm's.
@@ -322,7 +363,7 @@ class AlgorithmConfig:
     grpo_std_norm: bool | None = None  # advantage=grpo: divide by the group's std; null: the algorithm's
     # DAPO's soft overlong punishment: the last overlong_buffer tokens before task.max_output_len cost a
     # reward penalty rising linearly to overlong_penalty (0: off); null: the algorithm's.
-    overlong_buffer: int | None = None
+    overlong_buffer: int | None = at_most(TOKENS, None)
     overlong_penalty: float = 1.0  # the penalty at task.max_output_len tokens
     # DAPO's dynamic sampling: a group whose rewards are all equal does not count toward the batch;
     # the iteration draws more groups instead; null: the algorithm's.
@@ -354,7 +395,7 @@ class AlgorithmConfig:
     # truncation (vLLM's order: temperature, min_p, top_k, top_p), so they are of the distribution
     # sampled from. The sampling seed is train.seed (and train.reproducible_sampling).
     top_p: float = 1.0  # nucleus: keep the most likely tokens up to this probability mass (1: off)
-    top_k: int = 0  # keep the k most likely tokens (0: off)
+    top_k: int = at_most(VOCAB, 0)  # keep the k most likely tokens (0: off)
     min_p: float = 0.0  # drop tokens below min_p × the most likely token's probability (0: off)
     stop: list[str] = field(default_factory=list)  # strings that end a completion, besides EOS
 
@@ -381,33 +422,36 @@ class TaskConfig:
     # (same prompt_key, chat template and reward), evaluated at the end of the run and every
     # `eval_every` iterations; records eval/reward_mean, eval/reward_std, eval/length_mean, ...
     eval_dataset: str | None = None
-    eval_every: int = 0  # iterations between evaluations (0: only the final one)
-    eval_samples: int | None = None  # eval prompts per evaluation, the first ones (null: all)
+    eval_every: int = at_most(ITERATIONS, 0)  # iterations between evaluations (0: only the final one)
+    # eval prompts per evaluation, the first ones (null: all)
+    eval_samples: int | None = at_most(PROMPTS, None)
     eval_temperature: float = 0.0  # sampling temperature of evaluation (0: greedy)
-    num_prompts: int = 4096  # built-in task: prompts in its dataset
-    max_prompt_len: int = 512  # prompt tokens
-    max_output_len: int = 1024  # output tokens
+    num_prompts: int = at_most(PROMPTS, 4096)  # built-in task: prompts in its dataset
+    max_prompt_len: int = at_most(TOKENS, 512)  # prompt tokens
+    max_output_len: int = at_most(TOKENS, 1024)  # output tokens
     # Output-length distribution for tune-split's cost model and simulator (planner.lengths):
     # a log-normal body around a mode plus a flat tail up to max_output_len.
-    prompt_len_mean: int | None = None  # typical prompt tokens (null: half of max_prompt_len)
-    output_len_mode: int | None = None  # most common output length (null: max_output_len / 10, 2K for 20K)
+    # typical prompt tokens (null: half of max_prompt_len)
+    prompt_len_mean: int | None = at_most(TOKENS, None)
+    # most common output length (null: max_output_len / 10, 2K for 20K)
+    output_len_mode: int | None = at_most(TOKENS, None)
     output_len_tail: float = 0.2  # fraction of outputs in the flat tail between the mode and the max
     output_len_spread: float = 0.4  # log-σ of the body around the mode
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    global_batch: int = 16  # prompts per iteration
-    micro_batch: int = 4  # samples per forward/backward
-    iterations: int = 10  # RL iterations
+    global_batch: int = at_most(BATCH, 16)  # prompts per iteration
+    micro_batch: int = at_most(BATCH, 4)  # samples per forward/backward
+    iterations: int = at_most(ITERATIONS, 10)  # RL iterations
     seed: int = 0  # seed of data order and sampling
     # Seed every request from `seed`, the prompt id and the sample index (the same prompt gives the
     # same outputs under the same weights whatever the batching), and train each batch's groups in
     # the batch's order, not as they finish: in sync modes the same recipe and seed then give the
     # same tokens, rewards and weights run after run (benchmarks, debugging, an exact oracle).
     reproducible_sampling: bool = True
-    checkpoint_every: int = 5  # iterations between checkpoints (0: only the last one)
-    keep_checkpoints: int = 2  # checkpoints kept (older ones are deleted)
+    checkpoint_every: int = at_most(ITERATIONS, 5)  # iterations between checkpoints (0: only the last one)
+    keep_checkpoints: int = at_most(RESTARTS, 2)  # checkpoints kept (older ones are deleted)
     # At the end of the run, write the last iteration's policy as a Hugging Face model directory
     # (config, tokenizer, safetensors) to <run dir>/model (`streamrl export` does it for any checkpoint).
     export_final: bool = True
@@ -416,12 +460,17 @@ class TrainConfig:
     # Bound on a run without progress, seconds: past it `streamrl status` shows the run `stalled`
     # (with each member's last error), and the trainer ends the run, saying why, when no generator
     # has been alive for this long or no sample came for this long.
-    stall_after_s: float = 900.0
+    stall_after_s: float = at_most(SECONDS, 900.0)
+
+
+# run.name: the run directory is <root>/<name>-<timestamp>, and the name is in SLURM job names, logs
+# and terminals: letters, digits, '.', '_' and '-', starting with a letter or digit, at most 64.
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 @dataclass(kw_only=True)
 class RunConfig:
-    name: str = "run"  # run name: the run directory is <root>/<name>-<timestamp>
+    name: str = "run"  # run name (RUN_NAME): the run directory is <root>/<name>-<timestamp>
     root: str = "runs"  # directory of run directories (relative to where streamrl runs)
 
 
@@ -445,7 +494,8 @@ class SkewnessConfig:
     ranker: str = choices(*RANKERS, default="none")
     ranker_model: str | None = None  # base model of the learned ranker (null: the policy's model.path)
     long_tail: float = 0.2  # α: share of prompts (by predicted length) treated as the long tail
-    refresh_every: int = 1  # iterations between background refreshes of the learned ranker
+    # iterations between background refreshes of the learned ranker
+    refresh_every: int = at_most(ITERATIONS, 1)
     cache: str | None = None  # scores from `streamrl rank` to start from
 
 
@@ -486,12 +536,14 @@ class AgentConfig:
     # The tool-call syntax the model writes and its tools' answers are read in; null: the one the
     # chat template defines (set it for a template whose syntax is not recognised, or to override).
     tool_format: str | None = choices(*AGENT_TOOL_FORMATS, default=None)
-    max_turns: int = 4  # model turns per trajectory
-    max_turn_tokens: int | None = None  # tokens of one model turn (null: task.max_output_len)
+    max_turns: int = at_most(TURNS, 4)  # model turns per trajectory
+    # tokens of one model turn (null: task.max_output_len)
+    max_turn_tokens: int | None = at_most(TOKENS, None)
     # A trajectory's tokens (model and environment, after the prompt) are bounded by task.max_output_len.
-    step_timeout_s: float = 30.0  # for one reset or step of the environment; past it the trajectory ends
+    # for one reset or step of the environment; past it the trajectory ends
+    step_timeout_s: float = at_most(SECONDS, 30.0)
     # Processes that host the environments: per generator, or per server with roles.env_server.
-    env_workers: int = 2
+    env_workers: int = at_most(WORKERS, 2)
     # The reward a trajectory is trained on: the environment's (the sum of its step rewards), the
     # task's reward function on the whole conversation after the prompt, or their sum.
     reward: str = choices(*AGENT_REWARDS, default="env")

@@ -17,6 +17,7 @@ from typing import Any
 
 Report = Callable[[str, str], None]
 
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1  # every integer of a recipe fits in 64 bits
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
@@ -50,6 +51,11 @@ def walk(value: Any, typ: Any, path: str, report: Report) -> None:
             walk(v, item_type, f"{path}[{i}]", report)
     elif typ in _TYPE_NAMES and not _scalar_ok(value, typ):
         report(path, f"expected {_TYPE_NAMES[typ]}, got {_show(value)}")
+    elif typ is str and "\x00" in str(value):
+        # No path, name or argument can hold one (the OS ends a C string there).
+        report(path, f"contains a NUL character: {_show(value)}")
+    elif typ is int and not INT_MIN <= int(value) <= INT_MAX:
+        report(path, f"{_show(value)} is out of range: a recipe's integers are at most 2**63 - 1 in size")
     elif typ is float and not math.isfinite(float(value)):
         # nan passes every comparison a later check would make; inf overflows the first update.
         report(path, f"expected a finite number, got {_show(value)}")
@@ -72,6 +78,10 @@ def _walk_dataclass(value: Any, typ: type, path: str, report: Report) -> None:
             report(sub, f"unknown key; {hint}valid keys here: {', '.join(fields)}")
             continue
         walk(v, hints[key], sub, report)
+        bound = fields[key].metadata.get("max")
+        if bound is not None and _over(v, bound):
+            report(sub, f"{_show(v)} is above this key's bound of {bound:,} (past what the largest clusters, "
+                   "models and runs need); use a smaller value")  # fmt: skip
         allowed = fields[key].metadata.get("choices")
         if allowed and isinstance(v, str) and v != "???" and v not in allowed:
             close = difflib.get_close_matches(v, allowed, n=1, cutoff=0.5)
@@ -94,6 +104,16 @@ def _scalar_ok(value: Any, typ: type) -> bool:
     except (TypeError, ValueError):
         return False
     return not (typ is int and isinstance(value, float) and not value.is_integer())
+
+
+def _over(value: Any, bound: float) -> bool:
+    """Whether a number (or its string form) is above ``bound``; other values are the type check's."""
+    if isinstance(value, bool) or value is None:
+        return False
+    try:
+        return float(value) > bound
+    except (TypeError, ValueError, OverflowError):
+        return False
 
 
 def _field_names(typ: type) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from support.helpers import streamrl
 
@@ -218,3 +220,69 @@ def test_unknown_run_and_recipe_get_clear_errors(runs_root):
     )
     out = streamrl("run", "no-such-recipe", "--root", str(runs_root))
     assert out.returncode == 2 and "Shipped:" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "where,name",
+    [
+        ("command line", "../../evil"),
+        ("command line", "/tmp/streamrl-absolute"),
+        ("command line", "a/b"),
+        ("command line", "x" * 65),
+        ("recipe file", "a\nb"),
+        ("recipe file", "\x1b[31mred"),
+        ("recipe file", "a\x00b"),
+        ("recipe file", ".."),
+    ],
+    ids=["parent", "absolute", "slash", "too-long", "newline", "ansi", "nul", "dots"],
+)
+def test_a_run_name_that_is_not_a_name_is_refused_before_anything_is_written(
+    tmp_path, runs_root, where, name
+):
+    """A run name became a path: `../../evil` made <root>/../../evil-<time> (its secret included) outside
+    the root, an absolute name too; a newline or an escape went into the directory's name, a NUL was an
+    internal error."""
+    recipe = tmp_path / "r.yaml"
+    overrides = []
+    if where == "recipe file":
+        recipe.write_text(BASE + "run:\n  name: " + json.dumps(name) + "\n")
+    else:
+        recipe.write_text(BASE)
+        overrides = [f"run.name={name}"]
+    out = streamrl("run", str(recipe), *overrides, "--root", str(runs_root), "--dry-run")
+    text = " ".join((out.stdout + out.stderr).split())
+    assert out.returncode == 2 and "Traceback" not in text and "internal error" not in text, text
+    said = "is not a run name" in text and "letters, digits" in text or "NUL character" in text
+    assert "run.name" in text and said, text
+    assert "\x1b[31m" not in out.stderr and "\x00" not in out.stderr  # shown escaped, never painted
+    assert not runs_root.exists() and not list(tmp_path.rglob("evil*"))
+
+
+def test_sizes_past_any_cluster_are_refused_with_their_key_and_where_they_were_set(tmp_path, runs_root):
+    """Each of these was accepted and a real run started (or `--dry-run` grew to 3 GB and never
+    returned, for a 2**80 instances); a negative prompt length was blamed on task.max_output_len."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(BASE + '  rendezvous: {lease_s: 1.2e24}\nmodel:\n  path: "/tmp/x\\0y"\n')  # under roles:
+    big = str(2**80)
+    out = streamrl(
+        "run", str(recipe), "--root", str(runs_root), "--dry-run",
+        f"roles.generator.instances={big}", f"train.iterations={big}", f"train.global_batch={2**40}",
+        f"task.max_output_len={2**40}", "task.max_prompt_len=-100", f"train.seed={2**64}",
+    )  # fmt: skip
+    text = " ".join((out.stdout + out.stderr).split())
+    assert out.returncode == 2 and "Traceback" not in text, text
+    for key, bound in [
+        ("roles.generator.instances", "100,000"),
+        ("train.iterations", "10,000,000"),
+        ("train.global_batch", "1,048,576"),
+        ("task.max_output_len", "16,777,216"),
+        ("roles.rendezvous.lease_s", "604,800"),
+    ]:
+        assert f"{key}: " in text and f"bound of {bound}" in text, (key, text)
+    assert f"command line `roles.generator.instances={big}`" in text
+    assert "r.yaml: roles.rendezvous.lease_s" in text  # where it was set: the recipe file
+    assert "task.max_prompt_len: must be at least 1 token, got -100" in text
+    assert "task.max_output_len: must be at least 1" not in text
+    assert "train.seed" in text and "2**63 - 1" in text
+    assert "model.path: contains a NUL character" in text
+    assert not runs_root.exists()
