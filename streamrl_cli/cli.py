@@ -171,9 +171,10 @@ def cancel(
         }.get(state, f"has already ended ({state})")
         console.print(f"run {r.name} {how}: nothing to cancel, left as it is", markup=False, highlight=False)
         return
-    done = launcher.cancel(r)
-    for line in done or ["nothing was running"]:
-        console.print(line, markup=False, highlight=False)
+    # Each line as it is known: what was stopped is said even when something could not be.
+    done = launcher.cancel(r, say=lambda line: console.print(line, markup=False, highlight=False))
+    if not done:
+        console.print("nothing was running")
     console.print(f"run {r.name} cancelled")
 
 

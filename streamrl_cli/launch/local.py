@@ -112,21 +112,60 @@ def spawn(run: RunDir, role: str, rank: int, argv: list[str], env: dict[str, str
     return rec
 
 
-def procs(run: RunDir) -> list[LocalProc]:
+def procs(run: RunDir, search: bool = False) -> list[LocalProc]:
     """The run's local processes as recorded in local.json; when that file is damaged, the live
-    ones found in the process table (a run that keeps running must not look like nothing)."""
+    ones found in the process table (a run that keeps running must not look like nothing).
+
+    ``search`` (status, cancel): also where the records may not name every process that runs, that
+    is, local.json is missing or one it names is gone; the live role processes of the run found in
+    the process table are added to the records (see :func:`with_found`). A run that never started
+    processes here (a dry run, a SLURM run) has none to find, and nothing is said."""
     records, problem = read_json_checked(run.local_json, [])
-    try:
-        if problem is None and isinstance(records, list):
-            return [LocalProc(**r) for r in records]
-    except TypeError:
-        pass
-    found = recover_procs(run)
-    warn_once(
-        f"{run.local_json} is damaged; found {len(found)} live process(es) of this run "
-        "in the process table (role processes started in its directory)"
-    )
-    return found
+    recs = None
+    if problem is None and isinstance(records, list):
+        try:
+            recs = [LocalProc(**r) for r in records]
+        except TypeError:
+            pass
+    if recs is None:
+        found = recover_procs(run)
+        warn_once(
+            f"{run.local_json} is damaged; found {len(found)} live process(es) of this run "
+            "in the process table (role processes started in its directory)"
+        )
+        return found
+    if not search or (recs and all(r.alive() for r in recs)):
+        return recs
+    out = with_found(recs, recover_procs(run))
+    if unnamed := len([r for r in out if r not in recs]):
+        how = "does not name" if run.local_json.exists() else "is missing; found"
+        warn_once(
+            f"{run.local_json} {how} {unnamed} live process(es) of this run in the process table "
+            "(role processes started in its directory)"
+        )
+    return out
+
+
+def with_found(recs: list[LocalProc], found: list[LocalProc]) -> list[LocalProc]:
+    """The recorded processes and the found ones they do not name, one per pid: a found process
+    that holds a recorded pid now (the pid was reused) takes that record's place, and one that is in
+    the process group a record leads is left to it (stopping the group stops it: a role's forked
+    helpers share its command line and directory)."""
+    by_pid = {r.pid: r for r in recs}
+    new = []
+    for f in found:
+        rec = by_pid.get(f.pid)
+        if rec is not None and abs(rec.created - f.created) < 0.05:
+            continue  # the recorded process itself
+        try:
+            lead = by_pid.get(os.getpgid(f.pid))
+        except OSError:
+            continue  # it has exited
+        if lead is not None and lead.pid != f.pid and f.created >= lead.created - 0.05:
+            continue
+        new.append(f)
+    taken = {f.pid for f in new}
+    return [r for r in recs if r.pid not in taken] + new
 
 
 def recover_procs(run: RunDir) -> list[LocalProc]:
@@ -214,7 +253,7 @@ def stop(recs: list[LocalProc], grace_s: float = 10.0) -> list[Stopped]:
         if not (leader or r.leftovers()):
             results.append(Stopped(r, None, ended=True, why=gone_reason(r)))
             continue
-        why = _signal_group(r.pid, signal.SIGTERM)
+        why = _signal_group(r, signal.SIGTERM)
         sent = "SIGTERM" if why is None else None
         results.append(Stopped(r, sent, ended=False, leader=leader, why=why or ""))
     live = [s for s in results if s.sent is not None]
@@ -224,7 +263,7 @@ def stop(recs: list[LocalProc], grace_s: float = 10.0) -> list[Stopped]:
             exit_code(s.rec)  # reap our own children so they stop being zombies
         time.sleep(0.1)
     for s in live:
-        if s.rec.running() and _signal_group(s.rec.pid, signal.SIGKILL) is None:
+        if s.rec.running() and _signal_group(s.rec, signal.SIGKILL) is None:
             s.sent = "SIGKILL"
     deadline = time.monotonic() + 5.0  # SIGKILL cannot be caught: only a process stuck in the kernel stays
     while time.monotonic() < deadline and any(s.rec.running() for s in live if s.sent == "SIGKILL"):
@@ -251,21 +290,23 @@ def reap(rec: LocalProc, grace_s: float = 5.0) -> list[int]:
     return left
 
 
-def _signal_group(pid: int, sig: int) -> str | None:
-    """Send ``sig`` to the process group ``pid`` leads (its session: spawn starts one per process);
-    None once sent, else why it could not be."""
+def _signal_group(rec: LocalProc, sig: int) -> str | None:
+    """Send ``sig`` to the process group ``rec`` leads (its session: spawn starts one per process),
+    or to the process alone where it leads none (a role process found in the process table may have
+    been started otherwise) or its group may not be signalled. None once sent, else why it could
+    not be; a process that still runs is never said to have exited."""
     try:
-        os.killpg(pid, sig)
+        os.killpg(rec.pid, sig)
+        return None
+    except (ProcessLookupError, PermissionError):
+        pass  # no group of that id (it leads none), or not all of it ours: the process, at least
+    try:
+        os.kill(rec.pid, sig)
         return None
     except ProcessLookupError:
-        return "it had already exited"
-    except PermissionError:
-        pass
-    try:
-        os.kill(pid, sig)  # not allowed to signal its whole group: the process itself, at least
-        return None
-    except ProcessLookupError:
-        return "it had already exited"
+        if rec.running():
+            return "no process or group of its pid could be signalled, though it runs"
+        return gone_reason(rec)
     except PermissionError as e:
         return f"not permitted ({e.strerror})"
 
@@ -314,7 +355,7 @@ class LocalLauncher(Launcher):
         )
 
     def report(self, run: RunDir) -> Report:
-        recs = procs(run)
+        recs = procs(run, search=True)
         units: dict[str, list[dict]] = {}
         for p in recs:
             units.setdefault(p.role, []).append(
@@ -335,7 +376,7 @@ class LocalLauncher(Launcher):
         )
 
     def cancel(self, run: RunDir) -> tuple[list[str], list[str]]:
-        recs = procs(run)
+        recs = procs(run, search=True)
         live = [p for p in recs if p.running()]  # a dead role's leftover engine processes too
         # Roles first, the rendezvous last: members can still say goodbye while it is up.
         stopped = stop([p for p in live if p.role != "rendezvous"])

@@ -223,10 +223,13 @@ def _trainer_restarter(p: Prepared) -> Callable[[], object] | None:
     return lambda: launcher.submit(p.run, job, announce=False)
 
 
-def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:
+def cancel(
+    run: RunDir, reason: str = "cancelled by user", say: Callable[[str], object] | None = None
+) -> list[str]:
     """Cancel every job of the run on every cluster and stop its local processes. Returns what was
     done: one line per job, and per process what actually happened to it (stopped, killed, or why
-    it was not signalled)."""
+    it was not signalled); ``say`` gets each line once its launcher is through, so that what was
+    stopped is said even when something else could not be (a ClusterError then)."""
     done: list[str] = []
     errors: list[str] = []
     ended_as = run.info().get("state")
@@ -242,6 +245,9 @@ def cancel(run: RunDir, reason: str = "cancelled by user") -> list[str]:
     # host's rendezvous server among them, last) after.
     for each in launcher.every():
         did, failed = each.cancel(run)
+        if say is not None:
+            for line in did:
+                say(line)
         done += did
         errors += failed
     if ended_as is None:
