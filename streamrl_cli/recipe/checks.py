@@ -239,8 +239,18 @@ def _beside_generators(r: Recipe, job: _Pool) -> _Pool:
     return dataclasses.replace(job, cluster=cluster, partition=partition)
 
 
+def _named_cluster(r: Recipe, role: str, cluster: str | None) -> Iterator[Problem]:
+    """A pool's own cluster, where set, is one of the recipe's (even with no instance yet: the run's
+    role specs and `streamrl scale` place it there)."""
+    if cluster is not None and cluster not in r.clusters:
+        close = difflib.get_close_matches(cluster, list(r.clusters), n=1, cutoff=0.4)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        yield f"roles.{role}.cluster", f"no cluster {cluster!r}{hint}; defined: {', '.join(r.clusters)}"
+
+
 def _env_server(r: Recipe) -> Iterator[Problem]:
     """Environment servers: only for multi-turn rollouts, placed anywhere (no GPU asked)."""
+    yield from _named_cluster(r, "env_server", r.roles.env_server.cluster)
     e = env_server_placed(r)
     if e.instances < 0:
         yield (
@@ -286,6 +296,8 @@ def _teacher(r: Recipe) -> Iterator[Problem]:
     if t.instances < 0:
         yield "roles.teacher.instances", f"must be 0 (no teacher) or more, got {t.instances}"
         return
+    if t.instances == 0:
+        yield from _named_cluster(r, "teacher", r.roles.teacher.cluster)
     if a.distill_coef > 0 and t.instances == 0:
         yield (
             "roles.teacher.instances",

@@ -101,7 +101,7 @@ def _scalar_ok(value: Any, typ: type) -> bool:
         return True
     try:
         typ(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(1e400), an infinity
         return False
     return not (typ is int and isinstance(value, float) and not value.is_integer())
 
@@ -111,9 +111,10 @@ def _over(value: Any, bound: float) -> bool:
     if isinstance(value, bool) or value is None:
         return False
     try:
-        return float(value) > bound
+        number = float(value)
     except (TypeError, ValueError, OverflowError):
         return False
+    return math.isfinite(number) and number > bound  # an infinity is the type check's to name
 
 
 def _field_names(typ: type) -> list[str]:

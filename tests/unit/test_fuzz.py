@@ -13,6 +13,7 @@ import json
 import socket
 import struct
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -284,3 +285,222 @@ def test_damaged_run_directory_files_never_raise(tmp_path_factory, monkeypatch, 
         run.update_info(state="checked")
         assert json.loads((run_dir / "run.json").read_text())["state"] == "checked"
     yaml.safe_load("a: 1")  # the process is still sane
+
+
+# ---- recipe entry points: `streamrl run` / `--dry-run` / `tune-split` all start with recipe.load ----
+
+
+def _leaf_keys() -> list[str]:
+    """Every scalar key of the schema, as a user writes it on the command line (dict sections skipped)."""
+    import dataclasses
+    import typing
+
+    from streamrl_cli.recipe.schema import Recipe
+
+    out: list[str] = []
+
+    def visit(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            typ = hints[f.name]
+            if dataclasses.is_dataclass(typ):
+                visit(typ, f"{prefix}{f.name}.")
+            elif typing.get_origin(typ) is not dict:
+                out.append(prefix + f.name)
+
+    visit(Recipe, "")
+    return out
+
+
+LEAF_KEYS = _leaf_keys()
+hostile_values = st.one_of(
+    st.integers(-(2**70), 2**70).map(str),
+    st.sampled_from(
+        [
+            "0",
+            "-1",
+            "1e400",
+            "nan",
+            "-inf",
+            "null",
+            "???",
+            "[1,2]",
+            "{a: 1}",
+            "true",
+            "''",
+            str(2**63),
+            str(-(2**63) - 1),
+            "../../x",
+            "/abs",
+            "a/b",
+            "${oc.env:HOME}",
+        ]
+    ),  # fmt: skip
+    st.text(max_size=30).map(lambda t: "'" + t.replace("'", "") + "'"),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    overrides=st.lists(
+        st.tuples(st.sampled_from(["", "+", "++", "~"]), st.sampled_from(LEAF_KEYS), hostile_values),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_any_overrides_load_and_plan_or_are_one_recipe_error(overrides):
+    """`streamrl run local k=v ...` with hostile keys and values: a recipe that loads also plans its jobs
+    and role specs (what --dry-run renders) without any exception; anything else is a RecipeError."""
+    from streamrl_cli.launch import plan
+    from streamrl_cli.recipe.load import load
+
+    lines = [f"{p}{k}" if p == "~" else f"{p}{k}={v}" for p, k, v in overrides]
+    try:
+        composed = load("local", lines)
+    except RecipeError as e:
+        assert e.problems and all(isinstance(p, str) and p for p in e.problems)
+        return
+    plan.jobs(composed.recipe)
+    plan.role_specs(composed.recipe, Path("/tmp/streamrl-fuzz-run"))
+    r = composed.recipe
+    assert r.roles.generator.instances <= 100_000 and r.train.iterations <= 10_000_000
+
+
+recipe_sections = st.fixed_dictionaries(
+    {},
+    optional={
+        "run": st.dictionaries(st.sampled_from(["name", "root"]), json_values, max_size=2),
+        "train": st.dictionaries(
+            st.sampled_from(["iterations", "global_batch", "seed", "stall_after_s"]), json_values, max_size=3
+        ),  # fmt: skip
+        "task": st.dictionaries(
+            st.sampled_from(["max_prompt_len", "max_output_len", "num_prompts", "dataset"]),
+            json_values,
+            max_size=3,
+        ),  # fmt: skip
+        "roles": st.fixed_dictionaries(
+            {},
+            optional={
+                "generator": st.dictionaries(st.sampled_from(["instances", "max_num_seqs"]), json_values)
+            },
+        ),
+        "algorithm": json_values,
+    },
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=recipe_sections)
+def test_any_recipe_file_loads_or_is_one_recipe_error(tmp_path_factory, body):
+    from streamrl_cli.recipe.load import load
+
+    path = tmp_path_factory.mktemp("recipe") / "r.yaml"
+    path.write_text(yaml.safe_dump({"defaults": ["local", "_self_"], **body}))
+    try:
+        load(str(path))
+    except RecipeError as e:
+        assert e.problems
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.text(max_size=80))
+def test_a_run_directory_is_made_directly_under_its_root_or_not_at_all(tmp_path_factory, name):
+    from streamrl_cli.rundir import create
+
+    root = tmp_path_factory.getbasetemp() / "fuzz-root"
+    try:
+        run = create(root, name)
+    except RecipeError:
+        return
+    assert run.path.parent == root.resolve() and run.path.name.startswith(name)
+    run.path.joinpath("roles").rmdir()
+
+
+# ---- environment server ----
+
+
+@pytest.fixture(scope="module")
+def env_server():
+    """An environment server on loopback (its environment processes real) and a token holder's socket."""
+    import asyncio
+    import threading
+
+    from streamrl_cli.agent.env_host import EnvSettings
+    from streamrl_cli.envserver.server import SERVICE, EnvServer
+
+    envs = Path(__file__).parent / "agent" / "envs.py"
+    loop = asyncio.new_event_loop()
+    server = EnvServer(EnvSettings(env=f"{envs}:Scripted", workers=1), STREAM_TOKEN, bind_host="127.0.0.1")
+    port = loop.run_until_complete(server.start())
+    serving = loop.create_task(server.serve())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    ctx = zmq.Context()
+    peer = make_client_socket(ctx, curve_keys(STREAM_TOKEN, SERVICE))
+    peer.connect(f"tcp://127.0.0.1:{port}")
+    yield server, peer
+    ctx.destroy(linger=0)
+
+    async def stop():
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        await server.close()
+
+    asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def _pack(value) -> bytes:
+    try:
+        return msgspec.msgpack.encode(value)
+    except OverflowError:  # an int past 64 bits (json_values has any): not a frame anyone can send
+        return b"\xc0"
+
+
+def _deep(levels: int) -> bytes:
+    return b"\x94\x01\xa5reset\xa3g-9" + b"\x91" * levels + b"\xc0"
+
+
+@FAST
+@given(
+    frames=st.lists(
+        st.one_of(
+            st.binary(max_size=300),
+            json_values.map(_pack),
+            st.builds(
+                lambda c, o, s, p: _pack([c, o, s, p]),
+                st.integers(-(2**63), 2**63 - 1) | st.text(max_size=5),
+                st.sampled_from(["reset", "step", "close", "ping", "nope"]),
+                st.text(max_size=12),
+                json_values,
+            ),  # fmt: skip
+            st.integers(1, 3000).map(_deep),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_env_server_survives_any_frames_from_a_token_holder(env_server, frames):
+    server, peer = env_server
+    for f in frames:
+        peer.send(f)
+    while peer.poll(50):  # its answers: errors for what was no request
+        peer.recv_multipart()
+
+
+def test_env_server_still_serves_after_the_fuzzing(env_server):
+    from streamrl_cli.envserver.server import decode, encode
+
+    server, peer = env_server
+    time.sleep(0.5)
+    while peer.poll(100):
+        peer.recv_multipart()
+    peer.send(encode([10**6, "reset", "fuzz-ok-1", {"prompt": "p"}]))
+    assert peer.poll(10_000) and decode(peer.recv_multipart()[-1]) == [10**6, "ok", []]
+    peer.send(encode([10**6 + 1, "step", "fuzz-ok-1", "turn"]))
+    assert peer.poll(10_000)
+    cid, kind, step = decode(peer.recv_multipart()[-1])
+    assert (cid, kind, step["done"]) == (10**6 + 1, "ok", False)
+    assert server.stats["malformed"] > 0

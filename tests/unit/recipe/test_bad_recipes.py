@@ -156,6 +156,19 @@ MISTAKES = [
         ["rollout.partial=true", "train.reproducible_sampling=false"],
         ["rollout.partial", "set rollout.oversample above 0"],
     ),
+    (  # found by tests/unit/test_fuzz.py: an internal error (OverflowError) in the schema walk
+        "an integer given as an overflowing float",
+        "",
+        ["roles.trainer.time_min=1e400"],
+        ["roles.trainer.time_min", "expected an integer, got inf"],
+    ),
+    (  # found by tests/unit/test_fuzz.py: with no instance the cluster was not checked, and the plan
+        # looked it up (KeyError)
+        "a pool's cluster that does not exist, with no instance of it",
+        "",
+        ["roles.env_server.cluster=nope", "roles.teacher.cluster=nope"],
+        ["roles.env_server.cluster: no cluster 'nope'", "roles.teacher.cluster: no cluster 'nope'"],
+    ),
     (
         "a site option written with dashes",
         "clusters: {local: {sbatch: {'--constraint': a100}}}\n",
