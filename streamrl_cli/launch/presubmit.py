@@ -7,6 +7,11 @@ submitted. What is checked, where the submit host can see it:
 - the task: through the tasks package's own loader (`make_task`), so the dataset is read, every
   row has the prompt field, and the reward imports and is callable exactly as the trainer will
   find them; a task that is not built-in must name a dataset;
+- every dataset prompt's length, where the model directory is already there: rendered as the
+  trainer renders it and counted with the model's tokenizer as the trainer counts it
+  (`tasks.datasets.prompt_ids`), in batches; a prompt over task.max_prompt_len would otherwise end
+  the run on the trainer, after the queue wait (not the built-in tasks: their prompts are made
+  short, not worth importing transformers for on every dry run);
 - the model directory: `config.json` and a tokenizer; the architecture numbers the recipe does
   not give are taken from `config.json`, and a number that contradicts it is an error;
 - the distillation teacher's model directory, and that its tokenizer is the policy's (the teacher
@@ -20,12 +25,16 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamrl_cli.errors import RecipeError, StreamRLError
 from streamrl_cli.recipe.load import Composed
 from streamrl_cli.recipe.schema import ModelConfig, Recipe
+
+if TYPE_CHECKING:
+    from streamrl_cli.tasks.datasets import DatasetTask
 
 BUILTIN_TASKS = ("builtin", "calc")
 # Any of these beside config.json is a tokenizer transformers can load.
@@ -39,6 +48,7 @@ ARCH_KEYS = {
     "num_kv_heads": ("num_key_value_heads",),
 }
 PARAMS_TOLERANCE = 0.15  # params_b is an estimate from the shapes: ±15 % is agreement
+LONG_ROWS_SHOWN = 5  # prompts over task.max_prompt_len named by row; the rest are counted
 
 
 def before_submit(composed: Composed) -> Composed:
@@ -46,19 +56,36 @@ def before_submit(composed: Composed) -> Composed:
     r = composed.recipe
     problems: list[str] = []
     model = _model(r.model, composed.model_keys, problems)
+    _context(r, problems)
+    _local_capacity(r, problems)
     _task(r, problems)
     _agent(r, problems)
     _teacher(r, problems)
     _loggers(r, problems)
     if problems:
-        raise RecipeError(problems, source=str(composed.path))
+        raise RecipeError([_where(composed, p) for p in problems], source=str(composed.path))
     if model is r.model:
         return composed
     return dataclasses.replace(composed, recipe=dataclasses.replace(r, model=model))
 
 
+_KEY = re.compile(r"([a-z_]+(?:\.[a-z_0-9]+)+): (.*)", re.DOTALL)
+
+
+def _where(composed: Composed, problem: str) -> str:
+    """``problem`` ("key.path: message") with where the key was set, as the recipe's own checks say it."""
+    from streamrl_cli.recipe.load import Provenance, shipped_recipes_dir
+
+    m = _KEY.fullmatch(problem)
+    if m is None:
+        return problem
+    prov = Provenance(composed.path, shipped_recipes_dir(), composed.choices, composed.overrides)
+    return prov.describe(m.group(1), m.group(2))
+
+
 def _task(r: Recipe, problems: list[str]) -> None:
     from streamrl_cli.tasks import make_task
+    from streamrl_cli.tasks.datasets import DatasetTask
 
     t = r.task
     if t.dataset is None and t.name not in BUILTIN_TASKS:
@@ -71,14 +98,60 @@ def _task(r: Recipe, problems: list[str]) -> None:
     # The chat template's tokenizer is the model's: only where the model is already there.
     model = Path(os.path.expanduser(r.model.path))
     model_path = str(model) if model.is_dir() else None
-    sets = [t] + ([dataclasses.replace(t, dataset=t.eval_dataset)] if t.eval_dataset else [])
-    for task in sets:
+    sets = [("task.dataset", t)]
+    if t.eval_dataset:
+        sets.append(("task.eval_dataset", dataclasses.replace(t, dataset=t.eval_dataset)))
+    # Prompt lengths too, with the model's tokenizer: not where the model is made at start, nor where
+    # `_model` finds it incomplete (it says so).
+    countable, tokenizer = model_path is not None and _has_tokenizer(model), None
+    for key, cfg in sets:
         try:
-            make_task(task, seed=r.train.seed, model_path=model_path)
+            task = make_task(cfg, seed=r.train.seed, model_path=model_path, agentic=r.agent.enabled)
         except StreamRLError as e:
-            problems.append(str(e) if task is t else f"task.eval_dataset: {e}")
+            problems.append(str(e) if cfg is t else f"task.eval_dataset: {e}")
+            continue
         except Exception as e:  # a user's reward module failing at import time
             problems.append(f"task: {type(e).__name__}: {e}")
+            continue
+        if not countable or not isinstance(task, DatasetTask):
+            continue
+        try:
+            tokenizer = tokenizer or task.chat.load_tokenizer()
+        except Exception as e:  # transformers' own errors for a tokenizer it cannot read
+            problems.append(f"model.path: the tokenizer of {model} does not load: {type(e).__name__}: {e}")
+            countable = False
+            continue
+        # Only the first task.eval_samples held-out prompts are ever evaluated.
+        first = t.eval_samples if key == "task.eval_dataset" else None
+        _prompt_lengths(key, task, tokenizer, t.max_prompt_len, first, problems)
+
+
+def _has_tokenizer(model: Path) -> bool:
+    return (model / "config.json").is_file() and any((model / f).is_file() for f in TOKENIZER_FILES)
+
+
+def _prompt_lengths(
+    key: str, task: DatasetTask, tokenizer: Any, max_len: int, first: int | None, problems: list[str]
+) -> None:
+    """Every prompt of ``task`` within ``max_len`` tokens, counted as the trainer counts; the
+    offending rows named (the first few of them) and counted."""
+    from streamrl_cli.tasks.datasets import long_prompts
+
+    prompts = task.prompts()[:first] if first else task.prompts()
+    found = long_prompts([p.text for p in prompts], tokenizer, max_len)
+    if not found:
+        return
+    rows = [(task.rows[i], n) for i, n in found]
+    shown = [f"row {row}: {n}" for row, n in rows[:LONG_ROWS_SHOWN]]
+    shown[0] += " tokens"
+    more = ", ..." if len(rows) > LONG_ROWS_SHOWN else ""
+    one = len(rows) == 1
+    of = f"{len(rows):,} of {len(prompts):,} prompt{'' if len(prompts) == 1 else 's'} in {task.path}"
+    problems.append(
+        f"{key}: {of} {'is' if one else 'are'} longer than task.max_prompt_len={max_len} tokens "
+        f"({', '.join(shown)}{more}; rows count from 0); raise task.max_prompt_len to "
+        f"{max(n for _, n in rows)} or shorten {'it' if one else 'them'}"
+    )
 
 
 def _agent(r: Recipe, problems: list[str]) -> None:
@@ -269,3 +342,72 @@ def _architecture(
                 f"model.{key} out to use the config's"
             )
     return dataclasses.replace(m, **fill) if fill else m
+
+
+# Local role processes per core of this machine: past it they only take turns (an engine, the trainer
+# and a few environment processes share 2 cores in the tests); a user asking for more wants SLURM.
+LOCAL_PROCESSES_PER_CORE = 4
+
+
+def _local_capacity(r: Recipe, problems: list[str]) -> None:
+    """Pools on a local cluster start one process per instance on this machine: bounded by its cores."""
+    from streamrl_cli.recipe.checks import env_server_placed, teacher_placed
+
+    cores = os.cpu_count() or 1
+    bound = LOCAL_PROCESSES_PER_CORE * cores
+    g = r.roles.generator
+    pools = [
+        ("generator", "instances", g.instances, g.cluster),
+        ("generator", "elastic.max", g.elastic.max if g.elastic.enabled else 0, g.cluster),
+        ("teacher", "instances", r.roles.teacher.instances, teacher_placed(r).cluster),
+        ("env_server", "instances", r.roles.env_server.instances, env_server_placed(r).cluster),
+    ]
+    for role, key, n, cluster in pools:
+        c = r.clusters.get(cluster or "")
+        if c is not None and c.launcher == "local" and n > bound:
+            problems.append(
+                f"roles.{role}.{key}: {n} local {role} processes on this machine's {cores} core(s); at "
+                f"most {bound} ({LOCAL_PROCESSES_PER_CORE} per core) run here, on cluster {cluster!r} "
+                "(launcher: local); put the role on a SLURM cluster for more"
+            )
+
+
+def context_length(config: dict[str, Any]) -> int | None:
+    """The positions a transformers config.json says the model holds: max_position_embeddings, or what
+    its rope scaling stretches that to (YaRN and its kin: factor × original_max_position_embeddings)."""
+    config = config.get("text_config", config) if "max_position_embeddings" not in config else config
+    n = config.get("max_position_embeddings")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return None
+    rope = config.get("rope_scaling")
+    if isinstance(rope, dict) and isinstance(rope.get("factor"), int | float) and rope["factor"] > 1:
+        original = rope.get("original_max_position_embeddings")
+        base = original if isinstance(original, int) and original > 0 else n
+        n = max(n, int(base * rope["factor"]))
+    return n
+
+
+def _context(r: Recipe, problems: list[str]) -> None:
+    """The longest prompt plus the longest output fit the model's positions (config.json, or the
+    built-in builder's architecture for a model made at start)."""
+    path = Path(os.path.expanduser(r.model.path)) / "config.json"
+    where = f"{path}'s max_position_embeddings"
+    if path.is_file():
+        try:
+            n = context_length(json.loads(path.read_text()))
+        except (OSError, ValueError, AttributeError):
+            return  # `_model` says what is wrong with it
+    elif r.model.builder is not None:
+        from streamrl_cli.models.tiny import TinySpec
+
+        n, where = TinySpec().max_position_embeddings, f"the {r.model.builder} builder's model"
+    else:
+        return  # a hub id: its config is read on the cluster
+    t = r.task
+    if n is not None and t.max_prompt_len + t.max_output_len > n:
+        problems.append(
+            f"task.max_output_len: task.max_prompt_len={t.max_prompt_len} + task.max_output_len="
+            f"{t.max_output_len} = {t.max_prompt_len + t.max_output_len} tokens, more than the {n} positions "
+            f"of the model ({where}); lower task.max_output_len to at most {max(n - t.max_prompt_len, 0)} "
+            "(or task.max_prompt_len), or use a model with a longer context"
+        )

@@ -11,6 +11,10 @@ The prompt field (``task.prompt_key``) holds either the prompt text or a chat: a
 the tokenizer's own chat template (``apply_chat_template(..., add_generation_prompt=True)``), so
 the policy sees exactly the format it was instruction-tuned on. :class:`ChatFormat` says when and
 with which template; every other field of a record becomes a reward column.
+
+How many tokens a prompt is, is one definition here (:func:`prompt_ids`): the trainer counts with it,
+and so does the check before submission (:func:`long_prompts`, in batches), so that a prompt found
+too long for ``task.max_prompt_len`` there is the one the trainer would refuse, by its row.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from streamrl_cli.tasks.rewards import Reward, load_reward
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 TOKENIZER_TEMPLATE = "tokenizer"  # task.chat_template: the tokenizer's own template for every prompt
+# Prompts per batched tokenizer call: large enough that the Rust tokenizer spreads a batch over every
+# core, small enough that a batch's ids (Python lists) stay a few MB.
+TOKENIZE_CHUNK = 4096
 
 
 @dataclass(kw_only=True)
@@ -58,7 +65,7 @@ class ChatFormat:
     def render(self, messages: list[dict[str, Any]]) -> str:
         if self.system_prompt and not (messages and messages[0].get("role") == "system"):
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
-        tok = self._tokenizer()
+        tok = self.load_tokenizer()
         template = None if self.template in (None, TOKENIZER_TEMPLATE) else self._template_text()
         if template is None and not getattr(tok, "chat_template", None):
             raise TaskError(
@@ -81,7 +88,8 @@ class ChatFormat:
             return path.read_text(encoding="utf-8")
         return self.template
 
-    def _tokenizer(self) -> Any:
+    def load_tokenizer(self) -> Any:
+        """The tokenizer (``tokenizer``, else loaded from ``model_path`` once, as the trainer loads it)."""
         if self.tokenizer is None:
             if self.model_path is None:
                 raise TaskError(
@@ -98,7 +106,7 @@ class DatasetTask(Task):
     ``file.py:function`` name) called with the records' other fields as columns.
 
     ``prompt_id`` is the record's ``id`` field where present, else ``<dataset stem>/<index>`` with the
-    0-based line (JSONL) or row index.
+    0-based line (JSONL) or row index; ``rows`` holds that index for every prompt, in order.
     """
 
     def __init__(
@@ -119,7 +127,10 @@ class DatasetTask(Task):
             reward = load_reward(reward)
         self._reward = reward if isinstance(reward, Reward) else Reward(reward)
         self.name = name or self.path.stem
-        self._prompts = tuple(_load(self.path, prompt_key, chat or ChatFormat()))
+        self.chat = chat or ChatFormat()
+        loaded = _load(self.path, prompt_key, self.chat)
+        self._prompts = tuple(p for _, p in loaded)
+        self.rows = tuple(index for index, _ in loaded)  # each prompt's 0-based line or row in the file
         if not self._prompts:
             raise TaskError(f"task.dataset: {self.path} holds no prompts")
         self._reward.check_columns({k for p in self._prompts for k in p.columns})
@@ -148,9 +159,30 @@ def _records(path: Path) -> tuple[Iterator[tuple[int, dict[str, Any]]], str]:
     )
 
 
-def _load(path: Path, prompt_key: str, chat: ChatFormat) -> list[Prompt]:
+def prompt_ids(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """The token ids of prompts as the policy is given them: the model's tokenizer, adding no special
+    tokens (a chat template writes its own, a text prompt is used as it is). The trainer tokenizes
+    every prompt with this, and the check before submission counts with it."""
+    return tokenizer(list(texts), add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+
+def long_prompts(
+    texts: Sequence[str], tokenizer: Any, limit: int, chunk: int = TOKENIZE_CHUNK
+) -> list[tuple[int, int]]:
+    """``(position, tokens)`` of every text of more than ``limit`` tokens (:func:`prompt_ids`'s count),
+    tokenized in batches: a fast tokenizer encodes a batch in Rust on every core, where one call per
+    prompt pays Python's overhead each time (bench/dataset_check.py)."""
+    found = []
+    for start in range(0, len(texts), chunk):
+        for i, ids in enumerate(prompt_ids(tokenizer, texts[start : start + chunk]), start):
+            if len(ids) > limit:
+                found.append((i, len(ids)))
+    return found
+
+
+def _load(path: Path, prompt_key: str, chat: ChatFormat) -> list[tuple[int, Prompt]]:
     records, where = _records(path)
-    prompts: list[Prompt] = []
+    prompts: list[tuple[int, Prompt]] = []
     seen: dict[str, int] = {}
     for index, record in records:
         at = f"{path}, {where} {index + 1}"
@@ -164,7 +196,7 @@ def _load(path: Path, prompt_key: str, chat: ChatFormat) -> list[Prompt]:
             raise TaskError(f"{at}: id {prompt_id!r} already used at {where} {seen[prompt_id] + 1}")
         seen[prompt_id] = index
         columns = {k: v for k, v in record.items() if k != prompt_key}
-        prompts.append(Prompt(prompt_id, text, columns))
+        prompts.append((index, Prompt(prompt_id, text, columns)))
     return prompts
 
 

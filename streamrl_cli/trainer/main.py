@@ -24,6 +24,7 @@ import os
 import random
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,38 @@ def main(spec: TrainerSpec, rank: int) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per rendezvous call otherwise
     return TrainerRole(spec, rank).run()
+
+
+def prompt_tokenizer(tok: Any, max_prompt: int, task: Any, key: str) -> Callable[[str], list[int]]:
+    """A prompt's token ids, counted as the check before submission counts them
+    (``tasks.datasets.prompt_ids``); a StreamRLError naming the prompt past task.max_prompt_len.
+    That check finds such a prompt before submission where the model was there; this is the last
+    guard, for a model made at start. ``key``: the task's recipe key (task.dataset, task.eval_dataset)."""
+    from streamrl_cli.tasks.datasets import prompt_ids
+
+    def tokenize(text: str) -> list[int]:
+        ids = prompt_ids(tok, [text])[0]
+        if len(ids) > max_prompt:
+            raise StreamRLError(
+                f"a prompt has {len(ids)} tokens, more than task.max_prompt_len={max_prompt}"
+                + _which_prompt(task, key, text)
+            )
+        return ids
+
+    return tokenize
+
+
+def _which_prompt(task: Any, key: str, text: str) -> str:
+    """`` (task.dataset row 3, ...)``: where ``text`` is in ``task``, looked up only as the run fails."""
+    from streamrl_cli.tasks.datasets import DatasetTask
+
+    for i, p in enumerate(task.prompts()):
+        if p.text == text:
+            if isinstance(task, DatasetTask):
+                row = f"{key} row {task.rows[i]}, counting from 0, of {task.path}"
+                return f" ({row}; prompt id {p.prompt_id!r})"
+            return f" (prompt id {p.prompt_id!r})"
+    return ""
 
 
 def _round(x: float | None, digits: int) -> float | None:
@@ -249,15 +282,7 @@ class TrainerRole:
         )
         sampler = PromptSampler(list(task.prompts()), t.global_batch, seed, shuffle=task_cfg.shuffle)
         tok = AutoTokenizer.from_pretrained(os.path.expanduser(self.spec.model.path))
-        max_prompt = task_cfg.max_prompt_len
-
-        def tokenize(text: str) -> list[int]:
-            ids = tok(text, add_special_tokens=False)["input_ids"]
-            if len(ids) > max_prompt:
-                raise StreamRLError(
-                    f"a prompt has {len(ids)} tokens, more than task.max_prompt_len={max_prompt}"
-                )
-            return ids
+        tokenize = prompt_tokenizer(tok, task_cfg.max_prompt_len, task, "task.dataset")
 
         start, version, push = 0, 0, False
         latest = ckpt.latest(self.run_dir)
@@ -280,7 +305,7 @@ class TrainerRole:
         ranker = self._ranker(task, seed)
         ptl = self._ptl()
         sinks = self._sinks()
-        evaluator = self._evaluator(task_cfg, seed, tokenize, tok, sinks)
+        evaluator = self._evaluator(task_cfg, seed, tok, sinks)
         every, keep = t.checkpoint_every, t.keep_checkpoints
 
         elastic = self._elastic(svc)
@@ -361,7 +386,7 @@ class TrainerRole:
         out = export_checkpoint(last, m.path, RunDir(self.run_dir).exported_model, m.dtype)
         log.info("exported %s as a Hugging Face model to %s", last.name, out)
 
-    def _evaluator(self, task_cfg: TaskConfig, seed: int, tokenize: Any, tok: Any, sinks: list[Any]) -> Any:
+    def _evaluator(self, task_cfg: TaskConfig, seed: int, tok: Any, sinks: list[Any]) -> Any:
         """The held-out evaluation (task.eval_dataset), or None."""
         if not task_cfg.eval_dataset:
             return None
@@ -396,6 +421,7 @@ class TrainerRole:
         def detokenize(ids: list[int]) -> str:
             return tok.decode(ids, skip_special_tokens=True)
 
+        tokenize = prompt_tokenizer(tok, task_cfg.max_prompt_len, held_out, "task.eval_dataset")
         return Evaluator(
             held_out, cfg, tokenize=tokenize, detokenize=detokenize, on_eval=on_eval, clock=time.time
         )
