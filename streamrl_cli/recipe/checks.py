@@ -29,6 +29,7 @@ from streamrl_cli.recipe.schema import (
 )
 
 Problem = tuple[str, str]
+SAMPLES_PER_ITERATION = 1 << 22  # prompts × group size (a large run today: 8,192 × 64 = 524,288)
 _Pool = TypeVar("_Pool", TeacherConfig, EnvServerConfig)
 
 
@@ -473,6 +474,13 @@ def _workload(r: Recipe) -> Iterator[Problem]:
     for key in ("global_batch", "micro_batch", "iterations"):
         if getattr(t, key) < 1:
             yield f"train.{key}", f"must be at least 1, got {getattr(t, key)}"
+    if t.global_batch * max(a.group_size, 1) > SAMPLES_PER_ITERATION:
+        yield (
+            "train.global_batch",
+            f"{t.global_batch} prompts × algorithm.group_size={a.group_size} is "
+            f"{t.global_batch * a.group_size:,} samples an iteration, past the bound of "
+            f"{SAMPLES_PER_ITERATION:,} (an iteration's samples are held together by the trainer)",
+        )
     for key in ("max_prompt_len", "max_output_len"):
         if getattr(task, key) < 1:
             yield f"task.{key}", f"must be at least 1 token, got {getattr(task, key)}"

@@ -275,7 +275,9 @@ def test_sizes_past_any_cluster_are_refused_with_their_key_and_where_they_were_s
     """Each of these was accepted and a real run started (or `--dry-run` grew to 3 GB and never
     returned, for a 2**80 instances); a negative prompt length was blamed on task.max_output_len."""
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(BASE + '  rendezvous: {lease_s: 1.2e24}\nmodel:\n  path: "/tmp/x\\0y"\n')  # under roles:
+    recipe.write_text(
+        BASE + '  rendezvous: {lease_s: 1.2e24}\nmodel:\n  path: "/tmp/x\\0y"\n'
+    )  # under roles:
     big = str(2**80)
     out = streamrl(
         "run", str(recipe), "--root", str(runs_root), "--dry-run",
@@ -299,3 +301,37 @@ def test_sizes_past_any_cluster_are_refused_with_their_key_and_where_they_were_s
     assert "train.seed" in text and "2**63 - 1" in text
     assert "model.path: contains a NUL character" in text
     assert not runs_root.exists()
+
+
+def test_what_the_machine_or_the_model_cannot_hold_is_refused_with_the_key(runs_root):
+    """100,000 local generators on a 2-core machine started a run; so did task.max_output_len past the
+    model's 4,096 positions. The bounds come from this machine's cores and the model's config (or
+    the builder's, for a model made at start)."""
+    import os
+
+    too_many = 4 * (os.cpu_count() or 1) + 1
+    out = streamrl(
+        "run", "local", "--root", str(runs_root), "--dry-run",
+        f"roles.generator.instances={too_many}", "task.max_output_len=5000",
+    )  # fmt: skip
+    text = " ".join((out.stdout + out.stderr).split())
+    assert out.returncode == 2 and "Traceback" not in text, text
+    assert (
+        f"command line `roles.generator.instances={too_many}`: roles.generator.instances: {too_many} local"
+        in text
+    )
+    assert "(4 per core)" in text
+    assert "command line `task.max_output_len=5000`: task.max_output_len:" in text
+    assert "more than the 4096 positions of the model" in text and "at most 4032" in text
+    assert not runs_root.exists()
+
+
+def test_a_models_context_is_what_its_config_and_rope_scaling_say():
+    from streamrl_cli.launch.presubmit import context_length
+
+    assert context_length({"max_position_embeddings": 4096}) == 4096
+    rope = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    yarn = {"max_position_embeddings": 32768, "rope_scaling": rope}
+    assert context_length(yarn) == 131072
+    assert context_length({"text_config": {"max_position_embeddings": 8192}}) == 8192
+    assert context_length({"max_position_embeddings": "lots"}) is None and context_length({}) is None
