@@ -1,7 +1,7 @@
 # The two commands of the README (run, test) and the fast tier. All set up .venv first (idempotent).
 # `make test` runs on two xdist workers: the SLURM tests as one scope on one, the e2e modules (longest
 # first) then the unit modules on whichever is free (tests/conftest.py, pytest_xdist_make_scheduler).
-.PHONY: run test test-fast venv lint
+.PHONY: run test test-fast venv lint docs
 
 PYTEST = .venv/bin/python -m pytest
 PYTEST_ARGS ?=
@@ -22,3 +22,7 @@ test-fast: venv
 
 lint: venv
 	.venv/bin/ruff check .
+
+# The docs site from docs/ (mkdocs.yml) into site/; --strict: a broken link or anchor fails.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir site
