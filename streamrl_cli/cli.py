@@ -24,6 +24,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 console = Console()
 err = Console(stderr=True)
@@ -69,12 +70,12 @@ def _overrides(given: list[str] | None) -> list[str]:
     return expand(given or [])
 
 
-@app.command()
+@app.command(short_help="Launch RECIPE: jobs per (cluster, role), rendezvous, stream.")
 def run(
     recipe: Annotated[
         str | None,
         typer.Argument(
-            metavar="[RECIPE]", help="recipe name (`local`, `paper/qwen2.5-7b-ppo`) or path to a YAML file"
+            metavar="RECIPE", help="recipe name (`local`, `paper/qwen2.5-7b-ppo`) or path to a YAML file"
         ),
     ] = None,
     overrides: OverridesArg = None,
@@ -142,7 +143,7 @@ def _print_plan(prepared) -> None:  # type: ignore[no-untyped-def]
     console.print(table)
 
 
-@app.command()
+@app.command(short_help="Cancel every job and local process of RUN.")
 def cancel(
     run_name: Annotated[str, typer.Argument(metavar="RUN", help="run id, prefix, name or directory")],
 ) -> None:
@@ -178,7 +179,7 @@ def cancel(
     console.print(f"run {r.name} cancelled")
 
 
-@app.command()
+@app.command(short_help="Grow or shrink RUN's generators while it trains.")
 def scale(
     run_name: Annotated[str, typer.Argument(metavar="RUN", help="run id, prefix, name or directory")],
     generators: Annotated[
@@ -204,10 +205,10 @@ def scale(
     )
 
 
-@app.command()
+@app.command(short_help="What every role of RUN is doing (no RUN: all runs).")
 def status(
     run_name: Annotated[
-        str | None, typer.Argument(metavar="[RUN]", help="run id, prefix, name or directory")
+        str | None, typer.Argument(metavar="RUN", help="run id, prefix, name or directory")
     ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="print one JSON document (docs/status-json.md)")
@@ -271,7 +272,7 @@ def status(
         pass
 
 
-@app.command()
+@app.command(short_help="Draw RUN's metrics as PNG plots.")
 def plot(
     run_name: Annotated[str, typer.Argument(metavar="RUN", help="run id, prefix, name or directory")],
     out: Annotated[
@@ -291,7 +292,7 @@ def plot(
         console.print(f"skipped {name}.png: {why}", markup=False, highlight=False, soft_wrap=True)
 
 
-@app.command()
+@app.command(short_help="Write a checkpoint of RUN as a Hugging Face model.")
 def export(
     run_name: Annotated[str, typer.Argument(metavar="RUN", help="run id, prefix, name or directory")],
     out: Annotated[Path, typer.Option("--out", help="directory to write (must not exist, or be empty)")],
@@ -328,7 +329,7 @@ def export(
     console.print(f"wrote {written}", markup=False, highlight=False, soft_wrap=True)
 
 
-@app.command()
+@app.command(short_help="Print RECIPE composed and validated, as YAML.")
 def show(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
     """Print the fully composed and validated RECIPE (after overrides) as YAML."""
     from omegaconf import OmegaConf
@@ -339,7 +340,7 @@ def show(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
     console.print(OmegaConf.to_yaml(OmegaConf.structured(composed.recipe)), markup=False, highlight=False)
 
 
-@app.command()
+@app.command(short_help="List the shipped recipes.")
 def recipes() -> None:
     """List the shipped recipes."""
     from streamrl_cli.recipe.load import list_recipes
@@ -438,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
 # --- resource allocation: tune-split and profile (streamrl_cli/planner) -------------------------
 
 
-@app.command("tune-split")
+@app.command("tune-split", short_help="Split GPUs between generation and training.")
 def tune_split(
     recipe: RecipeArg,
     overrides: OverridesArg = None,
@@ -526,7 +527,7 @@ def tune_split(
         console.print(f"wrote {write}: " + " ".join(lines), markup=False, highlight=False, soft_wrap=True)
 
 
-@app.command()
+@app.command(short_help="Measure the engines for tune-split.")
 def profile(
     recipe: RecipeArg,
     overrides: OverridesArg = None,
@@ -580,7 +581,7 @@ def profile(
         console.print(fmt.summary(path, result), markup=False, highlight=False, soft_wrap=True)
 
 
-@app.command()
+@app.command(short_help="Score RECIPE's prompts with the length ranker.")
 def rank(
     recipe: RecipeArg,
     overrides: OverridesArg = None,

@@ -37,14 +37,16 @@ def collect(run: RunDir) -> dict[str, Any]:
     roles = []
     for role in ROLE_ORDER:
         spec = _spec(run, role)
-        roles.append(
-            {
-                "role": role,
-                "cluster": spec.cluster if spec is not None else None,
-                **{rep.key: rep.units.get(role, []) for rep in reports},
-                "members": _members(run, role, members, reachable=bool(rdv.get("reachable"))),
-            }
-        )
+        entry = {
+            "role": role,
+            "cluster": spec.cluster if spec is not None else None,
+            **{rep.key: rep.units.get(role, []) for rep in reports},
+            "members": _members(run, role, members, reachable=bool(rdv.get("reachable"))),
+        }
+        # Only the roles the run launched (its role specs), and any role something of which runs or
+        # registered all the same (a directory that lost its specs): not a teacher it never had.
+        if spec is not None or entry["members"] or any(rep.units.get(role) for rep in reports):
+            roles.append(entry)
     state, problems = _derive_state(info.get("state", "unknown"), reports)
     stall_after_s = _trainer_train(run).stall_after_s
     stalled = stalled_for(state, rdv, info, stall_after_s, time.time())

@@ -63,6 +63,23 @@ def test_no_command_shows_the_help():
     assert "Usage: streamrl" in out.stdout and "status" in out.stdout
 
 
+@pytest.mark.parametrize(
+    "command",
+    ["", "run", "cancel", "scale", "status", "plot", "export", "show", "recipes", "tune-split", "profile",
+     "rank"],
+)  # fmt: skip
+def test_help_reads_cleanly_at_80_columns(command):
+    """Typer's rich help wrote `<bool>` beside every flag (`--version <bool>`), `[[RECIPE]]`, and cut the
+    command list's descriptions mid-sentence at 80 columns."""
+    out = streamrl(*([command] if command else []), "--help", env={"COLUMNS": "80"})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
+    assert "<bool>" not in out.stdout and "[[" not in out.stdout
+    commands = out.stdout.partition("Commands:")[2]
+    assert not any(line.endswith("...") for line in commands.splitlines())  # no description cut short
+
+
 # --- @FILE -------------------------------------------------------------------------------------
 
 

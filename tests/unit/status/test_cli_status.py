@@ -133,3 +133,8 @@ def test_cancel_of_a_dry_run_changes_nothing(tmp_path):
     out = streamrl("cancel", run.name)
     assert out.returncode == 0 and "was a dry run: nothing to cancel" in out.stdout
     assert (run / "run.json").read_text() == before and not (run / "events.jsonl").exists()
+    # status shows only the roles the run launched: no empty teacher or env_server table
+    doc = json.loads(streamrl("status", run.name, "--json").stdout)
+    assert [r["role"] for r in doc["roles"]] == ["rendezvous", "trainer", "generator"]
+    text = streamrl("status", run.name).stdout
+    assert "teacher" not in text and "env_server" not in text and "generator (cluster local)" in text
