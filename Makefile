@@ -1,4 +1,5 @@
-# The two commands of the README (run, test) and the fast tier. All set up .venv first (idempotent).
+# The two commands of the README (run, test), the fast tier and the docs site. All set up .venv
+# first (idempotent).
 # `make test` runs on two xdist workers: the SLURM tests as one scope on one, the e2e modules (longest
 # first) then the unit modules on whichever is free (tests/conftest.py, pytest_xdist_make_scheduler).
 .PHONY: run test test-fast venv lint docs
@@ -16,7 +17,7 @@ test: venv
 	bash scripts/slurm-test-cluster.sh start
 	$(PYTEST) -q -n 2 $(PYTEST_ARGS)
 
-# No real engines, no SLURM: what to run before each change (README, "Tests").
+# No real engines, no SLURM: what to run before each change (docs/contributing.md).
 test-fast: venv
 	$(PYTEST) -q -n 2 tests/unit -m "not slow" $(PYTEST_ARGS)
 

@@ -108,7 +108,7 @@ def slurm_remote(slurm):
         pytest.skip("second SLURM test cluster `remote` is not running")
 
 
-# The tiers, from each test's folder (README, "Tests"):
+# The tiers, from each test's folder (docs/contributing.md):
 #   tests/unit/   no SLURM; most need no engine (the fast tier: `make test-fast`, `-m "not slow"`)
 #   tests/e2e/    real vLLM, DeepSpeed and local runs               -> marker slow
 #   tests/slurm/  real runs on the two SLURM test clusters          -> markers slurm, slow

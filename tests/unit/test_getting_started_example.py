@@ -1,5 +1,6 @@
-"""The README's "Bring your own model, data and reward" example works as printed: its recipe loads
-from the project directory, and its reward file, data and chat template score and render right."""
+"""The docs' "Bring your own model, data and reward" example (docs/getting-started.md) works as
+printed: its recipe loads from the project directory, and its reward file, data and chat template
+score and render right."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from pathlib import Path
 from streamrl_cli.recipe.load import load
 from streamrl_cli.tasks import make_task
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "getting-started.md"
 
 
 def section() -> str:
-    text = README.read_text()
+    text = PAGE.read_text()
     start = text.index("## Bring your own model, data and reward")
     return text[start : text.index("\n## ", start + 10)]
 
@@ -24,7 +25,7 @@ def block(lang: str) -> str:
     return code
 
 
-def test_the_readme_example_runs_as_printed(tmp_path, monkeypatch):
+def test_the_getting_started_example_runs_as_printed(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
     from streamrl_cli.models.tiny import build_tiny_model
