@@ -30,23 +30,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamrl_cli.errors import RecipeError, StreamRLError
+from streamrl_cli.models.architecture import TOKENIZER_FILES, architecture, context_length
 from streamrl_cli.recipe.load import Composed
 from streamrl_cli.recipe.schema import ModelConfig, Recipe
 
 if TYPE_CHECKING:
     from streamrl_cli.tasks.datasets import DatasetTask
 
-BUILTIN_TASKS = ("builtin", "calc")
-# Any of these beside config.json is a tokenizer transformers can load.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 LOGGER_MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}
-# recipe key -> config.json keys (first found wins)
-ARCH_KEYS = {
-    "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "hidden_size": ("hidden_size", "n_embd", "d_model"),
-    "num_attention_heads": ("num_attention_heads", "n_head"),
-    "num_kv_heads": ("num_key_value_heads",),
-}
 PARAMS_TOLERANCE = 0.15  # params_b is an estimate from the shapes: ±15 % is agreement
 LONG_ROWS_SHOWN = 5  # prompts over task.max_prompt_len named by row; the rest are counted
 
@@ -84,7 +75,7 @@ def _where(composed: Composed, problem: str) -> str:
 
 
 def _task(r: Recipe, problems: list[str]) -> None:
-    from streamrl_cli.tasks import make_task
+    from streamrl_cli.tasks import BUILTIN_TASKS, make_task
     from streamrl_cli.tasks.datasets import DatasetTask
 
     t = r.task
@@ -289,38 +280,6 @@ def _looks_like_path(p: str) -> bool:
     return p.startswith(("/", "./", "../", "~")) or os.sep in p and p.count("/") != 1
 
 
-def architecture(config: dict[str, Any]) -> dict[str, Any]:
-    """The recipe's architecture numbers of a transformers config.json (what it states)."""
-    config = config.get("text_config", config) if "num_hidden_layers" not in config else config
-    out: dict[str, Any] = {}
-    for key, names in ARCH_KEYS.items():
-        for n in names:
-            if isinstance(config.get(n), int):
-                out[key] = config[n]
-                break
-    if "num_kv_heads" not in out and "num_attention_heads" in out:
-        out["num_kv_heads"] = out["num_attention_heads"]
-    params = estimate_params(config, out)
-    if params is not None:
-        out["params_b"] = float(f"{params / 1e9:.3g}")
-    return out
-
-
-def estimate_params(config: dict[str, Any], arch: dict[str, Any]) -> float | None:
-    """Parameters of a decoder-only transformer from its shapes (attention, gated MLP, embeddings)."""
-    try:
-        h, layers = arch["hidden_size"], arch["num_layers"]
-        heads, kv = arch["num_attention_heads"], arch["num_kv_heads"]
-        vocab, inter = int(config["vocab_size"]), int(config["intermediate_size"])
-    except (KeyError, TypeError, ValueError):
-        return None
-    head_dim = int(config.get("head_dim") or h // heads)
-    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2  # q, o; k, v
-    mlp = 3 * h * inter  # gate, up, down
-    embed = vocab * h * (1 if config.get("tie_word_embeddings") else 2)
-    return float(layers * (attn + mlp) + embed)
-
-
 def _architecture(
     m: ModelConfig, config: dict[str, Any], given: frozenset[str], where: str, problems: list[str]
 ) -> ModelConfig:
@@ -370,21 +329,6 @@ def _local_capacity(r: Recipe, problems: list[str]) -> None:
                 f"most {bound} ({LOCAL_PROCESSES_PER_CORE} per core) run here, on cluster {cluster!r} "
                 "(launcher: local); put the role on a SLURM cluster for more"
             )
-
-
-def context_length(config: dict[str, Any]) -> int | None:
-    """The positions a transformers config.json says the model holds: max_position_embeddings, or what
-    its rope scaling stretches that to (YaRN and its kin: factor × original_max_position_embeddings)."""
-    config = config.get("text_config", config) if "max_position_embeddings" not in config else config
-    n = config.get("max_position_embeddings")
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        return None
-    rope = config.get("rope_scaling")
-    if isinstance(rope, dict) and isinstance(rope.get("factor"), int | float) and rope["factor"] > 1:
-        original = rope.get("original_max_position_embeddings")
-        base = original if isinstance(original, int) and original > 0 else n
-        n = max(n, int(base * rope["factor"]))
-    return n
 
 
 def _context(r: Recipe, problems: list[str]) -> None:

@@ -26,6 +26,11 @@ if TYPE_CHECKING:
     from streamrl_cli.recipe.schema import TaskConfig
 
 
+# The recipe's task names that :func:`make_task` makes without a dataset: the repeat task
+# (recipes/task/builtin.yaml, :mod:`.builtin`) and the multi-turn ``calc`` (:mod:`.calc`).
+BUILTIN_TASKS = ("builtin", "calc")
+
+
 class TaskError(StreamRLError):
     """A task could not be made: bad dataset, bad reward function, bad task settings."""
 
