@@ -1,7 +1,7 @@
 """One interface to what starts a run's roles: a cluster's ``launcher`` key names its implementation.
 
     local  (launch/local.py)  role processes on this machine, recorded in local.json
-    slurm  (launch/slurm.py)  SLURM jobs and job arrays through submitit, recorded in jobs.json
+    slurm  (launch/slurm/)    SLURM jobs and job arrays through submitit, recorded in jobs.json
 
 Everything that starts, stops or looks at a run's roles goes through it, whatever the launcher:
 
@@ -131,7 +131,7 @@ def registry() -> dict[str, type[Launcher]]:
     order they are asked: queued jobs are cancelled before local processes (the local rendezvous
     server goes last)."""
     from streamrl_cli.launch.local import LocalLauncher
-    from streamrl_cli.launch.slurm import SlurmLauncher
+    from streamrl_cli.launch.slurm.launcher import SlurmLauncher
 
     return {"slurm": SlurmLauncher, "local": LocalLauncher}
 

@@ -18,6 +18,7 @@ from streamrl_cli.errors import ClusterError
 from streamrl_cli.launch import launcher, scale_executor, slurm
 from streamrl_cli.launch.launcher import Added, Launcher
 from streamrl_cli.launch.run import prepare
+from streamrl_cli.launch.slurm import submission
 from streamrl_cli.recipe.load import load
 from streamrl_cli.recipe.schema import LAUNCHERS
 
@@ -43,7 +44,7 @@ def slurm_run(tmp_path, monkeypatch):
         submitted.append((job, name, spec_path))
         return str(100 + len(submitted))
 
-    monkeypatch.setattr(slurm, "submit", fake_submit)
+    monkeypatch.setattr(submission, "submit", fake_submit)
     return p, submitted
 
 

@@ -1,4 +1,4 @@
-"""The parts of submitit's private API that launch/slurm.py and profiling/jobs.py rely on.
+"""The parts of submitit's private API that launch/slurm/ and profiling/jobs.py rely on.
 
 setup.cfg pins submitit below the next minor release because of them; a new submitit that renames
 or reshapes one fails here, with the name, rather than at the first `sbatch` of a real run.
@@ -16,9 +16,10 @@ from submitit.slurm import slurm as submitit_slurm
 
 from streamrl_cli.launch.slurm import SUBMITIT_COMMAND, SUBMITIT_NAMES
 
-UPGRADE = "submitit changed what streamrl_cli/launch/slurm.py relies on (see setup.cfg's pin): "
+UPGRADE = "submitit changed what streamrl_cli/launch/slurm/ relies on (see setup.cfg's pin): "
 
-# Every keyword launch.slurm.sbatch_parameters and render/_staged_executor pass to _make_sbatch_string.
+# Every keyword launch.slurm.script.sbatch_parameters and render, and launch.slurm.submission
+# ._staged_executor, pass to _make_sbatch_string.
 SBATCH_KEYWORDS = {
     "command",
     "folder",
