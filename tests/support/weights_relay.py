@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+from collections.abc import Iterator
+
 import torch
 
 TOKEN = "relay-test-token-0123456789"
@@ -21,3 +25,23 @@ def weights(seed: int = 0) -> dict[str, torch.Tensor]:
         "empty": torch.empty(0, 3),
         "head": torch.randn(64, 300, generator=g).t(),  # non-contiguous at the source
     }
+
+
+@contextlib.contextmanager
+def relay_server(version: int = 1) -> Iterator:
+    """A relay WeightServer on loopback serving ``weights()`` as ``version``."""
+    from streamrl_cli.weights.relay import WeightServer
+
+    srv = WeightServer(TOKEN, host="127.0.0.1", chunk_bytes=CHUNK, checksum="crc32", timeout_s=2)
+    srv.publish(version, weights())
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+def connect(address: str, timeout: float = 5.0) -> socket.socket:
+    """A plain TCP connection to a relay's ``host:port``, with a timeout on every call."""
+    s = socket.create_connection(("127.0.0.1", int(address.rsplit(":", 1)[1])), timeout=timeout)
+    s.settimeout(timeout)
+    return s

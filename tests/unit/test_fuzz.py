@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from support.helpers import tcp_pair
 from support.stream import TOKEN as STREAM_TOKEN
 from support.stream import drain, sample
-from support.weights_relay import CHUNK, TOKEN, weights
+from support.weights_relay import TOKEN, connect, relay_server
 
 from streamrl_cli.errors import RecipeError
 from streamrl_cli.launch import local
@@ -34,7 +34,7 @@ from streamrl_cli.transport import wire as w
 from streamrl_cli.transport.samples import StreamConfig, make_receiver, make_sender
 from streamrl_cli.transport.zmq_common import curve_keys, make_client_socket
 from streamrl_cli.weights import relay_wire as rw
-from streamrl_cli.weights.relay import WeightServer, fetch_weights
+from streamrl_cli.weights.relay import fetch_weights
 
 pytestmark = pytest.mark.fuzz
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -50,22 +50,14 @@ json_values = st.recursive(
 
 @pytest.fixture(scope="module")
 def relay():
-    srv = WeightServer(TOKEN, host="127.0.0.1", chunk_bytes=CHUNK, checksum="crc32", timeout_s=2)
-    srv.publish(1, weights())
-    yield srv
-    srv.close()
-
-
-def _connect(address: str) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", int(address.rsplit(":", 1)[1])), timeout=5)
-    s.settimeout(5)
-    return s
+    with relay_server() as srv:
+        yield srv
 
 
 @FAST
 @given(junk=st.binary(max_size=2048), announce=st.integers(0, 2**32 - 1))
 def test_relay_server_survives_any_bytes_before_the_handshake(relay, junk, announce):
-    with _connect(relay.address) as s:
+    with connect(relay.address) as s:
         s.recv(4096)  # the Challenge
         try:
             s.sendall(struct.pack(">I", announce) + junk)
@@ -90,7 +82,7 @@ def test_relay_server_survives_any_bytes_before_the_handshake(relay, junk, annou
     )
 )
 def test_relay_server_answers_any_authenticated_request_or_drops_it(relay, msgs):
-    conn = rw.Conn(_connect(relay.address), 5)
+    conn = rw.Conn(connect(relay.address), 5)
     try:
         rw.client_handshake(conn, TOKEN)
         conn.send(*msgs)

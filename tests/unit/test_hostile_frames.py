@@ -7,22 +7,22 @@ processes); the teacher's stream is the sample stream's receiver (another addres
 
 from __future__ import annotations
 
-import socket
 import struct
 import time
 
+import msgspec
 import pytest
 import zmq
 from support.stream import TOKEN as STREAM_TOKEN
 from support.stream import drain, sample
-from support.weights_relay import CHUNK, TOKEN, weights
+from support.weights_relay import TOKEN, connect, relay_server
 
 from streamrl_cli import limits
 from streamrl_cli.transport import wire as w
 from streamrl_cli.transport.samples import StreamConfig, make_receiver, make_sender
 from streamrl_cli.transport.zmq_common import curve_keys, make_client_socket
 from streamrl_cli.weights import relay_wire as rw
-from streamrl_cli.weights.relay import WeightServer, fetch_weights
+from streamrl_cli.weights.relay import fetch_weights
 
 DEEP = b"\x91" * 5000 + b"\xc0"  # [[[[...nil...]]]] 5,000 levels as msgpack: 5 KB
 
@@ -78,15 +78,18 @@ def test_the_sample_receiver_serves_on_after_deep_huge_and_malformed_frames():
 
 
 def test_a_request_nested_past_the_limit_is_refused_by_the_generators_decoder():
-    req = w.Request(prompt_id="p", prompt_token_ids=[1], sample_indices=[0], sampling={"a": [[[[[[]]]]]]})
-    assert w.decode_request(w.encode(req)).sampling == req.sampling
+    req = w.Request(prompt_id="p", prompt_token_ids=[1], sample_indices=[0], env={"a": [[[[[[]]]]]]})
+    assert w.decode_request(w.encode(req)).env == req.env
     deep: list = []
     for _ in range(40):
         deep = [deep]
-    with pytest.raises(limits.FrameError, match="sampling nests deeper"):
+    with pytest.raises(limits.FrameError, match="environment row nests deeper"):
         w.decode_request(
-            w.encode(w.Request(prompt_id="p", prompt_token_ids=[], sample_indices=[], sampling={"x": deep}))
+            w.encode(w.Request(prompt_id="p", prompt_token_ids=[], sample_indices=[], env={"x": deep}))
         )
+    # the sampling is typed: a free-form value in its place is refused by the decoder itself
+    with pytest.raises(msgspec.ValidationError):
+        w.decode_request(w.encode(["p", [], [], "", 0, {"x": [[[]]]}]))
     placeholder = w.encode(w.Request(prompt_id="p", prompt_token_ids=[], sample_indices=[], env={"x": "@@"}))
     with pytest.raises(limits.FrameError):  # env's value 5,000 levels deep: the decoder's own recursion
         w.decode_request(placeholder.replace(b"\xa2@@", DEEP))
@@ -94,14 +97,8 @@ def test_a_request_nested_past_the_limit_is_refused_by_the_generators_decoder():
 
 @pytest.fixture
 def relay():
-    srv = WeightServer(TOKEN, host="127.0.0.1", chunk_bytes=CHUNK, checksum="crc32", timeout_s=2)
-    srv.publish(1, weights())
-    yield srv
-    srv.close()
-
-
-def _connect(address: str) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", int(address.rsplit(":", 1)[1])), timeout=5)
+    with relay_server() as srv:
+        yield srv
 
 
 def _answer(conn: rw.Conn) -> object:
@@ -118,28 +115,28 @@ def test_the_relay_serves_on_after_deep_huge_and_malformed_frames(relay):
     deep_frame = (
         b"\x82\xa4type\xa5Hello\xa1x" + b"\x91" * 900 + b"\xc0"
     )  # under the 1,024-byte pre-auth limit
-    with _connect(relay.address) as s:  # before authentication
+    with connect(relay.address) as s:  # before authentication
         conn = rw.Conn(s, 5)
         conn.recv()  # the Challenge
         s.sendall(struct.pack(">I", len(deep_frame)) + deep_frame)
         assert not isinstance(_answer(conn), rw.Welcome)
-    with _connect(relay.address) as s:  # a string that is not UTF-8 (msgspec raised UnicodeDecodeError)
+    with connect(relay.address) as s:  # a string that is not UTF-8 (msgspec raised UnicodeDecodeError)
         conn = rw.Conn(s, 5)
         conn.recv()
         bad = b"\x82\xa4type\xa5Hello\xa1\xff\xc0"
         s.sendall(struct.pack(">I", len(bad)) + bad)
         assert not isinstance(_answer(conn), rw.Welcome)
-    with _connect(relay.address) as s:  # after it: sealed frames
+    with connect(relay.address) as s:  # after it: sealed frames
         conn = rw.Conn(s, 5)
         rw.client_handshake(conn, TOKEN)
         conn.sock.sendall(conn._frame(b"\x82\xa4type\xabGetManifest\xa1x" + DEEP))
         assert not isinstance(_answer(conn), rw.Manifest)
-    with _connect(relay.address) as s:
+    with connect(relay.address) as s:
         conn = rw.Conn(s, 5)
         rw.client_handshake(conn, TOKEN)
         conn.sock.sendall(struct.pack(">I", limits.RELAY_FRAME + rw.TAG + 1))  # announced, never sent
         assert _answer(conn) is None or isinstance(_answer(conn), rw.Error)
-    with _connect(relay.address) as s:
+    with connect(relay.address) as s:
         conn = rw.Conn(s, 5)
         rw.client_handshake(conn, TOKEN)
         conn.sock.sendall(conn._frame(b"\xc1 malformed"))

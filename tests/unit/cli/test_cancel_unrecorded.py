@@ -12,18 +12,9 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 from support.helpers import streamrl
 
 SLEEP = "import time; time.sleep(600)"
-
-
-@pytest.fixture
-def dry_run(runs_root) -> Path:
-    out = streamrl("run", "local", "--dry-run", "--root", str(runs_root), timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
-    (run_dir,) = [p for p in runs_root.iterdir() if (p / "run.json").exists()]
-    return run_dir
 
 
 def role_argv(role: str) -> list[str]:

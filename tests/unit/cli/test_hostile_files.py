@@ -69,14 +69,6 @@ def test_non_finite_numbers_are_refused(runs_root, override):
 # ---- run directories ----
 
 
-@pytest.fixture
-def dry_run(runs_root) -> Path:
-    out = streamrl("run", "local", "--dry-run", "--root", str(runs_root), timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
-    (run_dir,) = [p for p in runs_root.iterdir() if (p / "run.json").exists()]
-    return run_dir
-
-
 def fake_role(run_dir: Path, role: str) -> subprocess.Popen:
     """A long-lived process that looks like a role of this run (its command line and directory)."""
     return subprocess.Popen(
