@@ -185,11 +185,13 @@ def scale(
     generators: Annotated[
         str, typer.Option("--generators", help="instances wanted: N, or +N to add, -N to release")
     ],
-    wait: Annotated[float, typer.Option(help="seconds to wait until the run applied it")] = 120.0,
+    wait: Annotated[
+        float, typer.Option(min=0, max=604_800, help="seconds to wait until the run applied it")
+    ] = 120.0,
 ) -> None:
     """Grow or shrink RUN's generator instances while it trains (local processes or SLURM array jobs)."""
     from streamrl_cli import rundir
-    from streamrl_cli.launch.scale_request import request
+    from streamrl_cli.launch.scale.request import request
 
     r = rundir.find(run_name)
     ev = request(r, generators, wait_s=wait)
@@ -221,7 +223,9 @@ def status(
             "after another",
         ),
     ] = False,
-    interval: Annotated[float, typer.Option(min=0.1, help="seconds between refreshes with --watch")] = 2.0,
+    interval: Annotated[
+        float, typer.Option(min=0.1, max=3600, help="seconds between refreshes with --watch")
+    ] = 2.0,
 ) -> None:
     """What every role of RUN is doing; without RUN, a table of runs."""
     import json
@@ -297,7 +301,13 @@ def export(
     run_name: Annotated[str, typer.Argument(metavar="RUN", help="run id, prefix, name or directory")],
     out: Annotated[Path, typer.Option("--out", help="directory to write (must not exist, or be empty)")],
     iteration: Annotated[
-        int | None, typer.Option("--iteration", help="the checkpoint of this iteration (default: the latest)")
+        int | None,
+        typer.Option(
+            "--iteration",
+            min=0,
+            max=10_000_000,
+            help="the checkpoint of this iteration (default: the latest)",
+        ),
     ] = None,
     adapter: Annotated[
         bool, typer.Option("--adapter", help="a LoRA run: its adapters as a PEFT directory, not merged")
@@ -445,7 +455,12 @@ def tune_split(
     overrides: OverridesArg = None,
     gpus: Annotated[
         int | None,
-        typer.Option("--gpus", help="one pool of N GPUs (the trainer's partition) for both stages"),
+        typer.Option(
+            "--gpus",
+            min=1,
+            max=2_097_152,
+            help="one pool of N GPUs (the trainer's partition) for both stages",
+        ),
     ] = None,
     sites: Annotated[
         str | None,
@@ -474,7 +489,7 @@ def tune_split(
     objective: Annotated[
         str, typer.Option(help="rank by `throughput` (samples/s) or `cost` (samples per unit cost)")
     ] = "throughput",
-    top: Annotated[int, typer.Option(help="options to show")] = 10,
+    top: Annotated[int, typer.Option(min=1, max=10_000, help="options to show")] = 10,
 ) -> None:
     """How many GPUs of which kind go to generation and to training (Algorithm 1, two sites, cost)."""
     import json
@@ -590,7 +605,7 @@ def rank(
         typer.Option("--out", help="the cache: FILE.json or FILE.jsonl (default rank-<task>-<ranker>.json)"),
     ] = None,
     limit: Annotated[
-        int | None, typer.Option("--limit", min=1, help="score only the first N prompts")
+        int | None, typer.Option("--limit", min=1, max=100_000_000, help="score only the first N prompts")
     ] = None,
     fit: Annotated[
         Path | None,

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from streamrl_cli.planner import ProfileError
 from streamrl_cli.planner.profile import Profile, ProfileRequest, load_profile
+from streamrl_cli.recipe.schema import SEQS
 
 if TYPE_CHECKING:
     from streamrl_cli.recipe.schema import Recipe
@@ -37,8 +38,10 @@ def request_from_recipe(r: Recipe, *, trainer: str, batches: str, where: str) ->
         sizes = tuple(sorted({int(b) for b in batches.split(",")}))
     except ValueError:
         raise ProfileError(f"--batches {batches!r}: expected comma-separated integers") from None
-    if not sizes or sizes[0] < 1:
-        raise ProfileError(f"--batches {batches!r}: batch sizes must be at least 1")
+    if not sizes or sizes[0] < 1 or sizes[-1] > SEQS:
+        raise ProfileError(
+            f"--batches {batches!r}: batch sizes must be in 1..{SEQS:,} (an engine's sequences)"
+        )
     model_dir = Path(r.model.path).expanduser()
     build = False
     if not (model_dir / "config.json").is_file():

@@ -32,6 +32,11 @@ BAD = [
     (["show", "local", "roles.generator.instance=4"], "unknown key 'roles.generator.instance'"),
     (["status", "no-such-run"], "no run matches 'no-such-run'"),
     (["cancel", "no-such-run"], "no run matches 'no-such-run'"),
+    # numbers past what any cluster means: `tune-split --gpus 2**80` was an internal OverflowError
+    (["tune-split", "local", "--gpus", str(2**80)], "Invalid value for '--gpus'"),
+    (["status", "x", "--watch", "--interval", "1e400"], "Invalid value for '--interval'"),
+    (["export", "x", "--out", "y", "--iteration", "-1"], "Invalid value for '--iteration'"),
+    (["scale", "x", "--generators", "3", "--wait", "1e400"], "Invalid value for '--wait'"),
 ]
 
 
@@ -45,6 +50,12 @@ def test_bad_invocation_exits_2_with_one_clear_message(args, says, tmp_path):
     assert out.stderr.startswith("error:"), out.stderr
     if not says.startswith(("unknown key", "no recipe")):  # recipe errors list every problem
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_profile_batch_past_any_engine_is_refused_before_anything_starts(tmp_path):
+    out = streamrl("profile", "local", "--batches", f"1,{2**70}", cwd=tmp_path)
+    assert out.returncode != 0 and "Traceback" not in out.stdout + out.stderr
+    assert "batch sizes must be in 1..65,536" in out.stderr and not list(tmp_path.iterdir())
 
 
 def test_usage_errors_point_at_the_commands_help(tmp_path):
