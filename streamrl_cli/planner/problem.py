@@ -23,7 +23,7 @@ from streamrl_cli.planner.hardware import load_hardware
 from streamrl_cli.planner.profile import load_profile
 from streamrl_cli.planner.search import Option, Planner, Pool, SearchResult, trainer_counts
 from streamrl_cli.planner.workload import Workload, workload_from_recipe
-from streamrl_cli.recipe.schema import MODES, Recipe
+from streamrl_cli.recipe.schema import GPUS_PER_NODE, MODES, NODES, Recipe
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,7 @@ def pools_from_recipe(r: Recipe, gpus: int | None = None, sites: str | None = No
     return [gp_.pool(role_devices(r, "generator")), tp_.pool(role_devices(r, "trainer"))]
 
 
+MAX_POOL_GPUS = NODES * GPUS_PER_NODE  # as `tune-split --gpus`: past it, no cluster there is
 SITE_ITEM = re.compile(
     r"^(?P<kind>[\w-]+):(?P<n>\d+)(@(?P<site>[\w.-]+))?$|^(?P<where>[\w.-]+)=(?P<count>\d+)$"
 )
@@ -137,6 +138,11 @@ def parse_sites(r: Recipe, spec: str) -> list[Pool]:
     names = [p.name for p in pools]
     problems += [f"pool {n!r} given twice" for n in sorted({n for n in names if names.count(n) > 1})]
     problems += [f"{p.name}: a budget of {p.gpus} GPUs" for p in pools if p.gpus < 1]
+    problems += [
+        f"{p.name}: a budget of {p.gpus} GPUs, more than the {MAX_POOL_GPUS:,} of the largest clusters"
+        for p in pools
+        if p.gpus > MAX_POOL_GPUS
+    ]
     if problems or not pools:
         raise PlannerError("--sites: " + ("; ".join(problems) or "no pools given"))
     return pools

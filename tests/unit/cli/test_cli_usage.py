@@ -34,6 +34,7 @@ BAD = [
     (["cancel", "no-such-run"], "no run matches 'no-such-run'"),
     # numbers past what any cluster means: `tune-split --gpus 2**80` was an internal OverflowError
     (["tune-split", "local", "--gpus", str(2**80)], "Invalid value for '--gpus'"),
+    (["tune-split", "local", "--sites", f"h800:{2**80}"], "more than the 2,097,152 of the largest clusters"),
     (["status", "x", "--watch", "--interval", "1e400"], "Invalid value for '--interval'"),
     (["export", "x", "--out", "y", "--iteration", "-1"], "Invalid value for '--iteration'"),
     (["scale", "x", "--generators", "3", "--wait", "1e400"], "Invalid value for '--wait'"),
