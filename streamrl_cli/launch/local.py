@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 
 from streamrl_cli import environ
-from streamrl_cli.launch.launcher import Added, Instance, Launcher, Report, Submission
+from streamrl_cli.launch.base import Added, Instance, Launcher, Report, Submission
 from streamrl_cli.launch.plan import JobSpec
 from streamrl_cli.rundir import RunDir, read_json_checked, warn_once, write_json
 

@@ -23,8 +23,9 @@ from rich.console import Console
 
 from streamrl_cli import rundir
 from streamrl_cli.errors import ClusterError, RendezvousError, ResumeError
-from streamrl_cli.launch import keeper, launcher, local, plan
+from streamrl_cli.launch import launcher, local, plan
 from streamrl_cli.launch.plan import JobSpec
+from streamrl_cli.launch.supervise import keeper
 from streamrl_cli.recipe.load import Composed
 from streamrl_cli.rendezvous import create_secret
 from streamrl_cli.roles.restart import mark_trainer_start
@@ -185,9 +186,9 @@ def launch(p: Prepared, console: Console) -> int:
     run.update_info(state="running", started=time.time())
     mark_trainer_start(run)
     if foreground:
-        from streamrl_cli.launch.local_watch import watch_local
+        from streamrl_cli.launch.supervise.local_watch import watch_local
 
-        return watch_local(run, console, restart=_trainer_restarter(p))
+        return watch_local(run, console, cancel, restart=_trainer_restarter(p))
     console.print(
         f"submitted; follow with `streamrl status {run.name}`, stop with `streamrl cancel {run.name}`"
     )

@@ -10,7 +10,7 @@ from typing import Any
 
 from streamrl_cli.environ import CPU_SLOT, RANK_BASE
 from streamrl_cli.errors import ClusterError
-from streamrl_cli.launch.launcher import Added, Instance, Launcher, Report, Submission
+from streamrl_cli.launch.base import Added, Instance, Launcher, Report, Submission
 from streamrl_cli.launch.plan import JobSpec
 from streamrl_cli.launch.slurm import submission
 from streamrl_cli.launch.slurm.queue import TERMINAL, all_ended, cancel, ending, run_job_states, unfinished

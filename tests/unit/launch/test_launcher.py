@@ -15,9 +15,10 @@ import pytest
 
 from streamrl_cli.environ import CPU_SLOT, RANK_BASE
 from streamrl_cli.errors import ClusterError
-from streamrl_cli.launch import launcher, scale_executor, slurm
+from streamrl_cli.launch import launcher, slurm
 from streamrl_cli.launch.launcher import Added, Launcher
 from streamrl_cli.launch.run import prepare
+from streamrl_cli.launch.scale.executor import next_rank
 from streamrl_cli.launch.slurm import submission
 from streamrl_cli.recipe.load import load
 from streamrl_cli.recipe.schema import LAUNCHERS
@@ -82,7 +83,7 @@ def test_a_scale_up_is_a_new_array_job_ranked_after_the_run(slurm_run):
     script = p.run.job_script(f"{job.key}-from{base}", "slurm")
     assert rec["script"] == str(script) and "#SBATCH --array=0-1" in script.read_text()
     assert stat.S_IMODE(script.stat().st_mode) == slurm.script_mode(scaled)
-    assert scale_executor.next_rank(p.run) == base + 2
+    assert next_rank(p.run) == base + 2
 
 
 def test_a_trainer_restart_replaces_the_old_record_and_is_no_new_job_event(slurm_run):

@@ -8,8 +8,8 @@ import re
 import pytest
 from support.helpers import streamrl
 
-from streamrl_cli.launch.scale_executor import next_rank
-from streamrl_cli.launch.scale_request import ScaleUsageError, target_count
+from streamrl_cli.launch.scale.executor import next_rank
+from streamrl_cli.launch.scale.request import ScaleUsageError, target_count
 from streamrl_cli.rundir import RunDir, write_json
 
 

@@ -88,7 +88,7 @@ def test_the_rendezvous_ca_travels_too(tmp_path):
 
 
 def test_a_scaled_array_job_is_staged_the_same_way(tmp_path):
-    from streamrl_cli.launch.scale_executor import generator_job
+    from streamrl_cli.launch.scale.executor import generator_job
 
     p, there = staged_run(tmp_path)
     job = generator_job(p.run)  # what `streamrl scale` submits, from the run's own config

@@ -1,10 +1,10 @@
-"""The supervisor's rule (launch.supervisor): one set of decisions for local processes and SLURM
+"""The supervisor's rule (launch.supervise.supervisor): one set of decisions for local processes and SLURM
 jobs. The launchers' own sides are exercised by the real runs (tests/e2e/test_local_faults.py,
 tests/slurm/test_slurm_chaos.py, tests/slurm/test_launch_slurm.py)."""
 
 from __future__ import annotations
 
-from streamrl_cli.launch.supervisor import (
+from streamrl_cli.launch.supervise.supervisor import (
     CANCELLED,
     COMPLETED,
     FAILED,
@@ -187,7 +187,7 @@ def test_a_failed_run_stops_what_is_left_at_once_a_finished_one_gives_the_pools_
 
 
 def test_a_trainer_that_cannot_be_started_again_fails_the_run(tmp_path, monkeypatch):
-    from streamrl_cli.launch import supervisor
+    from streamrl_cli.launch.supervise import supervisor
 
     run = RunDir(tmp_path)
     run.update_info(state="running")

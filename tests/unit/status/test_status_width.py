@@ -12,7 +12,7 @@ from rich.console import Console
 from support.helpers import streamrl
 from support.metric_runs import make_run, simulate
 
-from streamrl_cli.launch.live_view import live_view
+from streamrl_cli.launch.supervise.live_view import live_view
 from streamrl_cli.rundir import RunDir, write_json
 from streamrl_cli.status.view import run_view
 from streamrl_cli.weights.relay_wire import FULL_REASONS

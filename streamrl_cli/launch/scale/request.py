@@ -1,7 +1,7 @@
 """`streamrl scale RUN --generators N|+N|-N`: ask the run for a number of generator instances.
 
 The request goes through the run's rendezvous; the process that watches the run applies it
-(``launch.scale_follow``) and writes the outcome to ``events.jsonl``, which is what this waits for.
+(``launch.scale.follow``) and writes the outcome to ``events.jsonl``, which is what this waits for.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import re
 from typing import Any
 
 from streamrl_cli.errors import ClusterError, StreamRLError
-from streamrl_cli.launch import scale_executor
-from streamrl_cli.launch.scale_follow import wait_applied
+from streamrl_cli.launch.scale import executor
+from streamrl_cli.launch.scale.follow import wait_applied
 from streamrl_cli.rundir import RunDir
 
 SPEC = re.compile(r"^([+-]?)(\d+)$")
@@ -43,7 +43,7 @@ def request(run: RunDir, spec: str, *, wait_s: float, reason: str = "") -> dict[
     state = run.info().get("state")
     if state != "running":
         raise ClusterError(f"run {run.name} is {state or 'not started'}: only a running run can be scaled")
-    target = target_count(spec, len(scale_executor.instances(run)))
+    target = target_count(spec, len(executor.instances(run)))
     ca = run_state.role_spec(run, "rendezvous").rendezvous_ca
     with RendezvousClient.from_run_dir(run.path, tls_ca=ca, retry_s=5.0) as client:
         seq = client.request_scale(

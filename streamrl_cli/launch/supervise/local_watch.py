@@ -1,9 +1,9 @@
 """`streamrl run` in the foreground: the supervisor's side for a run's local role processes.
 
-It feeds launch.supervisor what the processes' exit codes say, restarts the trainer processes
+It feeds launch.supervise.supervisor what the processes' exit codes say, restarts the trainer processes
 and the local rendezvous server, applies scale requests, and keeps a live table on the terminal;
 Ctrl-C (or SIGTERM) stops every role. The decisions are the supervisor's, the same as for
-SLURM jobs (launch.server_role).
+SLURM jobs (launch.supervise.slurm_watch).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from rich.console import Console
 from rich.live import Live
 
 from streamrl_cli.errors import StreamRLError
-from streamrl_cli.launch import keeper, launcher, local
-from streamrl_cli.launch.live_view import live_view, summary_line
-from streamrl_cli.launch.supervisor import COMPLETED, FAILED, RUNNING, Member, Outcome, supervise
+from streamrl_cli.launch import launcher, local
+from streamrl_cli.launch.supervise import keeper
+from streamrl_cli.launch.supervise.live_view import live_view, summary_line
+from streamrl_cli.launch.supervise.supervisor import COMPLETED, FAILED, RUNNING, Member, Outcome, supervise
 from streamrl_cli.roles.restart import mark_trainer_start
 from streamrl_cli.rundir import POOL_ROLES, RunDir
 
@@ -105,13 +106,17 @@ class LocalSide:
         self.live.update(live_view(self.run))
 
 
-def watch_local(run: RunDir, console: Console, restart: Callable[[], object] | None = None) -> int:
+def watch_local(
+    run: RunDir,
+    console: Console,
+    cancel: Callable[..., object],
+    restart: Callable[[], object] | None = None,
+) -> int:
     """Supervise the local role processes until the run ends, with a live table; Ctrl-C (or
-    SIGTERM) stops them all. A trainer that dies is started again by ``restart`` while
-    roles.trainer.restarts allows; a local rendezvous server that dies, up to
-    keeper.RENDEZVOUS_RESTARTS times (see `_revive_rendezvous`). Returns the exit code."""
-    from streamrl_cli.launch.run import cancel
-
+    SIGTERM) stops them all, by ``cancel`` (launch.run's: every launcher of the run). A trainer that
+    dies is started again by ``restart`` while roles.trainer.restarts allows; a local rendezvous
+    server that dies, up to keeper.RENDEZVOUS_RESTARTS times (see `_revive_rendezvous`). Returns
+    the exit code."""
     old: dict[int, object] = {}
     try:
         with Live(live_view(run), console=console, refresh_per_second=2, transient=False) as live:
@@ -207,7 +212,7 @@ def _exit_code(rec: local.LocalProc) -> int | None:
 def _scale_follower(run: RunDir, console: Console):  # type: ignore[no-untyped-def]
     """The follower of scale requests when this process is the one that applies them (local generators)."""
     from streamrl_cli.launch import run_state
-    from streamrl_cli.launch.scale_follow import ScaleFollower
+    from streamrl_cli.launch.scale.follow import ScaleFollower
     from streamrl_cli.rendezvous import RendezvousClient
 
     try:

@@ -2,7 +2,7 @@
 
 `streamrl scale` and the trainer's elastic policy only *ask*, through the rendezvous
 (`POST /v1/scale`, event `scale_requested` with an absolute instance count). One process per run
-follows those events and applies them with :mod:`streamrl_cli.launch.scale_executor`:
+follows those events and applies them with :mod:`streamrl_cli.launch.scale.executor`:
 
 - a run whose generators are local processes: `streamrl run` itself, in its watch loop (it started
   the roles, so it also collects the new processes' exit codes);
@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from streamrl_cli.errors import StreamRLError
-from streamrl_cli.launch import scale_executor
+from streamrl_cli.launch.scale import executor
 from streamrl_cli.rundir import RunDir
 
 log = logging.getLogger("streamrl.elastic")
@@ -55,7 +55,7 @@ class ScaleFollower:
         d = request["data"]
         t0 = time.time()
         try:
-            r = scale_executor.apply(self.run, int(d["instances"]))
+            r = executor.apply(self.run, int(d["instances"]))
         except StreamRLError as e:
             log.error("scale request %d (%s instances) failed: %s", request["seq"], d["instances"], e)
             return self._event("scale_failed", request, error=str(e))

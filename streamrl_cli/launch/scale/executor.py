@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from streamrl_cli.errors import ClusterError
 from streamrl_cli.launch import launcher, run_state
-from streamrl_cli.launch.launcher import Added, Instance
+from streamrl_cli.launch.base import Added, Instance
 from streamrl_cli.launch.plan import JobSpec
 from streamrl_cli.rundir import RunDir
 

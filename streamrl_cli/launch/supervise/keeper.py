@@ -6,7 +6,7 @@ with nobody to notice. So there it runs under this small parent, which starts it
 journal, like `streamrl run` does for a local run's server, at most RENDEZVOUS_RESTARTS times per
 run (counted in run.json, shared with `streamrl run`'s own restarts):
 
-    python -m streamrl_cli.launch.keeper RUN_DIR -- COMMAND ...
+    python -m streamrl_cli.launch.supervise.keeper RUN_DIR -- COMMAND ...
 
 The keeper forwards SIGTERM and SIGINT to the server and ends with its exit code. A server that
 exits 0 (stopped on purpose: its run ended, a cancel) or whose run was cancelled is not restarted.
@@ -72,7 +72,7 @@ def keep(run: RunDir, command: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m streamrl_cli.launch.keeper RUN_DIR -- COMMAND ...", file=sys.stderr)
+        print("usage: python -m streamrl_cli.launch.supervise.keeper RUN_DIR -- COMMAND ...", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return keep(RunDir(Path(argv[0])), argv[2:])
