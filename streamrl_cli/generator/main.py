@@ -46,6 +46,7 @@ from streamrl_cli.generator.engine import (
     GenerationEngine,
     GenerationRequest,
     GenerationResult,
+    SamplingSpec,
     make_engine,
 )
 from streamrl_cli.generator.stream import Meter, prompt_of, to_engine_request, to_samples, unstarted_samples
@@ -223,7 +224,9 @@ class GeneratorRole:
             engine = wrap(make_engine(spec.settings.engine, **engine_kwargs(spec, rank)), spec)
         self.engine = engine
         self.meter = Meter(time.time())
-        self.defaults = {"max_tokens": spec.task.max_output_len, "temperature": 1.0}
+        # A role that scores rather than samples (the teacher) sets its fixed settings here; a
+        # generator samples as each request says.
+        self.scoring: SamplingSpec | None = None
         self._stop = asyncio.Event()
         self._serial = itertools.count()
         self.cancelled = 0  # requests the trainer cancelled while we still had them (over-sampling)
@@ -358,7 +361,7 @@ class GeneratorRole:
                     await self._cancel(req.prompt_id, keep=req.keep)
                     continue
                 self.meter.submitted(time.time())
-                er = to_engine_request(req, next(self._serial), self.defaults)
+                er = to_engine_request(req, next(self._serial), self.scoring)
                 self.admission.add(
                     er.request_id, er, size=er.sampling.n, priority=req.priority, limit=req.batch_limit
                 )

@@ -17,28 +17,29 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+
+import msgspec
 
 from streamrl_cli.generator.engine import GenerationRequest, GenerationResult, SamplingSpec
 from streamrl_cli.transport.wire import Episode, Request, Sample
 
 log = logging.getLogger("streamrl.generator")
 
-# Keys a dispatched request's `sampling` may carry; `n` comes from its sample indices.
-SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingSpec)) - {"n"}
 
-
-def to_engine_request(req: Request, serial: int, defaults: dict[str, Any]) -> GenerationRequest:
-    """One engine request for a dispatched request; `serial` keeps ids unique across re-dispatches."""
-    unknown = set(req.sampling) - SAMPLING_KEYS
-    if unknown:
-        # A newer trainer may send more; generating with the known ones beats dropping the prompt.
-        log.warning("prompt %s: ignoring unknown sampling keys %s", req.prompt_id, sorted(unknown))
-    params = {**defaults, **{k: v for k, v in req.sampling.items() if k in SAMPLING_KEYS}}
+def to_engine_request(req: Request, serial: int, scoring: SamplingSpec | None = None) -> GenerationRequest:
+    """One engine request for a dispatched request; `serial` keeps ids unique across re-dispatches.
+    Sampled as the request says (the trainer built it from the recipe), or by `scoring`, the fixed
+    settings of a role that scores rather than samples (a distillation teacher)."""
+    if scoring is not None:
+        spec = dataclasses.replace(scoring, n=len(req.sample_indices))
+    elif req.sampling is None:
+        raise ValueError(f"prompt {req.prompt_id}: a request to generate carries no sampling")
+    else:
+        spec = SamplingSpec(n=len(req.sample_indices), **msgspec.structs.asdict(req.sampling))
     return GenerationRequest(
         request_id=f"{req.prompt_id}#{serial}",  # see prompt_of
         prompt_token_ids=list(req.prompt_token_ids),
-        sampling=SamplingSpec(n=len(req.sample_indices), **params),
+        sampling=spec,
         priority=req.priority,
         meta={
             "prompt_id": req.prompt_id,

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from streamrl_cli.errors import StreamRLError
-from streamrl_cli.generator.engine import GenerationResult, make_engine
+from streamrl_cli.generator.engine import GenerationResult, SamplingSpec, make_engine
 from streamrl_cli.generator.main import GeneratorRole, instance_engine, run_role
 from streamrl_cli.roles.spec import TeacherSpec
 from streamrl_cli.transport.wire import Sample
@@ -80,7 +80,8 @@ class TeacherRole(GeneratorRole):
             engine = make_engine("vllm", **engine_kwargs(spec, rank))
         super().__init__(spec, rank, engine=engine)
         # One token is generated (an engine request must generate something); the prompt is scored.
-        self.defaults = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": True}
+        # At temperature 1: the teacher's own distribution, whatever the policy samples at.
+        self.scoring = SamplingSpec(max_tokens=1, temperature=1.0, prompt_logprobs=True)
 
     def ensure_model(self) -> None:
         from streamrl_cli.models.fingerprint import vocabulary_fingerprint

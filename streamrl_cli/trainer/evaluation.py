@@ -29,9 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from streamrl_cli.recipe.schema import AgentConfig, AlgorithmConfig, TaskConfig, TrainConfig
 from streamrl_cli.tasks import Prompt, Task
-from streamrl_cli.trainer.seeds import sample_seed, sampling_keys
+from streamrl_cli.trainer.seeds import request_sampling, sample_seed
 from streamrl_cli.transport.wire import Request, Sample
 
 PREFIX = "eval"
@@ -91,15 +93,14 @@ class Evaluator:
         rnd = _Round(iteration=iteration, final=final, prompts={}, dispatched_at=self.clock())
         requests = []
         task, seed = self.cfg.task, self.cfg.train.seed
-        common = {
-            **sampling_keys(self.cfg.algorithm), "temperature": task.eval_temperature,
-            "max_tokens": task.max_output_len,
-        }  # fmt: skip
+        common = msgspec.structs.replace(
+            request_sampling(self.cfg.algorithm, task.max_output_len), temperature=task.eval_temperature
+        )
         for p in self.prompts:
             tokens = self._tokens[p.prompt_id]
             rid = f"{key}/{p.prompt_id}"
             rnd.prompts[rid] = p
-            sampling = {**common, "seed": sample_seed(seed, f"{PREFIX}/{p.prompt_id}", 0)}
+            sampling = msgspec.structs.replace(common, seed=sample_seed(seed, f"{PREFIX}/{p.prompt_id}", 0))
             requests.append(
                 Request(
                     prompt_id=rid,

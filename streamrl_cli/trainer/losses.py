@@ -173,7 +173,7 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return lse - (probs * logits).sum(dim=-1)
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float) -> Tensor:
     """log softmax(logits / temperature) at tokens: [B, T, V], [B, T] → [B, T], no [B, T, V] log-softmax."""
     scaled = logits if temperature == 1.0 else logits / temperature
     picked = scaled.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
@@ -184,12 +184,18 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> 
 class SamplingTransform:
     """The distribution the generators sample from, as a function of the logits (the recipe's
     algorithm.temperature, min_p, top_k, top_p). The trainer's log-probs must be of this same
-    distribution, or the importance ratio against the behaviour log-probs is off."""
+    distribution, or the importance ratio against the behaviour log-probs is off. No value has a
+    default here: each is the recipe's (the schema holds the defaults)."""
 
-    temperature: float = 1.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-    min_p: float = 0.0  # 0: off
+    temperature: float
+    top_k: int  # 0: off
+    top_p: float  # 1: off
+    min_p: float  # 0: off
+
+    @classmethod
+    def tempered(cls, temperature: float) -> SamplingTransform:
+        """The distribution of a temperature alone: no truncation."""
+        return cls(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0)
 
     @property
     def truncates(self) -> bool:

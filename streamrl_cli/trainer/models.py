@@ -76,7 +76,7 @@ def policy_forward(
     """Log-probs of the targets under `model`, of the distribution the generators sample from
     (temperature, top-k/top-p/min-p applied; a float: a temperature alone), and optionally the entropy."""
     if not isinstance(sampling, SamplingTransform):
-        sampling = SamplingTransform(temperature=float(sampling))
+        sampling = SamplingTransform.tempered(float(sampling))
     packed = Packed.of(mb)
     if packed is None:
         out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)

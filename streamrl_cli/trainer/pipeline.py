@@ -56,8 +56,9 @@ from streamrl_cli.trainer.evaluation import Evaluator
 from streamrl_cli.trainer.iteration_record import iteration_record
 from streamrl_cli.trainer.request_id import RequestId
 from streamrl_cli.trainer.sample_routing import Batch, SampleRouting, draw_key
-from streamrl_cli.trainer.seeds import sample_seed, sampling_keys  # noqa: F401 - re-exported for tests
+from streamrl_cli.trainer.seeds import request_sampling, sample_seed  # noqa: F401 - re-exported for tests
 from streamrl_cli.trainer.weight_sync import Transfers
+from streamrl_cli.transport.wire import Sampling
 
 if TYPE_CHECKING:
     from streamrl_cli.roles.spec import TrainerSpec
@@ -121,9 +122,9 @@ class PipelineConfig:
         )  # fmt: skip
 
     @property
-    def sampling(self) -> dict[str, Any]:
-        """Sampling beyond temperature, sent with every request: only what differs from vLLM's defaults."""
-        return sampling_keys(self.algorithm)
+    def sampling(self) -> Sampling:
+        """A training request's sampling (unseeded, the whole output budget): the recipe's keys."""
+        return request_sampling(self.algorithm, self.task.max_output_len)
 
     @property
     def refill_budget(self) -> int:

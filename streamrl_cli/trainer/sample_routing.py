@@ -132,15 +132,17 @@ class SampleRouting:
 
     def _request(
         self, rid: str, prompt: Prompt, tokens: list[int], indices: list[int], *, group: str = "",
-        seed_key: str = "",
+        seed_key: str = "", max_tokens: int | None = None,
     ) -> Request:  # fmt: skip
-        sampling: dict[str, Any] = {
-            "temperature": self.cfg.algorithm.temperature,
-            "max_tokens": self.cfg.task.max_output_len,
-            **self.cfg.sampling,
-        }
+        """A request for `indices` of `prompt`; `max_tokens`: a resumed sample's budget (default: the
+        whole task.max_output_len)."""
+        sampling = self.cfg.sampling
+        if max_tokens is not None:
+            sampling = msgspec.structs.replace(sampling, max_tokens=max_tokens)
         if self.cfg.train.reproducible_sampling:
-            sampling["seed"] = sample_seed(self.cfg.train.seed, seed_key, indices[0])
+            sampling = msgspec.structs.replace(
+                sampling, seed=sample_seed(self.cfg.train.seed, seed_key, indices[0])
+            )
         # A multi-turn task's environment starts from the prompt's row, on the generator.
         env = {**prompt.columns, "prompt": prompt.text} if self.cfg.agent.enabled else {}
         return Request(
@@ -390,8 +392,10 @@ class SampleRouting:
             req = self._request(rid, c.prompt, c.tokens, [i], group=c.key)
             req.resume, req.target = f"{prefix.prompt_id}/{prefix.sample_index}", prefix.generator
         else:
-            req = self._request(rid, c.prompt, c.tokens + list(prefix.token_ids), [i], group=c.key)
-            req.sampling["max_tokens"] = self.cfg.task.max_output_len - len(prefix.token_ids)
+            budget = self.cfg.task.max_output_len - len(prefix.token_ids)
+            req = self._request(
+                rid, c.prompt, c.tokens + list(prefix.token_ids), [i], group=c.key, max_tokens=budget
+            )
         req.priority = -1  # admitted before any fresh request: begun earlier, it is likely the longest
         if not prefix.token_ids and not parked:
             del c.prefix[i]  # nothing to join: an ordinary sample from the start

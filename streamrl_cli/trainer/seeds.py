@@ -1,28 +1,27 @@
-"""What a request's sampling carries besides temperature: the recipe's other sampling keys, and
-per-request seeds (train.reproducible_sampling, and every evaluation request)."""
+"""What a request's sampling carries: the recipe's sampling keys as one typed
+:class:`~streamrl_cli.transport.wire.Sampling`, built here and nowhere else, and per-request seeds
+(train.reproducible_sampling, and every evaluation request)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import xxhash
+
+from streamrl_cli.transport.wire import Sampling
 
 if TYPE_CHECKING:
     from streamrl_cli.recipe.schema import AlgorithmConfig
 
 
-def sampling_keys(a: AlgorithmConfig) -> dict[str, Any]:
-    """The recipe's sampling keys beyond temperature that differ from "off", as requests carry them."""
-    out: dict[str, Any] = {}
-    if a.top_k > 0:
-        out["top_k"] = a.top_k
-    if a.top_p < 1.0:
-        out["top_p"] = a.top_p
-    if a.min_p > 0.0:
-        out["min_p"] = a.min_p
-    if a.stop:
-        out["stop"] = [str(x) for x in a.stop]
-    return out
+def request_sampling(a: AlgorithmConfig, max_tokens: int, *, seed: int | None = None) -> Sampling:
+    """The sampling of a request under the recipe's `algorithm` section (every value the schema's or
+    the recipe's); overrides (evaluation's temperature, a resumed sample's budget) go through
+    ``msgspec.structs.replace``."""
+    return Sampling(
+        temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p, max_tokens=max_tokens,
+        stop=[str(x) for x in a.stop], seed=seed,
+    )  # fmt: skip
 
 
 def sample_seed(seed: int, prompt_id: str, index: int) -> int:

@@ -35,7 +35,7 @@ from streamrl_cli import limits
 HELLO, SAMPLES, REQUEST_ACK = b"H", b"S", b"a"
 WELCOME, ACK, REQUESTS, REFUSED = b"W", b"A", b"R", b"X"
 
-PROTOCOL = 2  # 2: one frame per message
+PROTOCOL = 3  # 2: one frame per message; 3: a request's sampling is a typed Sampling
 # Largest message either end reads (ZeroMQ's ZMQ_MAXMSGSIZE: a longer one drops that peer's
 # connection before anything is allocated); its size is in streamrl_cli.limits with every wire's.
 MAX_MESSAGE = limits.SAMPLE_STREAM_FRAME
@@ -92,6 +92,21 @@ class Sample(msgspec.Struct, array_like=True, kw_only=True):
         return (self.prompt_id, self.sample_index)
 
 
+class Sampling(msgspec.Struct, array_like=True, kw_only=True):
+    """A request's sampling parameters, built once by the trainer from the recipe's ``algorithm``
+    section (``streamrl_cli.trainer.seeds.request_sampling``). No recipe value has a default here:
+    each has one, the schema's."""
+
+    temperature: float  # algorithm.temperature (evaluation: task.eval_temperature); 0: greedy
+    top_p: float  # algorithm.top_p (1: off)
+    top_k: int  # algorithm.top_k (0: off)
+    min_p: float  # algorithm.min_p (0: off)
+    max_tokens: int  # output tokens per sample: task.max_output_len, less a resumed sample's tokens
+    stop: list[str]  # algorithm.stop: strings that end a completion, besides EOS
+    seed: int | None = None  # per-request seed (train.reproducible_sampling, evaluation); None: unseeded
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
+
+
 class Request(msgspec.Struct, array_like=True, kw_only=True):
     """Work for a generator: some (or all) samples of one prompt."""
 
@@ -100,7 +115,9 @@ class Request(msgspec.Struct, array_like=True, kw_only=True):
     sample_indices: list[int]  # the samples to produce; after a re-dispatch, only the missing ones
     group_id: str = ""
     priority: int = 0  # lower is admitted first (vLLM's `priority` convention)
-    sampling: dict[str, Any] = {}  # engine sampling parameters (temperature, max_tokens, ...)
+    # How to sample; None: a distillation teacher's scoring request (the teacher scores the prompt
+    # with its own fixed settings, streamrl_cli.generator.teacher).
+    sampling: Sampling | None = None
     # Appended fields (array_like: new ones go last, with defaults, so older peers still decode).
     batch_limit: int = 0  # sequences its generator runs at once (Algorithm 2's batch size); 0: no limit
     target: str = ""  # generator member id to send it to while that one is alive; "": the policy chooses
@@ -185,12 +202,11 @@ def decode_sample(data: bytes | memoryview) -> Sample:
 
 
 def decode_request(data: bytes | memoryview) -> Request:
-    """A request; its free-form parts (``sampling``, ``env``) nest at most ``limits.MAX_DEPTH`` levels."""
+    """A request; its free-form part (``env``) nests at most ``limits.MAX_DEPTH`` levels."""
     try:
         req = _request_dec.decode(data)
     except RecursionError:
         raise limits.FrameError("a request nests too deeply to decode") from None
-    limits.check_depth(req.sampling, "a request's sampling")
     limits.check_depth(req.env, "a request's environment row")
     return req
 

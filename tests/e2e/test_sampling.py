@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -13,9 +14,9 @@ from streamrl_cli.recipe.load import load
 from streamrl_cli.trainer.losses import SamplingTransform, sampled_logprobs, token_logprobs
 
 CASES = [
-    SamplingTransform(temperature=0.8, top_k=8),
-    SamplingTransform(temperature=1.0, top_p=0.7),
-    SamplingTransform(temperature=1.3, min_p=0.1),
+    SamplingTransform(temperature=0.8, top_k=8, top_p=1.0, min_p=0.0),
+    SamplingTransform(temperature=1.0, top_k=0, top_p=0.7, min_p=0.0),
+    SamplingTransform(temperature=1.3, top_k=0, top_p=1.0, min_p=0.1),
     SamplingTransform(temperature=0.9, top_k=20, top_p=0.8, min_p=0.02),
 ]
 
@@ -50,7 +51,7 @@ def test_trainer_truncation_is_vllms(s):
 
 def test_a_token_outside_the_kept_set_keeps_a_finite_logprob():
     logits = torch.tensor([[[4.0, 3.0, 0.0, -1.0]]], requires_grad=True)
-    s = SamplingTransform(top_k=1)
+    s = SamplingTransform(temperature=1.0, top_k=1, top_p=1.0, min_p=0.0)
     lp, _ = sampled_logprobs(logits, torch.tensor([[2]]), s)
     assert torch.isfinite(lp).all()
     lp.sum().backward()  # and a gradient flows through it
@@ -77,12 +78,17 @@ def test_bad_sampling_keys_are_reported(override, key):
 
 
 def test_sampling_keys_reach_every_request():
-    from streamrl_cli.trainer.pipeline import sampling_keys
+    from streamrl_cli.trainer.seeds import request_sampling
+    from streamrl_cli.transport.wire import Sampling
 
     a = load("local", ["algorithm.top_p=0.9", "algorithm.top_k=5", "algorithm.stop=[END,'###']"]).recipe
-    keys = sampling_keys(a.algorithm)
-    assert keys == {"top_k": 5, "top_p": 0.9, "stop": ["END", "###"]}
-    assert sampling_keys(load("local").recipe.algorithm) == {}
+    got = request_sampling(a.algorithm, 16)
+    assert (got.top_k, got.top_p, got.min_p, got.stop, got.max_tokens) == (5, 0.9, 0.0, ["END", "###"], 16)
+    # the schema's defaults are "off", and they are the only ones: Sampling has none of its own
+    plain = request_sampling(load("local").recipe.algorithm, 16)
+    assert (plain.temperature, plain.top_k, plain.top_p, plain.min_p, plain.stop) == (1.0, 0, 1.0, 0.0, [])
+    assert not any(f.default is not msgspec.NODEFAULT for f in msgspec.structs.fields(Sampling)
+                   if f.name not in ("seed", "ignore_eos"))  # fmt: skip
 
 
 # ---- the real engine, on weights with peaked distributions (the builder's are near uniform) ----

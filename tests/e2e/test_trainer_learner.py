@@ -204,7 +204,7 @@ def test_packed_forwards_give_each_rows_own_logprobs_entropy_and_values(model_di
     assert packed.ids.numel() < mb.input_ids.numel()
     policy, critic = load_policy(model_dir, torch.float32), Critic(model_dir, torch.float32)
     torch.nn.init.normal_(critic.head.weight)  # a zero head would make every value 0
-    sampling = L.SamplingTransform(temperature=0.7, top_k=50, top_p=0.9)
+    sampling = L.SamplingTransform(temperature=0.7, top_k=50, top_p=0.9, min_p=0.0)
     logp, ent = policy_forward(policy, mb, sampling, entropy=True)
     values = critic_forward(critic, mb)
     for b, row in enumerate(rows):

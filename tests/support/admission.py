@@ -13,6 +13,7 @@ from streamrl_cli.roles.spec import GeneratorSpec
 from streamrl_cli.skew.dispatch_plan import lpt_priorities
 from streamrl_cli.transport.samples import SampleSender
 from streamrl_cli.transport.wire import Request
+from support.configs import sampling as make_sampling
 
 
 def role_spec() -> GeneratorSpec:
@@ -133,7 +134,7 @@ def requests_for(lengths: list[int], *, lpt: bool, limit: int, n: int = 1) -> li
             prompt_token_ids=[1, 2, 3],
             sample_indices=list(range(n)),
             priority=prio[i],
-            sampling={"max_tokens": length, "temperature": 0.0, "ignore_eos": True},
+            sampling=make_sampling(max_tokens=length, temperature=0.0, ignore_eos=True),
             batch_limit=limit,
         )  # fmt: skip
         for i, length in enumerate(lengths)

@@ -53,3 +53,13 @@ def optim_config(*, zero_stage: int, **algorithm: Any):  # type: ignore[no-untyp
     from streamrl_cli.trainer.learner import OptimConfig
 
     return OptimConfig(algorithm=AlgorithmConfig(**algorithm), trainer=TrainerConfig(zero_stage=zero_stage))
+
+
+def sampling(**keys: Any):  # type: ignore[no-untyped-def]
+    """A request's Sampling as the trainer builds it from a recipe with the schema's defaults, with
+    the given fields (temperature, max_tokens, seed, ignore_eos, ...) set."""
+    import msgspec
+
+    from streamrl_cli.trainer.seeds import request_sampling
+
+    return msgspec.structs.replace(request_sampling(AlgorithmConfig(), TaskConfig().max_output_len), **keys)

@@ -16,6 +16,7 @@ from streamrl_cli.roles.spec import GeneratorSpec, spec_yaml
 from streamrl_cli.transport.routing import DispatchService
 from streamrl_cli.transport.samples import StreamConfig
 from streamrl_cli.transport.wire import Request
+from support.configs import sampling as make_sampling
 from support.engine import Trainer, load_hf
 from support.helpers import REPO
 
@@ -118,7 +119,7 @@ class Harness:
             self.serial += 1
             ids.append(f"p{self.serial}")
             self.svc.submit([Request(prompt_id=ids[-1], prompt_token_ids=p, sample_indices=list(range(n)),
-                                     group_id=ids[-1], sampling=sampling)])  # fmt: skip
+                                     group_id=ids[-1], sampling=make_sampling(**sampling))])  # fmt: skip
         return ids
 
     def receive(self, count: int, timeout: float = 180.0, on_sample=None) -> list:

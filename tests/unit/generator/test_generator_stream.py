@@ -3,14 +3,14 @@ where the weights come from. No engine, no sockets, no clock."""
 
 from __future__ import annotations
 
-import logging
-
+import msgspec
 import pytest
 import torch
+from support.configs import sampling as make_sampling
 
 from streamrl_cli.environ import CPU_SLOT as CPU_SLOT_ENV
 from streamrl_cli.errors import StreamRLError
-from streamrl_cli.generator.engine import Completion, GenerationResult
+from streamrl_cli.generator.engine import Completion, GenerationResult, SamplingSpec
 from streamrl_cli.generator.main import GeneratorRole, cpu_binding, engine_kwargs
 from streamrl_cli.generator.stream import Meter, to_engine_request, to_samples
 from streamrl_cli.generator.weights import (
@@ -41,24 +41,28 @@ def spec(**overrides) -> GeneratorSpec:
 
 def request(indices=(0, 1, 2, 3), **sampling) -> Request:
     return Request(prompt_id="it1/p7", prompt_token_ids=[1, 2, 3], sample_indices=list(indices),
-                   group_id="it1/p7", priority=4, sampling=sampling)  # fmt: skip
+                   group_id="it1/p7", priority=4, sampling=make_sampling(**sampling))  # fmt: skip
 
 
 def test_a_request_becomes_one_engine_request_for_the_whole_group():
-    r = to_engine_request(request(temperature=0.7), 12, {"max_tokens": 300, "temperature": 1.0})
+    r = to_engine_request(request(temperature=0.7, max_tokens=300, top_k=5, stop=["END"]), 12)
     assert r.request_id == "it1/p7#12" and r.prompt_token_ids == [1, 2, 3] and r.priority == 4
-    assert (r.sampling.n, r.sampling.temperature, r.sampling.max_tokens) == (4, 0.7, 300)
+    s = r.sampling
+    assert (s.n, s.temperature, s.max_tokens, s.top_k, s.stop) == (4, 0.7, 300, 5, ["END"])
 
 
-def test_unknown_sampling_keys_are_ignored_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, "streamrl.generator"):
-        r = to_engine_request(request(n=9, beam=3, top_k=5), 0, {})
-    assert r.sampling.n == 4 and r.sampling.top_k == 5  # n always follows the sample indices
-    assert "['beam', 'n']" in caplog.text
+def test_every_sampling_value_is_the_requests_and_a_scoring_role_uses_its_own():
+    want = make_sampling(seed=11)
+    got = to_engine_request(request(seed=11), 0).sampling
+    assert {k: getattr(got, k) for k in msgspec.structs.asdict(want)} == msgspec.structs.asdict(want)
+    scored = to_engine_request(request(), 0, SamplingSpec(max_tokens=1, prompt_logprobs=True)).sampling
+    assert (scored.n, scored.max_tokens, scored.prompt_logprobs) == (4, 1, True)  # n follows the indices
+    with pytest.raises(ValueError, match="no sampling"):
+        to_engine_request(Request(prompt_id="p", prompt_token_ids=[1], sample_indices=[0]), 0)
 
 
 def result(indices, finish="stop") -> GenerationResult:
-    req = to_engine_request(request(indices), 0, {})
+    req = to_engine_request(request(indices), 0)
     completions = [
         Completion(index=i, token_ids=[10 + i, 11], logprobs=[-0.5, -1.5], finish_reason=finish)
         for i in range(len(indices))

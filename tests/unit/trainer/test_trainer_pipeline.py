@@ -400,7 +400,7 @@ def test_reproducible_sampling_seeds_each_sample_from_the_prompt(reproducible):
         publisher=Publisher(events, gens), on_record=[].append, clock=Clock(),
     )  # fmt: skip
     pipe.run(0, 2, 0)
-    seeds = [r.sampling.get("seed") for r in gens.requests]
+    seeds = [r.sampling.seed for r in gens.requests]
     if not reproducible:
         assert seeds == [None] * 8
         return
@@ -759,7 +759,7 @@ def test_partial_rollout_resumes_paused_samples_under_the_next_weights_with_per_
     assert [r["rollout/paused_groups"] for r in records] == [2, 2, 0]  # the last one aborts its extras
     assert gens.cancelled[0] == ["it0/c/1", "it0/c/4"]
     resumed = [r for r in gens.requests if "#p" in r.prompt_id]
-    got = [(r.prompt_id, r.sample_indices, r.prompt_token_ids, r.sampling["max_tokens"]) for r in resumed[:4]]
+    got = [(r.prompt_id, r.sample_indices, r.prompt_token_ids, r.sampling.max_tokens) for r in resumed[:4]]
     assert got == [
         ("it1/c/1#p1", [0], [5, 6, 7, 7, 7], 61), ("it1/c/1#p2", [1], [5, 6, 7, 7, 7], 61),
         ("it1/c/4#p3", [0], [5, 6, 7, 7, 7], 61), ("it1/c/4#p4", [1], [5, 6, 7, 7, 7], 61),
@@ -842,8 +842,7 @@ def test_a_trajectory_paused_between_turns_goes_on_where_it_was_kept_or_starts_o
     # Resumed where it was kept: on generator-0, under the key of its paused sample, from the prompt
     # (the generator holds its tokens and its environment), with the whole budget.
     got = [
-        (r.prompt_id, r.resume, r.target, r.prompt_token_ids, r.sampling["max_tokens"])
-        for r in gens.resumed[:4]
+        (r.prompt_id, r.resume, r.target, r.prompt_token_ids, r.sampling.max_tokens) for r in gens.resumed[:4]
     ]
     assert got == [
         (f"it1/c/{c}#p{n}", f"it0/c/{c}/{i}", "generator-0", [5, 6], 64)
@@ -868,7 +867,7 @@ def test_a_sample_paused_past_the_staleness_bound_starts_over():
     slow = lambda rid: rid == "it0/c/1" or rid.startswith("it1/c/1#p")  # noqa: E731
     gens, records, _, rollouts = partial_run("sync-stream", 3, slow)
     again = [r for r in gens.requests if r.prompt_id.startswith("it2/c/1#p")]
-    assert [(r.prompt_token_ids, r.sampling["max_tokens"]) for r in again] == [([5, 6], 64)] * 2
+    assert [(r.prompt_token_ids, r.sampling.max_tokens) for r in again] == [([5, 6], 64)] * 2
     assert records[2]["rollout/discarded_tokens"] == 2 * 6  # 3 of version 0 and 3 of version 1, each
     assert all(r.staleness <= 1 for r in rollouts)
     assert max(rec["staleness/token_max"] for rec in records) <= 1

@@ -11,11 +11,12 @@ import random
 
 import msgspec
 import pytest
+from support.configs import sampling as make_sampling
 
 from streamrl_cli.transport import TransportError
 from streamrl_cli.transport.ledger import Ledger, Outcome
 from streamrl_cli.transport.routing import Dispatcher, LeastLoaded, make_policy
-from streamrl_cli.transport.wire import Request, Sample, decode_request, encode
+from streamrl_cli.transport.wire import Request, Sample, Sampling, decode_request, encode
 
 
 def req(pid: str, n: int = 2, **kw) -> Request:
@@ -24,11 +25,12 @@ def req(pid: str, n: int = 2, **kw) -> Request:
 
 def test_assign_complete_and_loads():
     led = Ledger()
-    led.add(req("p0", 3, priority=2, sampling={"temperature": 0.7}))
+    led.add(req("p0", 3, priority=2, sampling=make_sampling(temperature=0.7)))
     led.add(req("p1", 1))
     assert len(led) == 4 and led.loads() == {}
     sent = led.assign("p0", [0, 2], "g0")
-    assert sent.sample_indices == [0, 2] and sent.priority == 2 and sent.sampling == {"temperature": 0.7}
+    assert sent.sample_indices == [0, 2] and sent.priority == 2
+    assert sent.sampling == make_sampling(temperature=0.7)
     led.assign("p1", [0], "g1")
     assert led.loads() == {"g0": 2, "g1": 1} and led.owner("p0", 1) is None
     assert [r.sample_indices for r in led.open_requests()] == [[1]]
@@ -215,7 +217,7 @@ def test_new_request_fields_are_appended_so_older_peers_still_decode():
         sample_indices: list[int]
         group_id: str = ""
         priority: int = 0
-        sampling: dict = {}
+        sampling: Sampling | None = None
 
     old = decode_request(
         encode(OldRequest(prompt_id="p", prompt_token_ids=[1], sample_indices=[0], priority=3))
