@@ -304,6 +304,7 @@ def part_train(work: Path, micro_batch: int, repeats: int = 3) -> dict:
     from transformers import AutoModelForCausalLM
 
     from streamrl_cli.models.tiny import TinySpec, build_tiny_model
+    from streamrl_cli.recipe import presets
     from streamrl_cli.recipe.schema import AlgorithmConfig, TrainerConfig
     from streamrl_cli.trainer import losses as L
     from streamrl_cli.trainer.batch import collate
@@ -325,7 +326,7 @@ def part_train(work: Path, micro_batch: int, repeats: int = 3) -> dict:
     store, address = open_group_store(1, "127.0.0.1")
     init_distributed(0, 1, address, "gloo", store)
     algorithm = AlgorithmConfig(kl_coef=0.0, is_correction="on", lr=1e-5)
-    cfg = LossConfig.from_recipe(algorithm, 128)
+    cfg = LossConfig.from_recipe(presets.filled(algorithm, 128), 128)
     opt = OptimConfig(algorithm=algorithm, trainer=TrainerConfig(zero_stage=1))
     learner = Learner(str(path), cfg, opt, torch.device("cpu"), torch.float32)
 

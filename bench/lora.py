@@ -177,6 +177,7 @@ def peak_rss() -> int:
 
 def train_worker(rank: int, mb: int) -> dict:
     """One learner (rank 0: full fine-tune) and its step time; run in a process of its own."""
+    from streamrl_cli.recipe import presets
     from streamrl_cli.recipe.schema import AlgorithmConfig, TrainerConfig
     from streamrl_cli.trainer.batch import collate
     from streamrl_cli.trainer.learner import (
@@ -194,7 +195,7 @@ def train_worker(rank: int, mb: int) -> dict:
     # A KL term, as GRPO with a reference policy has: the full fine-tune holds a frozen copy of the
     # model for it, LoRA none (the base with its adapters switched off is the reference).
     algorithm = AlgorithmConfig(kl_coef=0.001, is_correction="on", lr=1e-5)
-    cfg = LossConfig.from_recipe(algorithm, 128)
+    cfg = LossConfig.from_recipe(presets.filled(algorithm, 128), 128)
     opt = OptimConfig(algorithm=algorithm, trainer=TrainerConfig(zero_stage=1))
     learner = Learner(str(model_path(f"sync-{mb}mb")), cfg, opt, torch.device("cpu"), torch.float32,
                       lora=LoraConfig(rank=rank) if rank else None)  # fmt: skip

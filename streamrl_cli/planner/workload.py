@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from streamrl_cli.planner import PlannerError
 from streamrl_cli.planner.lengths import LengthDist
-from streamrl_cli.recipe.presets import filled, uses_critic
+from streamrl_cli.recipe.presets import require_resolved, uses_critic
 from streamrl_cli.recipe.schema import Recipe
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -244,14 +244,14 @@ def workload_from_recipe(r: Recipe, mode: str | None = None) -> Workload:
         )
     if problems:
         raise PlannerError("the recipe's workload cannot be modelled:\n  - " + "\n  - ".join(problems))
-    a = filled(r.algorithm, t.max_output_len)  # the preset's values for keys the recipe left unset
+    a = require_resolved(r.algorithm, "the planner's workload")  # checks.resolve filled its preset
     lora = r.model.lora
     return Workload(
         model=model_from_recipe(r),
         algorithm="ppo" if uses_critic(a) else _without_critic(a.name),
         mode=mode or r.algorithm.mode,
         prompts=r.train.global_batch,
-        group_size=r.algorithm.group_size,
+        group_size=a.group_size,
         prompt_len=float(prompt),
         max_prompt_len=t.max_prompt_len,
         lengths=LengthDist(mode_len, t.max_output_len, t.output_len_tail, t.output_len_spread),

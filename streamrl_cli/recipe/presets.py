@@ -17,6 +17,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from streamrl_cli.errors import StreamRLError
 from streamrl_cli.recipe.schema import ALGORITHMS, AlgorithmConfig
 
 
@@ -32,6 +33,7 @@ class Share:
 
 # Every preset's value of a key, unless the preset names it (clip_ratio_high null: clip_ratio).
 BASE: dict[str, Any] = {
+    "group_size": 8,
     "advantage": "grpo",
     "policy_loss": "clip",
     "loss_agg": "token-mean",
@@ -50,7 +52,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # DeepSeekMath (arXiv:2402.03300): group-normalised rewards, KL to the reference as a loss term.
     "grpo": {},
     # A critic and GAE; the KL enters the per-token reward (InstructGPT's penalty), k1 estimator.
-    "ppo": {"advantage": "gae", "kl_mode": "penalty", "kl_estimator": "k1"},
+    # One sample per prompt: GAE's baseline is the critic, not the group.
+    "ppo": {"advantage": "gae", "kl_mode": "penalty", "kl_estimator": "k1", "group_size": 1},
     # Dr. GRPO (arXiv:2503.20783): no std normalisation, no length normalisation (a constant divisor).
     "dr-grpo": {"grpo_std_norm": False, "loss_agg": "seq-mean-token-sum-norm"},
     # DAPO (arXiv:2503.14476): clip-higher 0.28, no KL, token-level loss (token-mean), soft overlong
@@ -103,6 +106,18 @@ def fill(a: AlgorithmConfig, max_output_len: int) -> AlgorithmConfig:
 def filled(a: AlgorithmConfig, max_output_len: int) -> AlgorithmConfig:
     """A copy of `a` with its null preset keys filled (`a` is left as it is)."""
     return fill(copy.copy(a), max_output_len)
+
+
+def require_resolved(a: AlgorithmConfig, reader: str) -> AlgorithmConfig:
+    """`a` itself, if its preset was resolved (``checks.resolve``, through :func:`fill`): runtime
+    code reads preset keys as they are and never fills them again. Else a clear error naming them."""
+    unset = [k for k in BASE if getattr(a, k) is None]
+    if unset:
+        raise StreamRLError(
+            f"{reader}: algorithm.{', algorithm.'.join(unset)} unset: the recipe's algorithm preset "
+            "was not resolved (recipe.checks.resolve fills it; tests: presets.filled)"
+        )
+    return a
 
 
 def uses_critic(a: AlgorithmConfig) -> bool:

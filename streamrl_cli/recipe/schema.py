@@ -15,7 +15,7 @@ from typing import Any
 LAUNCHERS = ("slurm", "local")
 RENDEZVOUS_PLACEMENTS = ("submit-host", "job")
 # Algorithm presets (recipe.presets): each sets the defaults of the keys below marked "null: the
-# algorithm's"; the trainer's registry (trainer.algorithms) holds the estimators and losses by name.
+# algorithm's"; the trainer's registries (trainer.algo) hold the estimators and losses by name.
 ALGORITHMS = (
     "ppo", "grpo", "dr-grpo", "dapo", "gspo", "cispo", "rloo", "reinforce++", "reinforce++-baseline",
 )  # fmt: skip
@@ -332,7 +332,7 @@ class AlgorithmConfig:
 
     name: str = choices(*ALGORITHMS, default="grpo")  # RL algorithm (a preset of the keys below)
     mode: str = choices(*MODES, default="sync-stream")  # pipelining between generation and training
-    group_size: int = at_most(GROUP, 8)  # samples per prompt
+    group_size: int | None = at_most(GROUP, None)  # samples per prompt; null: the algorithm's
     # async, partial rollout: max versions a sample (its oldest token) may lag
     max_staleness: int = at_most(ITERATIONS, 1)
     # Advantage estimator: gae (critic), grpo, rloo, reinforce++, reinforce++-baseline; null: the algorithm's.

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from streamrl_cli.recipe import presets
-from streamrl_cli.trainer import algorithms as A
+from streamrl_cli.trainer import algo as A
 from streamrl_cli.trainer import lora as lora_
 from streamrl_cli.trainer import losses as L
 from streamrl_cli.trainer.batch import MicroBatch
@@ -40,8 +40,7 @@ class LossConfig:
     """The recipe's algorithm section as the loss runs it (each setting is the schema's,
     ``recipe.schema.AlgorithmConfig``), and what follows from it. Build it with :meth:`from_recipe`."""
 
-    # As resolved by ``recipe.checks.resolve`` (is_correction on or off); keys left null take their
-    # algorithm's preset on init (``recipe.presets``).
+    # As resolved by ``recipe.checks.resolve``: is_correction on or off, the preset's keys filled.
     algorithm: AlgorithmConfig
     max_len: int  # task.max_output_len (seq-mean-token-sum-norm's constant)
 
@@ -50,7 +49,7 @@ class LossConfig:
             raise ValueError(
                 f"algorithm.is_correction={self.algorithm.is_correction!r} not resolved (checks.resolve)"
             )
-        self.algorithm = presets.filled(self.algorithm, self.max_len)
+        presets.require_resolved(self.algorithm, "the trainer's loss")
 
     @classmethod
     def from_recipe(cls, algorithm: AlgorithmConfig, max_len: int) -> LossConfig:
@@ -205,7 +204,7 @@ class Learner:
             old_logp = trainer_logp
         kl = None
         if self.kl:
-            kl = L.kl_estimate(logp, self.reference_logp(mb), a.kl_estimator)
+            kl = A.kl_estimate(logp, self.reference_logp(mb), a.kl_estimator)
         if c.critic:
             values = critic_forward(self.critic, mb)
             score_kl = kl.detach() if (kl is not None and a.kl_mode == "penalty") else None

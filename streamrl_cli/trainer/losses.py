@@ -1,4 +1,8 @@
-"""The RL loss math of PPO and GRPO, in one place: pure torch functions, no I/O, no state.
+"""The RL loss math that is not a choice between algorithms: pure torch functions, no I/O, no state.
+
+GAE and the per-token rewards, the value loss, the loss aggregation, log-probs and entropy under
+the generators' sampling distribution. What a recipe chooses by name (advantage estimators, policy
+losses, off-policy corrections, KL estimators) is in the registries of ``trainer.algo``.
 
 Why one module: every pipelining mode of the trainer (synchronous, one-step-off, fully streamed
 micro-batches) computes the same advantages, ratios, clipped surrogates and reductions; keeping
@@ -13,7 +17,7 @@ Conventions:
 - Per-token losses are returned *unreduced*; :func:`aggregate` turns them into a
   ``(numerator, units)`` pair so that the loss of a batch split into micro-batches is exactly
   ``Σ numerators / Σ units`` — the same number as the whole batch in one piece.
-- Statistics (:func:`policy_loss`) are *sums* over valid tokens plus a ``"tokens"`` count, for
+- Statistics (``algo.policy_losses``) are *sums* over valid tokens plus a ``"tokens"`` count, for
   the same reason: the caller adds them across micro-batches and divides once at the end.
 - Advantages, returns, importance weights and statistics carry no gradient.
 """
@@ -26,30 +30,6 @@ import torch
 from torch import Tensor
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_KINDS = ("k1", "k2", "k3")
-
-
-def grpo_advantages(rewards: Tensor, std_norm: bool = True, eps: float = 1e-6) -> Tensor:
-    """GRPO advantages of one group's rewards [G]: r - mean, over the population std + eps if std_norm."""
-    rewards = rewards.detach().float()
-    centred = rewards - rewards.mean()
-    if not std_norm:
-        return centred
-    # Population std (correction=0): a group is the whole population of its prompt's samples, and
-    # a group of one then gives std 0 (advantage 0) instead of NaN.
-    return centred / (rewards.std(correction=0) + eps)
-
-
-def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
-    """Per-token estimate of KL(policy || ref) from policy samples: k1, k2 or k3 (Schulman's estimators)."""
-    log_ratio = logp - ref_logp
-    if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio.square()
-    if kind == "k3":
-        return torch.exp(-log_ratio) + log_ratio - 1.0
-    raise ValueError(f"unknown KL estimator {kind!r}; valid: {', '.join(KL_KINDS)}")
 
 
 def _last_valid_index(mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -97,44 +77,6 @@ def gae(
     return advantages, returns
 
 
-def _per_token(x: Tensor, like: Tensor) -> Tensor:
-    """Broadcast a sequence-level [B] tensor over T; a [B, T] tensor is returned as is."""
-    return x.unsqueeze(-1).expand_as(like) if x.dim() == like.dim() - 1 else x
-
-
-def policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float,
-    clip_high: float,
-    is_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate per token [B, T], and stats as sums over valid tokens (divide by "tokens")."""
-    adv = _per_token(advantages.detach(), logp)
-    log_ratio = logp - old_logp.detach()
-    ratio = torch.exp(log_ratio)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
-    loss = -torch.minimum(unclipped, clipped)
-    if is_weights is not None:
-        loss = loss * _per_token(is_weights.detach(), logp)
-    loss = loss * mask
-    with torch.no_grad():
-        valid = (mask > 0).to(loss.dtype)
-        # Clipping is active where the clipped term is the one taken and it cuts the gradient.
-        active = ((adv > 0) & (ratio > 1.0 + clip_high)) | ((adv < 0) & (ratio < 1.0 - clip_low))
-        # KL(old || new) by Schulman's k3 on the old policy's samples: (r - 1) - log r, always >= 0.
-        approx_kl = (ratio - 1.0) - log_ratio
-        stats = {
-            "clip_frac": (active.to(loss.dtype) * valid).sum(),
-            "approx_kl": (approx_kl * valid).sum(),
-            "tokens": valid.sum(),
-        }
-    return loss, stats
-
-
 def rollout_mismatch(logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """Sums over the response tokens of how the trainer's log-probs differ from the generators'
     for the same tokens: |Δ log p| and the k3 estimate of KL(behaviour ‖ trainer), which is
@@ -146,13 +88,6 @@ def rollout_mismatch(logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> dict
             "logp_abs_diff": delta.abs().sum(),
             "kl": ((torch.expm1(delta) - delta) * mask).sum(),
         }
-
-
-def importance_weights(old_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, cap: float) -> Tensor:
-    """Truncated importance weights per token: min(exp(old_logp - behaviour_logp), cap), 0 where masked."""
-    with torch.no_grad():
-        weights = torch.exp(old_logp - behaviour_logp).clamp(max=cap)
-        return weights * (mask > 0)
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float) -> Tensor:

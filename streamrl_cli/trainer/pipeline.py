@@ -49,7 +49,7 @@ from streamrl_cli.recipe.schema import (
     TrainConfig,
 )
 from streamrl_cli.tasks import Prompt, Task
-from streamrl_cli.trainer.algorithms import estimator
+from streamrl_cli.trainer.algo.advantages import estimator
 from streamrl_cli.trainer.batch import GroupCollector
 from streamrl_cli.trainer.dynamic_sampling import Refill
 from streamrl_cli.trainer.evaluation import Evaluator
@@ -90,7 +90,7 @@ class PipelineConfig:
     and meaning are the schema's, ``recipe.schema``), and what only the trainer knows at run time.
     Build it with :meth:`from_spec`; a section left out has the schema's defaults (tests)."""
 
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # its preset filled in on init
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # preset resolved (checks.resolve)
     task: TaskConfig = field(default_factory=TaskConfig)  # max_output_len
     train: TrainConfig = field(default_factory=TrainConfig)  # batch sizes, seed, reproducible_sampling
     skewness: SkewnessConfig = field(default_factory=SkewnessConfig)  # dispatch, schedule, long_tail
@@ -104,7 +104,7 @@ class PipelineConfig:
     no_generator_s: float | None = None
 
     def __post_init__(self) -> None:
-        self.algorithm = presets.filled(self.algorithm, self.task.max_output_len)
+        presets.require_resolved(self.algorithm, "the trainer's loop")
         if self.no_generator_s is None:
             self.no_generator_s = self.train.stall_after_s
 

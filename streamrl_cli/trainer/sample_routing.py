@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from streamrl_cli.tasks import Prompt, Task
-from streamrl_cli.trainer.algorithms import batch_whiten, estimator, informative, overlong_penalty
+from streamrl_cli.trainer.algo.advantages import batch_whiten, estimator, informative, overlong_penalty
 from streamrl_cli.trainer.batch import GroupCollector, Rollout
 from streamrl_cli.trainer.dynamic_sampling import Refill
 from streamrl_cli.trainer.request_id import RequestId

@@ -11,6 +11,7 @@ import torch
 from support.configs import optim_config
 
 from streamrl_cli.models.tiny import TinySpec, build_tiny_model
+from streamrl_cli.recipe import presets
 from streamrl_cli.recipe.schema import AlgorithmConfig
 from streamrl_cli.trainer.batch import Rollout, collate
 from streamrl_cli.trainer.checkpoint import save_engines
@@ -50,7 +51,9 @@ def test_an_exported_checkpoint_gives_the_trainers_logprobs(models, tmp_path, st
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base = models[kind]
-    cfg = LossConfig.from_recipe(AlgorithmConfig(name="grpo", kl_mode="none", is_correction="off"), 16)
+    cfg = LossConfig.from_recipe(
+        presets.filled(AlgorithmConfig(name="grpo", kl_mode="none", is_correction="off"), 16), 16
+    )
     learner = Learner(base, cfg, optim_config(zero_stage=stage, lr=0.05), torch.device("cpu"), torch.float32)
     learner.micro_step(collate(rollouts(6, seed=stage)), last=True)
     learner.step()  # the weights move away from the base model's

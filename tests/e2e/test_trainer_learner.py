@@ -17,7 +17,9 @@ import torch
 from support.configs import optim_config
 
 from streamrl_cli.models.tiny import build_tiny_model
+from streamrl_cli.recipe import presets
 from streamrl_cli.recipe.schema import AlgorithmConfig
+from streamrl_cli.trainer import algo as A
 from streamrl_cli.trainer import losses as L
 from streamrl_cli.trainer.batch import Rollout, collate
 from streamrl_cli.trainer.learner import (
@@ -36,7 +38,7 @@ pytestmark = pytest.mark.slow
 
 def loss_config(**algorithm) -> LossConfig:
     """The loss of an algorithm section with the schema's defaults (outputs of at most 16 tokens)."""
-    return LossConfig.from_recipe(AlgorithmConfig(**algorithm), 16)
+    return LossConfig.from_recipe(presets.filled(AlgorithmConfig(**algorithm), 16), 16)
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +78,9 @@ def reference_grads(path: str, cfg: LossConfig, rows: list[Rollout]) -> dict[str
         ref_logits = ref(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
         ref_logp = L.token_logprobs(ref_logits, mb.targets, a.temperature)
     adv = mb.advantages[:, None] * mb.mask
-    isw = L.importance_weights(logp.detach(), mb.behaviour_logp, mb.mask, a.is_cap)
-    pg, _ = L.policy_loss(logp, logp.detach(), adv, mb.mask, a.clip_ratio, a.clip_ratio_high, isw)
-    per_token = pg + a.kl_coef * L.kl_estimate(logp, ref_logp, a.kl_estimator)
+    isw = A.is_weights(logp.detach(), mb.behaviour_logp, mb.mask, a.is_cap, "token")
+    pg, _ = A.clip_loss(logp, logp.detach(), adv, mb.mask, a.clip_ratio, a.clip_ratio_high, isw)
+    per_token = pg + a.kl_coef * A.kl_estimate(logp, ref_logp, a.kl_estimator)
     per_token = per_token - a.entropy_coef * L.entropy_from_logits(logits / a.temperature)
     num, units = L.aggregate(per_token, mb.mask, a.loss_agg, cfg.max_len)
     (num / units).backward()
@@ -269,7 +271,7 @@ def grpo_rows(n: int, seed: int) -> list[Rollout]:
     rows = rollouts(n, seed=seed)
     for g in range(0, n, 4):
         rewards = torch.tensor([r.reward for r in rows[g : g + 4]])
-        adv = L.grpo_advantages(rewards, std_norm=True)
+        adv = A.grpo_advantages(rewards, std_norm=True)
         trl = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
         torch.testing.assert_close(adv, trl * (4 / 3) ** 0.5, rtol=2e-3, atol=1e-6)
         for r, a in zip(rows[g : g + 4], adv.tolist(), strict=True):

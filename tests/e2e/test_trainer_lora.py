@@ -12,6 +12,7 @@ import torch
 from support.configs import optim_config
 
 from streamrl_cli.models.tiny import build_tiny_model
+from streamrl_cli.recipe import presets
 from streamrl_cli.recipe.schema import AlgorithmConfig, LoraConfig
 from streamrl_cli.trainer import lora as lora_
 from streamrl_cli.trainer.batch import Rollout, collate
@@ -24,7 +25,9 @@ from streamrl_cli.transport.wire import Sample
 pytestmark = pytest.mark.slow
 
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])
-CFG = LossConfig.from_recipe(AlgorithmConfig(name="grpo", kl_coef=0.05, is_correction="off"), 16)
+CFG = LossConfig.from_recipe(
+    presets.filled(AlgorithmConfig(name="grpo", kl_coef=0.05, is_correction="off"), 16), 16
+)
 
 
 @pytest.fixture(scope="module")

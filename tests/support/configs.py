@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from streamrl_cli.recipe import presets
 from streamrl_cli.recipe.schema import (
     AlgorithmConfig,
     GeneratorConfig,
@@ -36,7 +37,9 @@ def sections(**keys: Any) -> dict[str, Any]:
         owners = [n for n, cls in SECTIONS.items() if key in {f.name for f in dataclasses.fields(cls)}]
         assert len(owners) == 1, f"recipe key {key!r} is defined by {owners or 'no section'}: name it alone"
         values[owners[0]][key] = value
-    return {name: cls(**values[name]) for name, cls in SECTIONS.items()}
+    out = {name: cls(**values[name]) for name, cls in SECTIONS.items()}
+    presets.fill(out["algorithm"], out["task"].max_output_len)  # as the recipe's checks resolve it
+    return out
 
 
 def pipeline_config(*, world: int = 1, **keys: Any):  # type: ignore[no-untyped-def]

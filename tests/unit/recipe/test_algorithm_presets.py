@@ -111,6 +111,28 @@ def test_keys_that_cannot_go_together_are_refused(overrides, fragments):
         assert fragment in text, f"{fragment!r} not in {text}"
 
 
+def test_the_config_group_and_the_name_give_the_same_recipe():
+    # local.yaml sets its own group_size (4); null leaves it to the algorithm, as a recipe that
+    # does not set it: PPO's preset then gives one sample per prompt, by either path.
+    for extra in ([], ["algorithm.group_size=null"]):
+        group = load("local", ["algorithm=ppo", *extra]).recipe
+        assert group == load("local", ["algorithm.name=ppo", *extra]).recipe
+    assert group.algorithm.group_size == 1
+    assert algo("algorithm.group_size=null").group_size == 8  # every other algorithm's
+
+
+def test_runtime_code_reads_a_resolved_preset_and_says_so_otherwise():
+    from streamrl_cli.errors import StreamRLError
+    from streamrl_cli.recipe import presets
+    from streamrl_cli.recipe.schema import AlgorithmConfig
+    from streamrl_cli.trainer.learner import LossConfig
+
+    with pytest.raises(StreamRLError, match="algorithm.group_size, algorithm.advantage.*not resolved"):
+        LossConfig.from_recipe(AlgorithmConfig(is_correction="off"), 16)
+    a = presets.filled(AlgorithmConfig(is_correction="off"), 16)
+    assert LossConfig.from_recipe(a, 16).algorithm is a  # read as it is, not filled again
+
+
 def test_the_importance_correction_follows_the_old_policy():
     assert algo("algorithm.mode=async").is_correction == "on"
     assert algo("algorithm.mode=async", "algorithm.old_policy=behaviour").is_correction == "off"

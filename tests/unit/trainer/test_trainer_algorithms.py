@@ -2,7 +2,7 @@
 masks, loss value and gradient on a tiny batch, and the off-policy corrections.
 
 Each algorithm is run the way the trainer runs it: its preset (``recipe.presets``) names an advantage
-estimator, a policy loss and an aggregation, looked up in ``trainer.algorithms``; the expected
+estimator, a policy loss and an aggregation, looked up in the registries of ``trainer.algo``; the expected
 numbers are written out in the comments, not computed with the functions under test.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from streamrl_cli.recipe import presets, schema
 from streamrl_cli.recipe.schema import AlgorithmConfig
-from streamrl_cli.trainer import algorithms as A
+from streamrl_cli.trainer import algo as A
 from streamrl_cli.trainer.batch import Rollout, collate
 from streamrl_cli.trainer.learner import Learner, LossConfig
 from streamrl_cli.trainer.losses import aggregate
@@ -52,8 +52,9 @@ LOGP = torch.tensor([[-1.0, -2.0, -7.0], [-0.5, -1.5, -3.0]])
 def test_the_registry_holds_exactly_the_names_a_recipe_may_give():
     assert set(A.ADVANTAGES) == set(schema.ADVANTAGES)
     assert set(A.POLICY_LOSSES) == set(schema.POLICY_LOSSES)
-    assert set(A.IS_LEVELS) == set(schema.IS_LEVELS)
-    assert set(schema.IS_MASKS) == {"off", *A.IS_LEVELS}
+    assert set(A.CORRECTIONS) == set(schema.IS_LEVELS)
+    assert set(schema.IS_MASKS) == {"off", *schema.IS_LEVELS}
+    assert set(A.KL_ESTIMATORS) == set(schema.KL_ESTIMATORS)
     assert set(presets.PRESETS) == set(schema.ALGORITHMS)
     for name in schema.ALGORITHMS:  # every preset names registered parts
         p = presets.preset(name)
@@ -69,6 +70,37 @@ def test_unknown_names_are_refused_with_the_valid_ones():
         presets.preset("drpo")
     with pytest.raises(ValueError, match="valid: token, sequence, geometric"):
         A.is_weights(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), 2.0, "batch")
+
+
+# --- a new algorithm: one registered function ----------------------------------------------------
+
+
+@pytest.fixture
+def toy_loss():
+    """REINFORCE's loss, -A · log π per token, registered as the policy loss "toy" for one test."""
+    calls = []
+
+    @A.POLICY_LOSSES.register("toy")
+    def reinforce(logp, old_logp, advantages, mask, clip_low, clip_high, is_weights=None):
+        calls.append(tuple(logp.shape))
+        adv = A.per_token(advantages.detach(), logp)
+        return -adv * logp * mask, {"tokens": (mask > 0).to(logp.dtype).sum()}
+
+    yield calls
+    A.POLICY_LOSSES.remove("toy")
+
+
+def test_a_new_policy_loss_is_one_registered_function(toy_loss):
+    # token-mean of -A·logp over the 5 valid tokens, A = [1, -1]: (1 + 2 - 0.5 - 1.5 - 3) / 5 = -0.4;
+    # its gradient -A/5 on each valid token
+    loss, grad, _ = run("grpo", LOGP, LOGP, torch.tensor([1.0, -1.0]), MASK, policy_loss="toy")
+    close(loss, -0.4)
+    close(grad, [[-0.2, -0.2, 0.0], [0.2, 0.2, 0.2]])
+    # and the learner runs it by name, as a preset naming it would
+    lrn = learner(policy_loss="toy")
+    lrn.micro_step(collate([rollout([-math.log(8)] * 3, advantage=1.0)]), last=True)
+    assert len(toy_loss) == 2 and lrn.sums["pg/tokens"] == 3.0  # run() above, then the learner
+    assert lrn.actor.module.table.grad.abs().sum() > 0
 
 
 # --- GRPO ---------------------------------------------------------------------------------------
@@ -312,7 +344,9 @@ class Engine:
 
 
 def learner(**algorithm) -> Learner:
-    c = LossConfig.from_recipe(AlgorithmConfig(kl_coef=0.0, is_correction="off", **algorithm), 16)
+    c = LossConfig.from_recipe(
+        presets.filled(AlgorithmConfig(kl_coef=0.0, is_correction="off", **algorithm), 16), 16
+    )
     out = Learner.__new__(Learner)
     out.loss, out.world, out.device = c, 1, torch.device("cpu")
     out.actor, out.critic, out.ref = Engine(Bigram(8)), None, None

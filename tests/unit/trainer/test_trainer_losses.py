@@ -7,15 +7,13 @@ import math
 import pytest
 import torch
 
+from streamrl_cli.trainer.algo import clip_loss as policy_loss
+from streamrl_cli.trainer.algo import grpo_advantages, is_weights, kl_estimate
 from streamrl_cli.trainer.losses import (
     LOSS_AGGS,
     aggregate,
     entropy_from_logits,
     gae,
-    grpo_advantages,
-    importance_weights,
-    kl_estimate,
-    policy_loss,
     rollout_mismatch,
     token_logprobs,
     token_rewards,
@@ -202,7 +200,7 @@ def test_importance_weights_truncated_at_cap():
     old = torch.tensor([[math.log(0.5), math.log(3.0), math.log(1.5), 0.0]])
     behaviour = torch.zeros(1, 4)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    w = importance_weights(old.requires_grad_(), behaviour, mask, cap=2.0)
+    w = is_weights(old.requires_grad_(), behaviour, mask, cap=2.0, level="token")
     close(w, [[0.5, 2.0, 1.5, 0.0]])
     assert not w.requires_grad
 

@@ -748,7 +748,7 @@ def partial_run(mode: str, iterations: int, slow, **kw):
 def test_partial_rollout_resumes_paused_samples_under_the_next_weights_with_per_token_versions():
     import torch
 
-    from streamrl_cli.trainer import losses as L
+    from streamrl_cli.trainer.algo import is_weights
     from streamrl_cli.trainer.batch import collate
 
     gens, records, checkpoints, rollouts = partial_run(
@@ -783,7 +783,7 @@ def test_partial_rollout_resumes_paused_samples_under_the_next_weights_with_per_
     # The importance weights use each token's own behaviour log-prob: with the trainer's log-probs
     # at 0, min(exp(0 - b), 2) = e^0.5 for the first three tokens and e^0.25 for the last two.
     mb = collate([s])
-    w = L.importance_weights(torch.zeros_like(mb.behaviour_logp), mb.behaviour_logp, mb.mask, 2.0)
+    w = is_weights(torch.zeros_like(mb.behaviour_logp), mb.behaviour_logp, mb.mask, 2.0, "token")
     hand = [0.0, *[0.5**0 * 2.718281828459045**0.5] * 3, *[2.718281828459045**0.25] * 2]
     torch.testing.assert_close(w[0], torch.tensor(hand), atol=1e-6, rtol=0)
     # Paused groups are not checkpointed: their prompts are drawn again first by a resumed run.
