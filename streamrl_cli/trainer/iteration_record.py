@@ -18,8 +18,8 @@ import xxhash
 
 from streamrl_cli.agent.trajectory import FAILURES
 from streamrl_cli.trainer.batch import GroupCollector, Rollout
+from streamrl_cli.trainer.batch_state import Batch
 from streamrl_cli.trainer.request_id import RequestId
-from streamrl_cli.trainer.sample_routing import Batch
 from streamrl_cli.trainer.samples import token_versions
 
 if TYPE_CHECKING:

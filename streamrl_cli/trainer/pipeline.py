@@ -21,47 +21,35 @@ The gradient is the same in every mode (``learner``): modes differ only in timin
 This module is the loop itself: when a batch is dispatched and where its groups are placed, the
 micro-batch rounds and the step, the checkpoint state. Where each sample goes (its group, a retry,
 an aborted or paused group) is ``trainer.sample_routing``; what an iteration records is
-``trainer.iteration_record``; the weight transfer in flight is ``trainer.weight_sync``; request ids
+``trainer.iteration_record``; what it runs by is ``trainer.loop_config``; a batch in flight is
+``trainer.batch_state``; the weight transfer in flight is ``trainer.weight_sync``; request ids
 are ``trainer.request_id``; the parts the loop drives are typed in ``trainer.collaborators``.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import random
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from streamrl_cli.errors import StreamRLError
-from streamrl_cli.recipe import presets
-from streamrl_cli.recipe.schema import (
-    AgentConfig,
-    AlgorithmConfig,
-    GeneratorConfig,
-    RolloutConfig,
-    SkewnessConfig,
-    TaskConfig,
-    TrainConfig,
-)
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.trainer.algo.advantages import estimator
 from streamrl_cli.trainer.batch import GroupCollector
 from streamrl_cli.trainer.dynamic_sampling import Refill
 from streamrl_cli.trainer.evaluation import Evaluator
 from streamrl_cli.trainer.iteration_record import iteration_record
+from streamrl_cli.trainer.loop_config import PipelineConfig
 from streamrl_cli.trainer.request_id import RequestId
 from streamrl_cli.trainer.sample_routing import Batch, SampleRouting, draw_key
-from streamrl_cli.trainer.seeds import request_sampling, sample_seed  # noqa: F401 - re-exported for tests
+from streamrl_cli.trainer.seeds import sample_seed  # noqa: F401 - re-exported for tests
 from streamrl_cli.trainer.weight_sync import Transfers
-from streamrl_cli.transport.wire import Sampling
 
 if TYPE_CHECKING:
-    from streamrl_cli.roles.spec import TrainerSpec
     from streamrl_cli.trainer.collaborators import (
         LearnerDriver,
         LengthRanker,
@@ -82,69 +70,6 @@ class Stopped(Exception):
     def __init__(self, next_iteration: int):
         super().__init__(f"stopped before iteration {next_iteration}")
         self.next_iteration = next_iteration
-
-
-@dataclass(kw_only=True)
-class PipelineConfig:
-    """What the loop runs by: the recipe's sections as they are (each setting's name, type, default
-    and meaning are the schema's, ``recipe.schema``), and what only the trainer knows at run time.
-    Build it with :meth:`from_spec`; a section left out has the schema's defaults (tests)."""
-
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # preset resolved (checks.resolve)
-    task: TaskConfig = field(default_factory=TaskConfig)  # max_output_len
-    train: TrainConfig = field(default_factory=TrainConfig)  # batch sizes, seed, reproducible_sampling
-    skewness: SkewnessConfig = field(default_factory=SkewnessConfig)  # dispatch, schedule, long_tail
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # oversample, partial
-    agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn: reward, on_failure
-    generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # max_num_seqs: admission bound
-    world: int = 1  # trainer data-parallel ranks (the trainer job's tasks)
-    # No generator connected for this long ends the run (not at once: a restarted array task, or an
-    # elastic scale-up after scaling to zero, comes back): train.stall_after_s unless set (tests set
-    # it apart from the sample timeout, which would end the run first).
-    no_generator_s: float | None = None
-
-    def __post_init__(self) -> None:
-        presets.require_resolved(self.algorithm, "the trainer's loop")
-        if self.no_generator_s is None:
-            self.no_generator_s = self.train.stall_after_s
-
-    @property
-    def sample_timeout_s(self) -> float:
-        """No sample at all for this long: something is wrong (train.stall_after_s)."""
-        return self.train.stall_after_s
-
-    @classmethod
-    def from_spec(cls, spec: TrainerSpec) -> PipelineConfig:
-        """The pipeline of the trainer's typed sections."""
-        return cls(
-            algorithm=spec.algorithm, task=spec.task, train=spec.train, skewness=spec.skewness,
-            rollout=spec.rollout, generator=spec.generator, world=spec.world, agent=spec.agent,
-        )  # fmt: skip
-
-    @property
-    def sampling(self) -> Sampling:
-        """A training request's sampling (unseeded, the whole output budget): the recipe's keys."""
-        return request_sampling(self.algorithm, self.task.max_output_len)
-
-    @property
-    def refill_budget(self) -> int:
-        """Groups an iteration may draw to replace dropped ones (algorithm.max_refill)."""
-        return math.floor(self.train.global_batch * self.algorithm.max_refill + 1e-9)
-
-    @property
-    def extra_groups(self) -> int:
-        """Groups dispatched beyond global_batch per iteration (rollout.oversample)."""
-        over = self.rollout.oversample
-        return math.ceil(self.train.global_batch * over - 1e-9) if over > 0 else 0
-
-    @property
-    def ahead(self) -> int:
-        return self.algorithm.max_staleness if self.algorithm.mode == "async" else 0
-
-    @property
-    def bound(self) -> int:
-        """The most versions a trained sample's oldest token may lag its batch's policy."""
-        return self.algorithm.max_staleness if self.rollout.partial else self.ahead
 
 
 class Pipeline(SampleRouting):

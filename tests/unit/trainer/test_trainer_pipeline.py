@@ -662,8 +662,8 @@ def test_generators_that_join_while_none_serves_get_the_current_weights_as_a_new
 
 def test_tail_runs_from_ninety_percent_of_the_samples_generated_to_the_last():
     from streamrl_cli.trainer.batch import Rollout
+    from streamrl_cli.trainer.batch_state import Batch
     from streamrl_cli.trainer.iteration_record import _tail
-    from streamrl_cli.trainer.sample_routing import Batch
 
     batch = Batch(index=0, prompts={}, sampler_state={})
     rows = []
