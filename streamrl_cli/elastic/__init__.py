@@ -4,6 +4,6 @@
 - ``control``: the trainer's side: feeds the rule each iteration and posts the wanted count to the
   rendezvous.
 
-Making it so is the launcher's part (:mod:`streamrl_cli.launch.scale_executor`, ``scale_follow``,
-``scale_request``), so the trainer and the recipe checks import this package without the launcher.
+Making it so is the launcher's part (:mod:`streamrl_cli.launch.scale`: ``executor``, ``follow``,
+``request``), so the trainer and the recipe checks import this package without the launcher.
 """

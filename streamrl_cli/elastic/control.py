@@ -2,7 +2,7 @@
 
 The trainer decides because it is where T_gen and T_train are measured; it does not start or stop
 anything itself (it may run on a node that cannot submit jobs): it posts the wanted instance count
-to the rendezvous, and the process watching the run applies it (``launch.scale_follow``).
+to the rendezvous, and the process watching the run applies it (``launch.scale.follow``).
 """
 
 from __future__ import annotations

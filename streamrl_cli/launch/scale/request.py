@@ -12,6 +12,7 @@ from typing import Any
 from streamrl_cli.errors import ClusterError, StreamRLError
 from streamrl_cli.launch.scale import executor
 from streamrl_cli.launch.scale.follow import wait_applied
+from streamrl_cli.recipe.schema import INSTANCES
 from streamrl_cli.rundir import RunDir
 
 SPEC = re.compile(r"^([+-]?)(\d+)$")
@@ -32,6 +33,8 @@ def target_count(spec: str, current: int) -> int:
     target = current + n if sign == "+" else current - n if sign == "-" else n
     if target < 0:
         raise ScaleUsageError(f"--generators {spec}: the run has {current} generator(s); cannot go below 0")
+    if target > INSTANCES:
+        raise ScaleUsageError(f"--generators {spec}: {target} instances, past the bound of {INSTANCES:,}")
     return target
 
 

@@ -22,7 +22,14 @@ def test_target_count(spec: str, current: int, want: int) -> None:
 
 @pytest.mark.parametrize(
     ("spec", "needle"),
-    [("two", "expected a count N, +N"), ("1.5", "expected"), ("-3", "below 0"), ("", "expected")],
+    [
+        ("two", "expected a count N, +N"),
+        ("1.5", "expected"),
+        ("-3", "below 0"),
+        ("", "expected"),
+        (str(2**80), "past the bound of 100,000"),
+        ("+100000", "past the bound"),
+    ],  # fmt: skip
 )
 def test_bad_counts_say_what_is_valid(spec: str, needle: str) -> None:
     with pytest.raises(ScaleUsageError, match=re.escape(needle)):
