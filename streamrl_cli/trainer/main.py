@@ -24,7 +24,6 @@ import os
 import random
 import socket
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from streamrl_cli.errors import StreamRLError
 from streamrl_cli.recipe.schema import TaskConfig
 from streamrl_cli.roles.spec import TrainerSpec
 from streamrl_cli.rundir import RunDir
+from streamrl_cli.trainer.prompts import prompt_tokenizer
 
 log = logging.getLogger("streamrl.trainer")
 
@@ -42,38 +42,6 @@ def main(spec: TrainerSpec, rank: int) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per rendezvous call otherwise
     return TrainerRole(spec, rank).run()
-
-
-def prompt_tokenizer(tok: Any, max_prompt: int, task: Any, key: str) -> Callable[[str], list[int]]:
-    """A prompt's token ids, counted as the check before submission counts them
-    (``tasks.datasets.prompt_ids``); a StreamRLError naming the prompt past task.max_prompt_len.
-    That check finds such a prompt before submission where the model was there; this is the last
-    guard, for a model made at start. ``key``: the task's recipe key (task.dataset, task.eval_dataset)."""
-    from streamrl_cli.tasks.datasets import prompt_ids
-
-    def tokenize(text: str) -> list[int]:
-        ids = prompt_ids(tok, [text])[0]
-        if len(ids) > max_prompt:
-            raise StreamRLError(
-                f"a prompt has {len(ids)} tokens, more than task.max_prompt_len={max_prompt}"
-                + _which_prompt(task, key, text)
-            )
-        return ids
-
-    return tokenize
-
-
-def _which_prompt(task: Any, key: str, text: str) -> str:
-    """`` (task.dataset row 3, ...)``: where ``text`` is in ``task``, looked up only as the run fails."""
-    from streamrl_cli.tasks.datasets import DatasetTask
-
-    for i, p in enumerate(task.prompts()):
-        if p.text == text:
-            if isinstance(task, DatasetTask):
-                row = f"{key} row {task.rows[i]}, counting from 0, of {task.path}"
-                return f" ({row}; prompt id {p.prompt_id!r})"
-            return f" (prompt id {p.prompt_id!r})"
-    return ""
 
 
 def _round(x: float | None, digits: int) -> float | None:
