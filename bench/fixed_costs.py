@@ -277,7 +277,7 @@ def part_start(work: Path, warm: bool) -> dict:
 
 def synthetic_rollouts(n: int, seed: int) -> list:
     """`n` GRPO rollouts with the long-tailed lengths RL produces (most short, a few long)."""
-    from streamrl_cli.trainer.batch import Rollout
+    from streamrl_cli.trainer.loop.batch import Rollout
     from streamrl_cli.transport.wire import Sample
 
     rng = random.Random(seed)
@@ -306,16 +306,16 @@ def part_train(work: Path, micro_batch: int, repeats: int = 3) -> dict:
     from streamrl_cli.models.tiny import TinySpec, build_tiny_model
     from streamrl_cli.recipe import presets
     from streamrl_cli.recipe.schema import AlgorithmConfig, TrainerConfig
-    from streamrl_cli.trainer import losses as L
-    from streamrl_cli.trainer.batch import collate
-    from streamrl_cli.trainer.learner import (
+    from streamrl_cli.trainer.algo import losses as L
+    from streamrl_cli.trainer.loop.batch import collate
+    from streamrl_cli.trainer.role.learner import (
         Learner,
         LossConfig,
         OptimConfig,
         init_distributed,
         open_group_store,
     )
-    from streamrl_cli.trainer.models import Packed
+    from streamrl_cli.trainer.role.models import Packed
 
     path = build_tiny_model(
         work / "train-model",

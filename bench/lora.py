@@ -68,7 +68,7 @@ def versions(mb: int, ranks: list[int]) -> dict[str, dict[str, torch.Tensor]]:
     """The model of about `mb` MB as the generators receive it, whole and as adapters per rank."""
     from transformers import AutoModelForCausalLM
 
-    from streamrl_cli.trainer import lora as lora_
+    from streamrl_cli.trainer.role import lora as lora_
 
     sized_model(mb)  # built once, cached
     path = model_path(f"sync-{mb}mb")
@@ -179,8 +179,8 @@ def train_worker(rank: int, mb: int) -> dict:
     """One learner (rank 0: full fine-tune) and its step time; run in a process of its own."""
     from streamrl_cli.recipe import presets
     from streamrl_cli.recipe.schema import AlgorithmConfig, TrainerConfig
-    from streamrl_cli.trainer.batch import collate
-    from streamrl_cli.trainer.learner import (
+    from streamrl_cli.trainer.loop.batch import collate
+    from streamrl_cli.trainer.role.learner import (
         Learner,
         LossConfig,
         OptimConfig,

@@ -317,8 +317,8 @@ def export(
     a LoRA run's adapters are merged into the base model, or with --adapter written as PEFT's."""
     from streamrl_cli import rundir
     from streamrl_cli.launch import run_state
-    from streamrl_cli.trainer import checkpoint as ckpt
-    from streamrl_cli.trainer.export import ExportError, export_checkpoint
+    from streamrl_cli.trainer.role import checkpoint as ckpt
+    from streamrl_cli.trainer.role.export import ExportError, export_checkpoint
 
     r = rundir.find(run_name)
     done = sorted(p for p in r.checkpoints.glob("iter-*") if (p / ckpt.STATE).is_file())

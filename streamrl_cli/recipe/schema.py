@@ -418,7 +418,7 @@ class TaskConfig:
     # template; else a Jinja template (inline, or a .jinja file) used instead of the tokenizer's.
     chat_template: str | None = None
     system_prompt: str | None = None  # system message put first in every chat without one
-    # Held-out evaluation on the generators (streamrl_cli.trainer.evaluation): a dataset like `dataset`
+    # Held-out evaluation on the generators (streamrl_cli.trainer.loop.evaluation): a dataset like `dataset`
     # (same prompt_key, chat template and reward), evaluated at the end of the run and every
     # `eval_every` iterations; records eval/reward_mean, eval/reward_std, eval/length_mean, ...
     eval_dataset: str | None = None

@@ -94,7 +94,7 @@ class Sample(msgspec.Struct, array_like=True, kw_only=True):
 
 class Sampling(msgspec.Struct, array_like=True, kw_only=True):
     """A request's sampling parameters, built once by the trainer from the recipe's ``algorithm``
-    section (``streamrl_cli.trainer.seeds.request_sampling``). No recipe value has a default here:
+    section (``streamrl_cli.trainer.loop.seeds.request_sampling``). No recipe value has a default here:
     each has one, the schema's."""
 
     temperature: float  # algorithm.temperature (evaluation: task.eval_temperature); 0: greedy

@@ -13,11 +13,11 @@ from support.configs import optim_config
 from streamrl_cli.models.tiny import TinySpec, build_tiny_model
 from streamrl_cli.recipe import presets
 from streamrl_cli.recipe.schema import AlgorithmConfig
-from streamrl_cli.trainer.batch import Rollout, collate
-from streamrl_cli.trainer.checkpoint import save_engines
-from streamrl_cli.trainer.export import MARKER, ExportError, export_checkpoint
-from streamrl_cli.trainer.learner import Learner, LossConfig, init_distributed, open_group_store
-from streamrl_cli.trainer.models import policy_forward
+from streamrl_cli.trainer.loop.batch import Rollout, collate
+from streamrl_cli.trainer.role.checkpoint import save_engines
+from streamrl_cli.trainer.role.export import MARKER, ExportError, export_checkpoint
+from streamrl_cli.trainer.role.learner import Learner, LossConfig, init_distributed, open_group_store
+from streamrl_cli.trainer.role.models import policy_forward
 from streamrl_cli.transport.wire import Sample
 
 pytestmark = pytest.mark.slow

@@ -113,7 +113,7 @@ def test_greedy_output_matches_transformers(loop, engine, hf):
 def test_seeded_requests_repeat_their_samples_whatever_the_batch(loop, engine):
     # train.reproducible_sampling rests on this: a group alone or among others, and its sample k
     # re-generated alone with seed + k (vLLM's seed of a request's k-th sample), give the same tokens.
-    from streamrl_cli.trainer.pipeline import sample_seed
+    from streamrl_cli.trainer.loop.pipeline import sample_seed
 
     seed = sample_seed(0, "p/1", 0)
 

@@ -21,7 +21,7 @@ from support.engine import Trainer, load_hf
 from streamrl_cli.generator.engine import GenerationRequest, SamplingSpec, make_engine
 from streamrl_cli.models.tiny import build_tiny_model
 from streamrl_cli.recipe.schema import LoraConfig
-from streamrl_cli.trainer import lora as lora_
+from streamrl_cli.trainer.role import lora as lora_
 from streamrl_cli.weights.adapter import CONFIG_FILE, WEIGHTS_FILE, peft_config
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import torch
 
 from streamrl_cli.generator.engine import GenerationRequest, SamplingSpec
 from streamrl_cli.recipe.load import load
-from streamrl_cli.trainer.losses import SamplingTransform, sampled_logprobs, token_logprobs
+from streamrl_cli.trainer.algo.losses import SamplingTransform, sampled_logprobs, token_logprobs
 
 CASES = [
     SamplingTransform(temperature=0.8, top_k=8, top_p=1.0, min_p=0.0),
@@ -78,7 +78,7 @@ def test_bad_sampling_keys_are_reported(override, key):
 
 
 def test_sampling_keys_reach_every_request():
-    from streamrl_cli.trainer.seeds import request_sampling
+    from streamrl_cli.trainer.loop.seeds import request_sampling
     from streamrl_cli.transport.wire import Sampling
 
     a = load("local", ["algorithm.top_p=0.9", "algorithm.top_k=5", "algorithm.stop=[END,'###']"]).recipe
@@ -144,8 +144,8 @@ def _generate(served, spec: SamplingSpec, prompt: list[int], rid: str):
 def test_generator_and_trainer_logprobs_agree_under_truncation(served, peaked_model, s):
     from transformers import AutoModelForCausalLM
 
-    from streamrl_cli.trainer.batch import Rollout, collate
-    from streamrl_cli.trainer.models import policy_forward
+    from streamrl_cli.trainer.loop.batch import Rollout, collate
+    from streamrl_cli.trainer.role.models import policy_forward
     from streamrl_cli.transport.wire import Sample
 
     prompt = list(range(40, 56))

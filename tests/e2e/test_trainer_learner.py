@@ -20,16 +20,16 @@ from streamrl_cli.models.tiny import build_tiny_model
 from streamrl_cli.recipe import presets
 from streamrl_cli.recipe.schema import AlgorithmConfig
 from streamrl_cli.trainer import algo as A
-from streamrl_cli.trainer import losses as L
-from streamrl_cli.trainer.batch import Rollout, collate
-from streamrl_cli.trainer.learner import (
+from streamrl_cli.trainer.algo import losses as L
+from streamrl_cli.trainer.loop.batch import Rollout, collate
+from streamrl_cli.trainer.role.learner import (
     Learner,
     LossConfig,
     init_distributed,
     leave_group,
     open_group_store,
 )
-from streamrl_cli.trainer.models import load_policy, load_reference
+from streamrl_cli.trainer.role.models import load_policy, load_reference
 from streamrl_cli.transport.wire import Sample
 
 # real DeepSpeed (ZeRO 0-3 on CPU, gloo; the first run builds its ops): not in the fast tier
@@ -121,7 +121,7 @@ CFG = loss_config(name="grpo", loss_agg="token-mean", kl_coef=0.05, is_correctio
 
 def _rank_main(rank: int, address: str, path: str, out: str) -> None:
     """Two trainer ranks in lockstep through RankDriver/follow, ZeRO-2 over gloo."""
-    from streamrl_cli.trainer.ranks import RankDriver, follow
+    from streamrl_cli.trainer.role.ranks import RankDriver, follow
 
     init_distributed(rank, 2, address, "gloo")
     torch.set_num_threads(1)
@@ -190,8 +190,8 @@ def test_packed_forwards_give_each_rows_own_logprobs_entropy_and_values(model_di
     """A micro-batch runs packed (its tokens, not rows × longest: in one row, or in several when a
     row would grow past PACK_TOKENS); every sequence still attends only to itself: the same
     log-probs, entropies and values as each row alone."""
-    from streamrl_cli.trainer import models
-    from streamrl_cli.trainer.models import Critic, Packed, critic_forward, policy_forward
+    from streamrl_cli.trainer.role import models
+    from streamrl_cli.trainer.role.models import Critic, Packed, critic_forward, policy_forward
 
     monkeypatch.setattr(models, "PACK_TOKENS", row_tokens)
     rows = rollouts(7, seed=11)

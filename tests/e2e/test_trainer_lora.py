@@ -14,12 +14,12 @@ from support.configs import optim_config
 from streamrl_cli.models.tiny import build_tiny_model
 from streamrl_cli.recipe import presets
 from streamrl_cli.recipe.schema import AlgorithmConfig, LoraConfig
-from streamrl_cli.trainer import lora as lora_
-from streamrl_cli.trainer.batch import Rollout, collate
-from streamrl_cli.trainer.checkpoint import CheckpointMismatch, load_engines, save_engines
-from streamrl_cli.trainer.export import ExportError, export_checkpoint
-from streamrl_cli.trainer.learner import Learner, LossConfig, init_distributed, open_group_store
-from streamrl_cli.trainer.models import load_policy, policy_forward
+from streamrl_cli.trainer.loop.batch import Rollout, collate
+from streamrl_cli.trainer.role import lora as lora_
+from streamrl_cli.trainer.role.checkpoint import CheckpointMismatch, load_engines, save_engines
+from streamrl_cli.trainer.role.export import ExportError, export_checkpoint
+from streamrl_cli.trainer.role.learner import Learner, LossConfig, init_distributed, open_group_store
+from streamrl_cli.trainer.role.models import load_policy, policy_forward
 from streamrl_cli.transport.wire import Sample
 
 pytestmark = pytest.mark.slow

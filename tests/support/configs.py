@@ -44,7 +44,7 @@ def sections(**keys: Any) -> dict[str, Any]:
 
 def pipeline_config(*, world: int = 1, **keys: Any):  # type: ignore[no-untyped-def]
     """A PipelineConfig of recipe keys by name (and the runtime's own no_generator_s, if given)."""
-    from streamrl_cli.trainer.pipeline import PipelineConfig
+    from streamrl_cli.trainer.loop.pipeline import PipelineConfig
 
     runtime = {k: keys.pop(k) for k in ("no_generator_s",) if k in keys}
     return PipelineConfig(**sections(**keys), world=world, **runtime)
@@ -53,7 +53,7 @@ def pipeline_config(*, world: int = 1, **keys: Any):  # type: ignore[no-untyped-
 def optim_config(*, zero_stage: int, **algorithm: Any):  # type: ignore[no-untyped-def]
     """The learner's OptimConfig of a ZeRO stage (roles.trainer.zero_stage) and algorithm keys (lr, ...)."""
     from streamrl_cli.recipe.schema import TrainerConfig
-    from streamrl_cli.trainer.learner import OptimConfig
+    from streamrl_cli.trainer.role.learner import OptimConfig
 
     return OptimConfig(algorithm=AlgorithmConfig(**algorithm), trainer=TrainerConfig(zero_stage=zero_stage))
 
@@ -63,6 +63,6 @@ def sampling(**keys: Any):  # type: ignore[no-untyped-def]
     the given fields (temperature, max_tokens, seed, ignore_eos, ...) set."""
     import msgspec
 
-    from streamrl_cli.trainer.seeds import request_sampling
+    from streamrl_cli.trainer.loop.seeds import request_sampling
 
     return msgspec.structs.replace(request_sampling(AlgorithmConfig(), TaskConfig().max_output_len), **keys)

@@ -61,7 +61,7 @@ class Harness:
         self.weights = self.relay = self.publisher = None
         self.rdv = RendezvousClient.from_run_dir(self.run_dir)
         if transport == "elastic":
-            from streamrl_cli.trainer.publish import WeightPublisher
+            from streamrl_cli.trainer.role.publish import WeightPublisher
 
             self.publisher = WeightPublisher(
                 self.rdv, self.token, transport="broadcast", generator_workers=instances, backend="gloo",

@@ -12,7 +12,7 @@ def adapter_and_model_bytes(run_dir: Path) -> tuple[int, int]:
     from transformers import AutoModelForCausalLM
 
     from streamrl_cli.roles.spec import load_spec
-    from streamrl_cli.trainer import lora as lora_
+    from streamrl_cli.trainer.role import lora as lora_
 
     spec_file = sorted(run_dir.glob("roles/*generator*.yaml"))[0]
     spec = load_spec(spec_file)

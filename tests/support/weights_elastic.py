@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from streamrl_cli.rendezvous import RendezvousClient, create_secret
-from streamrl_cli.trainer.publish import WeightPublisher
+from streamrl_cli.trainer.role.publish import WeightPublisher
 from streamrl_cli.weights.layout import eligible
 from support.generator_harness import wait_until
 from support.helpers import REPO

@@ -15,7 +15,7 @@ registry              recipe key                              module
 once by the recipe's checks. A new algorithm is one module whose functions register themselves
 (``@POLICY_LOSSES.register("mine")``), imported below, plus one preset naming them (and the new
 names in the schema's choices, which the recipe checks against). What is not a choice (GAE,
-aggregation, log-probs under the sampling distribution) is ``trainer.losses``.
+aggregation, log-probs under the sampling distribution) is ``trainer.algo.losses``.
 """
 
 from streamrl_cli.trainer.algo.advantages import (

@@ -1,6 +1,6 @@
 """What the registries' entries share: the per-token convention and the bound on log-ratios.
 
-Conventions of the maths (``trainer.algo`` and ``trainer.losses``): ``[B, T]`` per-token tensors
+Conventions of the maths (``trainer.algo`` and ``trainer.algo.losses``): ``[B, T]`` per-token tensors
 with a float mask (1.0 on response tokens the policy produced), per-token losses unreduced,
 statistics as sums over valid tokens."""
 

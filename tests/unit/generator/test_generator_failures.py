@@ -36,7 +36,7 @@ from streamrl_cli.generator.worker_ext import WeightSyncExtension
 from streamrl_cli.recipe.schema import GeneratorConfig, ModelConfig, TaskConfig, TrainConfig
 from streamrl_cli.rendezvous import RendezvousClient, create_secret, read_secret
 from streamrl_cli.roles.spec import GeneratorSpec
-from streamrl_cli.trainer.publish import WeightPublisher
+from streamrl_cli.trainer.role.publish import WeightPublisher
 from streamrl_cli.transport.routing import DispatchService
 from streamrl_cli.transport.samples import StreamConfig
 from streamrl_cli.weights import WeightTransferError

@@ -144,7 +144,7 @@ def test_the_trainers_own_check_names_the_row(tiny, tmp_path):
     from streamrl_cli.errors import StreamRLError
     from streamrl_cli.tasks.builtin import RepeatTask
     from streamrl_cli.tasks.datasets import DatasetTask
-    from streamrl_cli.trainer.main import prompt_tokenizer
+    from streamrl_cli.trainer.role.main import prompt_tokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny)
     data = dataset(tmp_path / "d.jsonl", [SHORT] * 3 + [LONG])
@@ -170,7 +170,7 @@ def test_the_trainers_evaluation_names_the_held_out_row(tiny, tmp_path):
     from streamrl_cli.errors import StreamRLError
     from streamrl_cli.launch.plan import role_specs
     from streamrl_cli.recipe.load import load
-    from streamrl_cli.trainer.main import TrainerRole
+    from streamrl_cli.trainer.role.main import TrainerRole
 
     train = dataset(tmp_path / "train.jsonl", [SHORT] * 4)
     held_out = dataset(tmp_path / "held_out.jsonl", [SHORT, LONG])

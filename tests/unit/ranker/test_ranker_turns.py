@@ -14,8 +14,8 @@ from streamrl_cli.ranker.history import HistoryRanker
 from streamrl_cli.ranker.turns import TurnLearner, TurnRanker, group_turns
 from streamrl_cli.recipe.schema import SkewnessConfig, TaskConfig
 from streamrl_cli.tasks import Prompt, make_task
-from streamrl_cli.trainer.batch_state import Batch
-from streamrl_cli.trainer.iteration_record import skew_record
+from streamrl_cli.trainer.loop.batch_state import Batch
+from streamrl_cli.trainer.loop.iteration_record import skew_record
 
 
 def prompts(n: int) -> list[Prompt]:

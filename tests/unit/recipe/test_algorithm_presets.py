@@ -125,7 +125,7 @@ def test_runtime_code_reads_a_resolved_preset_and_says_so_otherwise():
     from streamrl_cli.errors import StreamRLError
     from streamrl_cli.recipe import presets
     from streamrl_cli.recipe.schema import AlgorithmConfig
-    from streamrl_cli.trainer.learner import LossConfig
+    from streamrl_cli.trainer.role.learner import LossConfig
 
     with pytest.raises(StreamRLError, match="algorithm.group_size, algorithm.advantage.*not resolved"):
         LossConfig.from_recipe(AlgorithmConfig(is_correction="off"), 16)
@@ -143,8 +143,8 @@ def test_the_trainer_reads_the_resolved_algorithm(tmp_path):
     from streamrl_cli.launch import plan
     from streamrl_cli.planner.workload import workload_from_recipe
     from streamrl_cli.roles.spec import load_spec, spec_yaml
-    from streamrl_cli.trainer.learner import LossConfig
-    from streamrl_cli.trainer.pipeline import PipelineConfig
+    from streamrl_cli.trainer.loop.pipeline import PipelineConfig
+    from streamrl_cli.trainer.role.learner import LossConfig
 
     r = load("local", ["algorithm=dapo", "algorithm.is_mask=token", "algorithm.max_refill=0.5"]).recipe
     (tmp_path / "trainer.yaml").write_text(spec_yaml(plan.role_specs(r, tmp_path)["trainer"]))

@@ -12,7 +12,7 @@ from streamrl_cli.recipe.load import load
 from streamrl_cli.recipe.schema import TaskConfig as TC  # tasks spelled as their recipe keys
 from streamrl_cli.tasks import Prompt, TaskError, make_task
 from streamrl_cli.tasks.datasets import ChatFormat, DatasetTask
-from streamrl_cli.trainer.batch import Rollout, collate
+from streamrl_cli.trainer.loop.batch import Rollout, collate
 from streamrl_cli.transport.wire import Sample
 
 # A reward written for TRL's GRPOTrainer: prompts and completions as strings, the dataset's other

@@ -17,9 +17,9 @@ import torch
 from streamrl_cli.recipe import presets, schema
 from streamrl_cli.recipe.schema import AlgorithmConfig
 from streamrl_cli.trainer import algo as A
-from streamrl_cli.trainer.batch import Rollout, collate
-from streamrl_cli.trainer.learner import Learner, LossConfig
-from streamrl_cli.trainer.losses import aggregate
+from streamrl_cli.trainer.algo.losses import aggregate
+from streamrl_cli.trainer.loop.batch import Rollout, collate
+from streamrl_cli.trainer.role.learner import Learner, LossConfig
 from streamrl_cli.transport.wire import Sample
 
 

@@ -1,4 +1,4 @@
-"""The loop's collaborators (trainer.collaborators): the real parts trainer.main hands the pipeline
+"""The loop's collaborators (trainer.loop.collaborators): the real parts trainer.main hands the pipeline
 have every method and attribute the pipeline calls, so the unit tests' fakes, held to the same
 interfaces, stand for them faithfully."""
 
@@ -8,14 +8,14 @@ import inspect
 
 import pytest
 
-from streamrl_cli.trainer import collaborators as C
+from streamrl_cli.trainer.loop import collaborators as C
 
 
 def real_parts():
     from streamrl_cli.ranker.base import Ranker
     from streamrl_cli.tasks.sampler import PromptSampler
-    from streamrl_cli.trainer.publish import WeightPublisher
-    from streamrl_cli.trainer.ranks import RankDriver
+    from streamrl_cli.trainer.role.publish import WeightPublisher
+    from streamrl_cli.trainer.role.ranks import RankDriver
     from streamrl_cli.transport.routing import DispatchService
 
     return [

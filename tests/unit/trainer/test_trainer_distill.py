@@ -1,4 +1,4 @@
-"""The trainer's teacher stage (trainer.distill.TeacherScoring) between the sample stream and the loop.
+"""The trainer's teacher stage (trainer.loop.distill.TeacherScoring) between the sample stream and the loop.
 
 The two dispatch services are in-memory stand-ins with the data plane's interface (submit, cancel,
 get, generators), as the pipeline's unit tests use; the teachers' real stream and engines run in
@@ -15,8 +15,8 @@ import collections
 import pytest
 
 from streamrl_cli.errors import StreamRLError
-from streamrl_cli.trainer.distill import TeacherScoring
-from streamrl_cli.trainer.samples import join as _join
+from streamrl_cli.trainer.loop.distill import TeacherScoring
+from streamrl_cli.trainer.loop.samples import join as _join
 from streamrl_cli.transport.wire import Request, Sample
 
 

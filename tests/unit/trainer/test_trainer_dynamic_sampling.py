@@ -20,9 +20,9 @@ from support.helpers import Clock
 
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.tasks.sampler import PromptSampler
-from streamrl_cli.trainer.batch import collate
-from streamrl_cli.trainer.dynamic_sampling import Refill
-from streamrl_cli.trainer.pipeline import Pipeline
+from streamrl_cli.trainer.loop.batch import collate
+from streamrl_cli.trainer.loop.dynamic_sampling import Refill
+from streamrl_cli.trainer.loop.pipeline import Pipeline
 from streamrl_cli.transport.wire import Sample
 
 # --- the bookkeeping alone ------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 
 from streamrl_cli.trainer.algo import clip_loss as policy_loss
 from streamrl_cli.trainer.algo import grpo_advantages, is_weights, kl_estimate
-from streamrl_cli.trainer.losses import (
+from streamrl_cli.trainer.algo.losses import (
     LOSS_AGGS,
     aggregate,
     entropy_from_logits,

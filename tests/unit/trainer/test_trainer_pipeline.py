@@ -18,7 +18,7 @@ from support.helpers import Clock
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.tasks import Prompt, Task
-from streamrl_cli.trainer.pipeline import Pipeline, PipelineConfig, Stopped, sample_seed
+from streamrl_cli.trainer.loop.pipeline import Pipeline, PipelineConfig, Stopped, sample_seed
 from streamrl_cli.transport.wire import Episode, Sample
 
 
@@ -134,7 +134,7 @@ class Publisher:
 
 
 def test_the_fakes_are_what_the_pipeline_asks_for():
-    from streamrl_cli.trainer import collaborators as C
+    from streamrl_cli.trainer.loop import collaborators as C
 
     events: list = []
     gens = Generators(events)
@@ -440,7 +440,7 @@ def test_the_trainer_reads_algorithm_2s_curve_from_the_profile_file(tmp_path):
     from streamrl_cli.launch.plan import role_specs
     from streamrl_cli.planner.profile import Profile, save_profile
     from streamrl_cli.recipe.load import load
-    from streamrl_cli.trainer.main import TrainerRole
+    from streamrl_cli.trainer.role.main import TrainerRole
 
     path = save_profile(
         Profile(hardware="h20", model="m", decode=((1, 0.01), (16, 0.02))), tmp_path / "p.json"
@@ -530,7 +530,7 @@ def test_unscored_samples_are_not_learnt_from_and_are_counted():
 
 def test_evaluation_runs_between_iterations_and_at_the_end_without_being_trained_on():
     from streamrl_cli.recipe.schema import AlgorithmConfig, TaskConfig
-    from streamrl_cli.trainer.evaluation import EvalConfig, Evaluator
+    from streamrl_cli.trainer.loop.evaluation import EvalConfig, Evaluator
 
     events: list = []
     gens = Generators(events)
@@ -661,9 +661,9 @@ def test_generators_that_join_while_none_serves_get_the_current_weights_as_a_new
 
 
 def test_tail_runs_from_ninety_percent_of_the_samples_generated_to_the_last():
-    from streamrl_cli.trainer.batch import Rollout
-    from streamrl_cli.trainer.batch_state import Batch
-    from streamrl_cli.trainer.iteration_record import _tail
+    from streamrl_cli.trainer.loop.batch import Rollout
+    from streamrl_cli.trainer.loop.batch_state import Batch
+    from streamrl_cli.trainer.loop.iteration_record import _tail
 
     batch = Batch(index=0, prompts={}, sampler_state={})
     rows = []
@@ -749,7 +749,7 @@ def test_partial_rollout_resumes_paused_samples_under_the_next_weights_with_per_
     import torch
 
     from streamrl_cli.trainer.algo import is_weights
-    from streamrl_cli.trainer.batch import collate
+    from streamrl_cli.trainer.loop.batch import collate
 
     gens, records, checkpoints, rollouts = partial_run(
         "sync-stream", 3, lambda rid: rid in ("it0/c/1", "it0/c/4")

@@ -1,11 +1,11 @@
-"""The request-id grammar (trainer.request_id): every form the pipeline writes reads back the same,
+"""The request-id grammar (trainer.loop.request_id): every form the pipeline writes reads back the same,
 and what it never writes is refused."""
 
 from __future__ import annotations
 
 import pytest
 
-from streamrl_cli.trainer.request_id import RequestId
+from streamrl_cli.trainer.loop.request_id import RequestId
 
 
 @pytest.mark.parametrize(

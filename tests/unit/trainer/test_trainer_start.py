@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from support.helpers import rendezvous_in_thread
 
-import streamrl_cli.trainer.main as trainer_main
+import streamrl_cli.trainer.role.main as trainer_main
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.rendezvous import RendezvousClient
 

@@ -7,8 +7,8 @@ import pytest
 
 from streamrl_cli.recipe.schema import AgentConfig
 from streamrl_cli.tasks import Prompt, Task
-from streamrl_cli.trainer.batch import Rollout, collate
-from streamrl_cli.trainer.samples import generated, trajectory_rewards, trajectory_turns
+from streamrl_cli.trainer.loop.batch import Rollout, collate
+from streamrl_cli.trainer.loop.samples import generated, trajectory_rewards, trajectory_turns
 from streamrl_cli.transport.wire import Episode, Sample
 
 

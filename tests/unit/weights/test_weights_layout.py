@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamrl_cli.trainer.publish import MembershipChanged, WeightPublisher
+from streamrl_cli.trainer.role.publish import MembershipChanged, WeightPublisher
 from streamrl_cli.weights.layout import (
     STARTING,
     WAITING,

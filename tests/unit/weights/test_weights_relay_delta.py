@@ -21,7 +21,7 @@ from streamrl_cli.generator.weights import RelayPath
 from streamrl_cli.recipe.load import load
 from streamrl_cli.recipe.schema import GeneratorConfig
 from streamrl_cli.roles.spec import GeneratorSpec
-from streamrl_cli.trainer.publish import WeightPublisher
+from streamrl_cli.trainer.role.publish import WeightPublisher
 from streamrl_cli.weights import relay_delta as rd
 from streamrl_cli.weights import relay_wire as rw
 from streamrl_cli.weights.plan import stream_layout

@@ -22,7 +22,7 @@ from support.weights_elastic import Run, digest, state
 
 from streamrl_cli.recipe.schema import GeneratorConfig, ModelConfig, TaskConfig, TrainConfig
 from streamrl_cli.roles.spec import GeneratorSpec, spec_yaml
-from streamrl_cli.trainer.publish import WeightPublisher
+from streamrl_cli.trainer.role.publish import WeightPublisher
 from streamrl_cli.transport.routing import DispatchService
 from streamrl_cli.transport.samples import StreamConfig
 

@@ -35,7 +35,7 @@ class ExportError(StreamRLError):
     """A checkpoint could not be exported."""
 
 
-TAG = "ckpt"  # the tag trainer.checkpoint saves under
+TAG = "ckpt"  # the tag trainer.role.checkpoint saves under
 
 
 def fp32_state(actor_dir: Path) -> dict[str, Any]:
@@ -105,7 +105,7 @@ def export_checkpoint(
 
 
 MARKER = "streamrl-export.txt"  # which checkpoint a directory was exported from
-LORA_CONFIG = "adapter_config.json"  # trainer.lora.CONFIG_FILE: its presence marks a LoRA checkpoint
+LORA_CONFIG = "adapter_config.json"  # trainer.role.lora.CONFIG_FILE: its presence marks a LoRA checkpoint
 
 
 def _whole_model(checkpoint: Path, base: str) -> Any:

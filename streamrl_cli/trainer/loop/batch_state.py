@@ -1,8 +1,8 @@
 """An iteration's batch while it is in flight: what the loop dispatched for it and what has come
 back (``Batch``), and a group paused when its batch closed on its way to the next (``Carried``).
 
-Its own module so that what reads a batch (``trainer.iteration_record``, ``trainer.sample_routing``)
-does not import what drives it (``trainer.pipeline``)."""
+Its own module so that what reads a batch (``trainer.loop.iteration_record``, ``trainer.loop.sample_routing``)
+does not import what drives it (``trainer.loop.pipeline``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streamrl_cli.tasks import Prompt
-from streamrl_cli.trainer.batch import GroupCollector, Rollout
-from streamrl_cli.trainer.dynamic_sampling import Refill
+from streamrl_cli.trainer.loop.batch import GroupCollector, Rollout
+from streamrl_cli.trainer.loop.dynamic_sampling import Refill
 from streamrl_cli.transport.wire import Sample
 
 

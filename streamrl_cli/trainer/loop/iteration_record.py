@@ -3,7 +3,7 @@
 Rewards, lengths, throughput, where the time went (generation, training, waiting, weight sync), how
 idle each side was, staleness (per sample and per token), what over-sampling and partial rollout
 did, the data order's digest, the dispatch plan and the ranker's quality, and the timeline that
-``streamrl plot`` draws. The loop (``trainer.pipeline``) measures; this module only turns what it
+``streamrl plot`` draws. The loop (``trainer.loop.pipeline``) measures; this module only turns what it
 measured into the record (``metrics`` reads it), so a metric is added here and nowhere else.
 """
 
@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from streamrl_cli.agent.trajectory import FAILURES
-from streamrl_cli.trainer.batch import GroupCollector, Rollout
-from streamrl_cli.trainer.batch_state import Batch
-from streamrl_cli.trainer.request_id import RequestId
-from streamrl_cli.trainer.samples import token_versions
+from streamrl_cli.trainer.loop.batch import GroupCollector, Rollout
+from streamrl_cli.trainer.loop.batch_state import Batch
+from streamrl_cli.trainer.loop.request_id import RequestId
+from streamrl_cli.trainer.loop.samples import token_versions
 
 if TYPE_CHECKING:
-    from streamrl_cli.trainer.collaborators import LengthRanker
+    from streamrl_cli.trainer.loop.collaborators import LengthRanker
 
 
 def agent_metrics(rows: Sequence[Rollout]) -> dict[str, Any]:

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from streamrl_cli.trainer.batch import Rollout, collate
-from streamrl_cli.trainer.checkpoint import load_engines, save_engines
-from streamrl_cli.trainer.learner import Learner
+from streamrl_cli.trainer.loop.batch import Rollout, collate
+from streamrl_cli.trainer.role.checkpoint import load_engines, save_engines
+from streamrl_cli.trainer.role.learner import Learner
 
 
 def _bcast(obj: Any = None) -> Any:

@@ -1,6 +1,6 @@
 """The loop's side of weight publishing: the one transfer in flight, and when each one ran.
 
-The publisher (``trainer.publish``) delivers versions in order in its own thread and hands back a
+The publisher (``trainer.role.publish``) delivers versions in order in its own thread and hands back a
 future per version. The loop must look at the newest one between samples (a failed transfer fails
 the run, with its error, rather than leaving it waiting for a version that never comes), wait for
 it before a synchronous step or the end, and know whether one is still running (a newcomer is not
@@ -21,7 +21,7 @@ from streamrl_cli.weights.layout import eligible
 if TYPE_CHECKING:
     import torch
 
-    from streamrl_cli.trainer.collaborators import WeightPublisher
+    from streamrl_cli.trainer.loop.collaborators import WeightPublisher
 
 log = logging.getLogger("streamrl.trainer")
 

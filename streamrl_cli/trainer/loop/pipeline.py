@@ -20,10 +20,10 @@ The gradient is the same in every mode (``learner``): modes differ only in timin
 
 This module is the loop itself: when a batch is dispatched and where its groups are placed, the
 micro-batch rounds and the step, the checkpoint state. Where each sample goes (its group, a retry,
-an aborted or paused group) is ``trainer.sample_routing``; what an iteration records is
-``trainer.iteration_record``; what it runs by is ``trainer.loop_config``; a batch in flight is
-``trainer.batch_state``; the weight transfer in flight is ``trainer.weight_sync``; request ids
-are ``trainer.request_id``; the parts the loop drives are typed in ``trainer.collaborators``.
+an aborted or paused group) is ``trainer.loop.sample_routing``; what an iteration records is
+``trainer.loop.iteration_record``; what it runs by is ``trainer.loop.loop_config``; a batch in flight is
+``trainer.loop.batch_state``; the weight transfer in flight is ``trainer.loop.weight_sync``; request ids
+are ``trainer.loop.request_id``; the parts the loop drives are typed in ``trainer.loop.collaborators``.
 """
 
 from __future__ import annotations
@@ -39,18 +39,18 @@ from typing import TYPE_CHECKING, Any
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.trainer.algo.advantages import estimator
-from streamrl_cli.trainer.batch import GroupCollector
-from streamrl_cli.trainer.dynamic_sampling import Refill
-from streamrl_cli.trainer.evaluation import Evaluator
-from streamrl_cli.trainer.iteration_record import iteration_record
-from streamrl_cli.trainer.loop_config import PipelineConfig
-from streamrl_cli.trainer.request_id import RequestId
-from streamrl_cli.trainer.sample_routing import Batch, SampleRouting, draw_key
-from streamrl_cli.trainer.seeds import sample_seed  # noqa: F401 - re-exported for tests
-from streamrl_cli.trainer.weight_sync import Transfers
+from streamrl_cli.trainer.loop.batch import GroupCollector
+from streamrl_cli.trainer.loop.dynamic_sampling import Refill
+from streamrl_cli.trainer.loop.evaluation import Evaluator
+from streamrl_cli.trainer.loop.iteration_record import iteration_record
+from streamrl_cli.trainer.loop.loop_config import PipelineConfig
+from streamrl_cli.trainer.loop.request_id import RequestId
+from streamrl_cli.trainer.loop.sample_routing import Batch, SampleRouting, draw_key
+from streamrl_cli.trainer.loop.seeds import sample_seed  # noqa: F401 - re-exported for tests
+from streamrl_cli.trainer.loop.weight_sync import Transfers
 
 if TYPE_CHECKING:
-    from streamrl_cli.trainer.collaborators import (
+    from streamrl_cli.trainer.loop.collaborators import (
         LearnerDriver,
         LengthRanker,
         PromptSource,

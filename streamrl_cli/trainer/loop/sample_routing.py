@@ -1,7 +1,7 @@
 """Where each sample goes: into its batch's group, generated again, dropped, paused or carried on.
 
-The loop (``trainer.pipeline``) reads one sample at a time from the data plane and hands it here.
-A sample belongs to the batch its request id names (``trainer.request_id``), or to an evaluation,
+The loop (``trainer.loop.pipeline``) reads one sample at a time from the data plane and hands it here.
+A sample belongs to the batch its request id names (``trainer.loop.request_id``), or to an evaluation,
 or to a group paused or cancelled when its batch closed::
 
     sample ─► evaluation? ─► cancelled group? (dropped, counted) ─► paused group? (kept for the next batch)
@@ -26,23 +26,23 @@ import msgspec
 
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.trainer.algo.advantages import batch_whiten, estimator, informative, overlong_penalty
-from streamrl_cli.trainer.batch import GroupCollector, Rollout
-from streamrl_cli.trainer.batch_state import Batch, Carried
-from streamrl_cli.trainer.request_id import RequestId
-from streamrl_cli.trainer.samples import generated, join, trajectory_rewards, trajectory_turns
-from streamrl_cli.trainer.seeds import sample_seed
+from streamrl_cli.trainer.loop.batch import GroupCollector, Rollout
+from streamrl_cli.trainer.loop.batch_state import Batch, Carried
+from streamrl_cli.trainer.loop.request_id import RequestId
+from streamrl_cli.trainer.loop.samples import generated, join, trajectory_rewards, trajectory_turns
+from streamrl_cli.trainer.loop.seeds import sample_seed
 from streamrl_cli.transport.wire import Request, Sample
 
 if TYPE_CHECKING:
-    from streamrl_cli.trainer.collaborators import PromptSource, SampleService
-    from streamrl_cli.trainer.evaluation import Evaluator
-    from streamrl_cli.trainer.loop_config import PipelineConfig
+    from streamrl_cli.trainer.loop.collaborators import PromptSource, SampleService
+    from streamrl_cli.trainer.loop.evaluation import Evaluator
+    from streamrl_cli.trainer.loop.loop_config import PipelineConfig
 
 log = logging.getLogger("streamrl.trainer")
 
 
 class SampleRouting:
-    """The sample-routing half of the trainer's loop (mixed into ``trainer.pipeline.Pipeline``)."""
+    """The sample-routing half of the trainer's loop (mixed into ``trainer.loop.pipeline.Pipeline``)."""
 
     # Provided by the loop.
     cfg: PipelineConfig

@@ -21,7 +21,7 @@ import torch
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.rundir import RunDir, write_atomic
-from streamrl_cli.trainer import lora as lora_
+from streamrl_cli.trainer.role import lora as lora_
 
 STATE = "state.json"
 

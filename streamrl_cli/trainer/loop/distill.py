@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 
 from streamrl_cli.errors import StreamRLError
-from streamrl_cli.trainer.evaluation import Evaluator
+from streamrl_cli.trainer.loop.evaluation import Evaluator
 from streamrl_cli.transport.wire import Request, Sample
 
 log = logging.getLogger("streamrl.trainer")

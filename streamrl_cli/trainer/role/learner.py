@@ -11,7 +11,7 @@ run, never in the gradient (tested).
 
 Actor and critic are DeepSpeed engines (ZeRO stage from the recipe; gloo on CPUs, NCCL on
 GPUs). The reference model is a frozen copy on every rank; with LoRA (the recipe's ``model.lora``,
-module ``trainer.lora``) the actor is the base model with adapters, only they train, and the reference
+module ``trainer.role.lora``) the actor is the base model with adapters, only they train, and the reference
 is the same network with its adapters switched off.
 """
 
@@ -26,10 +26,16 @@ import torch.distributed as dist
 
 from streamrl_cli.recipe import presets
 from streamrl_cli.trainer import algo as A
-from streamrl_cli.trainer import lora as lora_
-from streamrl_cli.trainer import losses as L
-from streamrl_cli.trainer.batch import MicroBatch
-from streamrl_cli.trainer.models import Critic, critic_forward, load_policy, load_reference, policy_forward
+from streamrl_cli.trainer.algo import losses as L
+from streamrl_cli.trainer.loop.batch import MicroBatch
+from streamrl_cli.trainer.role import lora as lora_
+from streamrl_cli.trainer.role.models import (
+    Critic,
+    critic_forward,
+    load_policy,
+    load_reference,
+    policy_forward,
+)
 
 if TYPE_CHECKING:
     from streamrl_cli.recipe.schema import AlgorithmConfig, LoraConfig, TrainerConfig
@@ -252,7 +258,7 @@ class Learner:
             self._add("loss/value", vnum.detach())
 
     def _distilled(self, adv: torch.Tensor, mb: MicroBatch, valid: torch.Tensor) -> torch.Tensor:
-        """On-policy distillation (trainer.distill): each token's advantage gains distill_coef ×
+        """On-policy distillation (trainer.loop.distill): each token's advantage gains distill_coef ×
         (log p_teacher − log p_behaviour), added to the task's or (distill_task_reward false) alone."""
         a = self.loss.algorithm
         teacher = mb.teacher_logp if mb.teacher_logp is not None else mb.behaviour_logp
@@ -348,8 +354,8 @@ class Learner:
         """The policy's weights as the generators get them (ZeRO-3: gathered; every rank must call
         it): every weight by HF name. With LoRA, model.lora.sync says which: `merged`, the merged
         weights, base + (alpha / rank) · B·A, under the base model's names, so the generators load
-        them as any other version (trainer.lora.merged_state); `adapter`, the adapters alone under
-        PEFT's saved names (trainer.lora.adapter_state), served by vLLM's LoRA support."""
+        them as any other version (trainer.role.lora.merged_state); `adapter`, the adapters alone under
+        PEFT's saved names (trainer.role.lora.adapter_state), served by vLLM's LoRA support."""
         module = self.actor.module
         if self.lora is not None and self.lora.sync == "adapter":
             if self.opt.trainer.zero_stage == 3:  # gathered: the adapters only, not the frozen base

@@ -33,7 +33,7 @@ import msgspec
 
 from streamrl_cli.recipe.schema import AgentConfig, AlgorithmConfig, TaskConfig, TrainConfig
 from streamrl_cli.tasks import Prompt, Task
-from streamrl_cli.trainer.seeds import request_sampling, sample_seed
+from streamrl_cli.trainer.loop.seeds import request_sampling, sample_seed
 from streamrl_cli.transport.wire import Request, Sample
 
 PREFIX = "eval"
@@ -136,7 +136,7 @@ class Evaluator:
     def _record(self, rnd: _Round) -> dict[str, Any]:
         rids = list(rnd.prompts)
         samples = [rnd.samples[r] for r in rids]
-        from streamrl_cli.trainer.samples import trajectory_rewards
+        from streamrl_cli.trainer.loop.samples import trajectory_rewards
 
         texts = [self.detokenize(s.token_ids) for s in samples]
         scores = trajectory_rewards(self.cfg.agent, self.task, [rnd.prompts[r] for r in rids], samples, texts)

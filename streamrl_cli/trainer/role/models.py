@@ -5,7 +5,7 @@ serves the tiny test model on a CPU and a Qwen2.5 on GPUs. The critic is the pol
 with a scalar head (``AutoModel`` + ``Linear``), as in verl/OpenRLHF; its head starts at zero so
 that its first values are 0 rather than noise.
 
-Forward passes take a :class:`~streamrl_cli.trainer.batch.MicroBatch` and return per-token
+Forward passes take a :class:`~streamrl_cli.trainer.loop.batch.MicroBatch` and return per-token
 tensors aligned with its ``targets`` (position j holds what predicts token j + 1). They run it
 packed (:class:`Packed`): its rows in few unpadded rows, so a micro-batch costs its tokens
 rather than rows × its longest row.
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from streamrl_cli.trainer.batch import MicroBatch
-from streamrl_cli.trainer.losses import SamplingTransform, sampled_logprobs
+from streamrl_cli.trainer.algo.losses import SamplingTransform, sampled_logprobs
+from streamrl_cli.trainer.loop.batch import MicroBatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,14 +1,14 @@
 """What the trainer's loop needs of the parts it drives, as small typed interfaces.
 
-The pipeline (``trainer.pipeline``) is handed its collaborators by ``trainer.main``; the unit tests
+The pipeline (``trainer.loop.pipeline``) is handed its collaborators by ``trainer.main``; the unit tests
 hand it small fakes instead. Each interface below is the whole of what the loop calls, so a fake
 that has these methods is a faithful stand-in, and an optional capability is a method every
 implementation has (with an answer that means "not here"), never an attribute probed for.
 
 - ``SampleService``: the data plane (``transport.routing.DispatchService``): requests out, samples back.
-- ``LearnerDriver``: every trainer rank's learner, driven from rank 0 (``trainer.ranks.RankDriver``).
-- ``WeightPublisher``: the weight transfer (``trainer.publish.WeightPublisher``); the loop keeps
-  the one transfer in flight (``trainer.weight_sync.Transfers``).
+- ``LearnerDriver``: every trainer rank's learner, driven from rank 0 (``trainer.role.ranks.RankDriver``).
+- ``WeightPublisher``: the weight transfer (``trainer.role.publish.WeightPublisher``); the loop keeps
+  the one transfer in flight (``trainer.loop.weight_sync.Transfers``).
 - ``PromptSource`` and ``LengthRanker``: the prompt sampler and the skewness ranker.
 """
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from streamrl_cli.tasks import Prompt
-    from streamrl_cli.trainer.batch import Rollout
+    from streamrl_cli.trainer.loop.batch import Rollout
     from streamrl_cli.transport.wire import Request, Sample
 
 

@@ -1,7 +1,7 @@
 """What the trainer's loop runs by (``PipelineConfig``): the recipe's sections as the trainer spec
 carries them, and what follows from them (the requests' sampling, refill and over-sampling budgets,
 how far dispatch runs ahead). Its own module so that the parts of the loop read it without
-importing the loop (``trainer.pipeline``)."""
+importing the loop (``trainer.loop.pipeline``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from streamrl_cli.recipe.schema import (
     TaskConfig,
     TrainConfig,
 )
-from streamrl_cli.trainer.seeds import request_sampling
+from streamrl_cli.trainer.loop.seeds import request_sampling
 from streamrl_cli.transport.wire import Sampling
 
 if TYPE_CHECKING:
