@@ -6,6 +6,7 @@ does not import what drives it (``trainer.loop.pipeline``)."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,3 +74,15 @@ class Carried:
     inflight: set[int] = field(default_factory=set)
     ids: list[str] = field(default_factory=list)  # paused request ids whose samples are still owed
     batch: Batch | None = None
+
+
+@dataclass
+class LoopState:
+    """What the loop (``pipeline``) and its sample router (``sample_routing``) both read: the batches
+    in flight and where the run is. The loop writes it; the router reads it and fills the batches."""
+
+    batches: dict[int, Batch] = field(default_factory=dict)
+    offset: int = 0  # batch j's policy is weight version j + offset
+    end: int = 0  # the iteration the run ends before
+    gen_spans: list[list[float]] = field(default_factory=list)  # [dispatched, last sample] of every batch
+    recent_lengths: deque[int] = field(default_factory=lambda: deque(maxlen=4096))  # Algorithm 2's P90/P50

@@ -32,7 +32,6 @@ import logging
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -40,12 +39,13 @@ from streamrl_cli.errors import StreamRLError
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.trainer.algo.advantages import estimator
 from streamrl_cli.trainer.loop.batch import GroupCollector
+from streamrl_cli.trainer.loop.batch_state import LoopState
 from streamrl_cli.trainer.loop.dynamic_sampling import Refill
 from streamrl_cli.trainer.loop.evaluation import Evaluator
 from streamrl_cli.trainer.loop.iteration_record import iteration_record
 from streamrl_cli.trainer.loop.loop_config import PipelineConfig
 from streamrl_cli.trainer.loop.request_id import RequestId
-from streamrl_cli.trainer.loop.sample_routing import Batch, SampleRouting, draw_key
+from streamrl_cli.trainer.loop.sample_routing import Batch, SampleRouter, draw_key
 from streamrl_cli.trainer.loop.seeds import sample_seed  # noqa: F401 - re-exported for tests
 from streamrl_cli.trainer.loop.weight_sync import Transfers
 
@@ -72,7 +72,7 @@ class Stopped(Exception):
         self.next_iteration = next_iteration
 
 
-class Pipeline(SampleRouting):
+class Pipeline:
     """Rank 0's loop: dispatch prompts, receive samples, train micro-batches, step, publish."""
 
     def __init__(
@@ -99,15 +99,13 @@ class Pipeline(SampleRouting):
         self.svc, self.driver = svc, driver
         self.transfers = Transfers(publisher, clock, self._versions_ready)
         self.on_record, self.on_checkpoint, self.clock = on_record, on_checkpoint, clock
-        self.batches: dict[int, Batch] = {}
+        self.state = LoopState()  # the batches in flight and where the run is, shared with the router
         self.confirmed = -1  # newest weight version every generator serves
         self._cv = threading.Condition()
-        self.gen_spans: list[list[float]] = []  # [dispatched, last sample] of every batch
         self.ranker = ranker
         # Algorithm 2's decode-step time vs batch size: the profiled curve (planner.profile_file)
         # when the run has one, else the paper's 7B/H800 shape (skew.dispatch_plan.default_ptl).
         self.ptl = ptl
-        self.recent_lengths: deque[int] = deque(maxlen=4096)  # for Algorithm 2's P90 / P50
         self.priority_base = 0  # LPT priorities of later batches come after earlier ones'
         self.rng = random.Random(cfg.train.seed)
         self._no_generator_since: float | None = None
@@ -122,7 +120,10 @@ class Pipeline(SampleRouting):
             raise ValueError(
                 "over-sampling trains the groups that finish first: not with reproducible sampling"
             )
-        self._init_routing()
+        self.router = SampleRouter(
+            cfg, self.state, task=task, sampler=sampler, svc=svc, tokenize=tokenize, detokenize=detokenize,
+            clock=clock, evaluator=evaluator,
+        )  # fmt: skip
 
     # ---- the loop ----
 
@@ -131,7 +132,12 @@ class Pipeline(SampleRouting):
         serve it already (a fresh run: the model on disk) or get it first (`push_first`: a resumed run)."""
         # Weight versions count optimizer steps; a resumed run may have to continue above versions
         # the rendezvous already saw, hence the offset (version of batch j's policy = j + offset).
-        self.version, self.end, self.next_batch, self.offset = version, end, start, version - start
+        self.version, self.state.end, self.next_batch, self.state.offset = (
+            version,
+            end,
+            start,
+            version - start,
+        )
         if push_first:
             self.transfers.publish(self.driver.full_state(), version)
             self.transfers.wait()
@@ -164,7 +170,7 @@ class Pipeline(SampleRouting):
         while self.evaluator.pending:
             sample = self.svc.get(timeout=GET_POLL_S)
             if sample is not None:
-                self._route(sample)
+                self.router.route(sample)
                 last = self.clock()
             elif self.clock() - last > self.cfg.sample_timeout_s:
                 raise TimeoutError(f"no evaluation sample for {self.cfg.sample_timeout_s:.0f}s")
@@ -173,7 +179,10 @@ class Pipeline(SampleRouting):
         """Dispatch every batch whose weight version requirement is met (j - ahead <= confirmed)."""
         with self._cv:
             confirmed = self.confirmed
-        while self.next_batch < self.end and self.next_batch - self.cfg.ahead + self.offset <= confirmed:
+        while (
+            self.next_batch < self.state.end
+            and self.next_batch - self.cfg.ahead + self.state.offset <= confirmed
+        ):
             self._dispatch(self.next_batch)
             self.next_batch += 1
         # Evaluations go out once their weights are served, after the training batch due with them.
@@ -191,18 +200,18 @@ class Pipeline(SampleRouting):
         state = self.sampler.state()
         extra = self.cfg.extra_groups
         # Paused samples that came back already go on first (their requests ahead of the fresh ones).
-        while any(c.inflight for c in self.carry) and (sample := self.svc.get(timeout=0)) is not None:
-            self._route(sample)
-        held, self.carry = self.carry, []
+        while any(c.inflight for c in self.router.carry) and (sample := self.svc.get(timeout=0)) is not None:
+            self.router.route(sample)
+        held, self.router.carry = self.router.carry, []
         # Paused groups take the places of fresh ones (partial rollout); those resumed in a batch drawn
         # already (async) are paid back from the over-sampled share of the next draws.
         fresh = self.cfg.train.global_batch + extra - len(held)
-        draw = max(self.cfg.train.global_batch - len(held), fresh - self.carry_debt)
-        self.carry_debt = max(0, self.carry_debt - (fresh - draw))
+        draw = max(self.cfg.train.global_batch - len(held), fresh - self.router.carry_debt)
+        self.router.carry_debt = max(0, self.router.carry_debt - (fresh - draw))
         prompts = self.sampler.next_batch(draw)
         batch = Batch(index=j, prompts={}, sampler_state=state)
         group_size = self.cfg.algorithm.group_size
-        batch.collector = GroupCollector(group_size, lambda key, s, b=batch: self._score(b, key, s))
+        batch.collector = GroupCollector(group_size, lambda key, s, b=batch: self.router.score(b, key, s))
         # A batch that spans two epochs may draw a prompt twice (the end of one permutation and the
         # start of the next): each draw is a group of its own, under its own request id.
         rids, drawn = [], {}
@@ -214,7 +223,7 @@ class Pipeline(SampleRouting):
         for k, (p, rid) in enumerate(zip(prompts, rids, strict=True)):
             tokens = self.tokenize(p.text)
             batch.prompts[rid] = (p, tokens)
-            req = self._request(rid, p, tokens, list(range(group_size)), seed_key=draw_key(rid))
+            req = self.router.request(rid, p, tokens, list(range(group_size)), seed_key=draw_key(rid))
             if placement is not None:
                 req.priority, req.target, req.batch_limit = placement[k]
             requests.append(req)
@@ -225,9 +234,9 @@ class Pipeline(SampleRouting):
             batch.refill = Refill(needed=batch.needed, budget=budget, outstanding=len(prompts))
         batch.order = rids
         batch.dispatched_at = self.clock()
-        self.batches[j] = batch
+        self.state.batches[j] = batch
         for c in held:  # resumed first: they are the longest (FIFO admission takes them first)
-            self._resume(c, batch)
+            self.router.resume(c, batch)
         self.svc.submit(requests)
 
     def _place(
@@ -250,9 +259,9 @@ class Pipeline(SampleRouting):
             return None
         if cfg.skewness.dispatch == "skewness-aware" and predicted is not None:
             plan = plan_dispatch(
-                predicted, alive, ptl=self.ptl or default_ptl(), recent_lengths=list(self.recent_lengths),
-                alpha=cfg.skewness.long_tail, max_batch=cfg.generator.max_num_seqs,
-                group=cfg.algorithm.group_size,
+                predicted, alive, ptl=self.ptl or default_ptl(),
+                recent_lengths=list(self.state.recent_lengths), alpha=cfg.skewness.long_tail,
+                max_batch=cfg.generator.max_num_seqs, group=cfg.algorithm.group_size,
             )  # fmt: skip
             batch.plan = {"split": list(plan.split), "estimated_s": plan.latency}
         else:
@@ -272,7 +281,7 @@ class Pipeline(SampleRouting):
 
     def _iteration(self, i: int, started: float) -> dict[str, Any]:
         wait_s = 0.0
-        while i not in self.batches:  # its weight version is still on the way to the generators
+        while i not in self.state.batches:  # its weight version is still on the way to the generators
             t0 = self.clock()
             with self._cv:
                 self._cv.wait(GET_POLL_S)
@@ -280,7 +289,7 @@ class Pipeline(SampleRouting):
             self.transfers.check()
             self._check_generators()
             self._dispatch_due()
-        batch = self.batches[i]
+        batch = self.state.batches[i]
         micro = self.cfg.train.micro_batch
         per_round = micro * self.cfg.world
         train_spans: list[list[float]] = []
@@ -293,7 +302,7 @@ class Pipeline(SampleRouting):
                 # Over-sampling: read what already arrived before training a round, so that the
                 # batch closes (and its extra groups are cancelled) as soon as it may, not a round late.
                 while batch.done_groups < batch.needed and (sample := self.svc.get(timeout=0)) is not None:
-                    self._route(sample)
+                    self.router.route(sample)
                 done = batch.done_groups == batch.needed
             if done or (stream and len(batch.ready) > per_round):
                 take = batch.ready[:per_round] if not done or len(batch.ready) > per_round else batch.ready
@@ -311,7 +320,7 @@ class Pipeline(SampleRouting):
             sample = self.svc.get(timeout=GET_POLL_S)
             wait_s += self.clock() - t0
             if sample is not None:
-                self._route(sample)
+                self.router.route(sample)
             else:
                 self.transfers.check()
                 self._check_generators()
@@ -323,14 +332,14 @@ class Pipeline(SampleRouting):
             self._dispatch_due()
         t_step = self.clock()
         stats = self.driver.step()
-        self.version = i + 1 + self.offset
+        self.version = i + 1 + self.state.offset
         step_span = [t_step, self.clock()]
         # Every rank takes part in gathering the weights; the transfer runs in the publisher's thread.
         state = self.driver.full_state()
         if self.cfg.algorithm.mode == "async":
             state = {k: v.clone() for k, v in state.items()}  # the next step must not change it mid-transfer
         self.transfers.publish(state, self.version)
-        self.stopping = self.stop_requested is not None and self.stop_requested() and i + 1 < self.end
+        self.stopping = self.stop_requested is not None and self.stop_requested() and i + 1 < self.state.end
         # Saved once the iteration's record is out (see run): a process killed in between must not
         # leave a checkpoint past the last recorded iteration (resumed after it, that record is lost).
         self._checkpoint_due = (i, self._client_state(i), self.stopping)
@@ -371,7 +380,7 @@ class Pipeline(SampleRouting):
         if not waiting:
             return
         self.version += 1
-        self.offset += 1  # batch j's policy is j + offset: the same weights under a newer number
+        self.state.offset += 1  # batch j's policy is j + offset: the same weights under a newer number
         log.info("generators %s joined while none served: the current weights go to them as version %d",
                  waiting, self.version)  # fmt: skip
         state = self.driver.full_state()
@@ -383,11 +392,14 @@ class Pipeline(SampleRouting):
 
     def _client_state(self, i: int) -> dict[str, Any]:
         """What a resumed run needs: where the data of iteration i + 1 starts."""
-        nxt = self.batches.get(i + 1)
+        nxt = self.state.batches.get(i + 1)
         sampler = nxt.sampler_state if nxt is not None else self.sampler.state()
         # Paused groups are not saved (their tokens were generated by weights a resumed run no longer
         # has in flight): their prompts are drawn again first, from the start.
-        live = [*self.carry, *(c for b in self.batches.values() if b.index > i for c in b.carried.values())]
+        live = [
+            *self.router.carry,
+            *(c for b in self.state.batches.values() if b.index > i for c in b.carried.values()),
+        ]
         if live:
             back = self.sampler.positions([c.prompt for c in live])
             sampler = {**sampler, "returned": [*sampler.get("returned", []), *back]}
@@ -400,11 +412,12 @@ class Pipeline(SampleRouting):
         rec = iteration_record(
             i, batch, mode=self.cfg.algorithm.mode, overlong=bool(self.cfg.algorithm.overlong_buffer),
             version=self.version,
-            policy=i + self.offset,  # the batch's policy version (self.version is the step's already)
-            gen_spans=self.gen_spans, sync_spans=self.transfers.spans, discarded_tokens=self.discarded_tokens,
+            policy=i + self.state.offset,  # the batch's policy version (self.version is the step's already)
+            gen_spans=self.state.gen_spans, sync_spans=self.transfers.spans,
+            discarded_tokens=self.router.discarded_tokens,
             ranker=self.ranker, started=started, end=end, train_spans=train_spans, step_span=step_span,
             wait_s=wait_s, stats=stats,
         )  # fmt: skip
-        self.batches.pop(i, None)
-        self.discarded_tokens = 0
+        self.state.batches.pop(i, None)
+        self.router.discarded_tokens = 0
         return rec

@@ -11,14 +11,14 @@ or to a group paused or cancelled when its batch closed::
        the batch has its groups ─► over-sampled ones still out: cancelled (aborted) or paused,
                                    and resumed in the next batch from their tokens so far ("#p")
 
-``SampleRouting`` holds this part of the loop's state (cancelled ids, paused and carried groups);
-``Pipeline`` inherits it and provides the rest (its batches, the data plane, the sampler).
+``SampleRouter`` owns this part of the loop's state (cancelled ids, paused and carried groups); the
+loop (``Pipeline``) owns the batches in flight (``LoopState``) and hands it the data plane and the
+sampler.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -27,7 +27,7 @@ import msgspec
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.trainer.algo.advantages import batch_whiten, estimator, informative, overlong_penalty
 from streamrl_cli.trainer.loop.batch import GroupCollector, Rollout
-from streamrl_cli.trainer.loop.batch_state import Batch, Carried
+from streamrl_cli.trainer.loop.batch_state import Batch, Carried, LoopState
 from streamrl_cli.trainer.loop.request_id import RequestId
 from streamrl_cli.trainer.loop.samples import generated, join, trajectory_rewards, trajectory_turns
 from streamrl_cli.trainer.loop.seeds import sample_seed
@@ -41,25 +41,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("streamrl.trainer")
 
 
-class SampleRouting:
-    """The sample-routing half of the trainer's loop (mixed into ``trainer.loop.pipeline.Pipeline``)."""
+class SampleRouter:
+    """The sample-routing part of the trainer's loop: it owns what it tracks (cancelled ids, paused
+    and carried groups, the tokens thrown away), reads the batches in flight from the loop's
+    ``LoopState`` and dispatches through the data plane it is given."""
 
-    # Provided by the loop.
-    cfg: PipelineConfig
-    task: Task
-    sampler: PromptSource
-    svc: SampleService
-    tokenize: Callable[[str], list[int]]
-    detokenize: Callable[[list[int]], str]
-    clock: Callable[[], float]
-    evaluator: Evaluator | None
-    batches: dict[int, Batch]
-    offset: int  # batch j's policy is weight version j + offset
-    end: int  # the iteration the run ends before
-    gen_spans: list[list[float]]  # [dispatched, last sample] of every batch
-    recent_lengths: deque[int]
-
-    def _init_routing(self) -> None:
+    def __init__(
+        self, cfg: PipelineConfig, state: LoopState, *, task: Task, sampler: PromptSource, svc: SampleService,
+        tokenize: Callable[[str], list[int]], detokenize: Callable[[list[int]], str],
+        clock: Callable[[], float], evaluator: Evaluator | None,
+    ):  # fmt: skip
+        self.cfg, self.state, self.task, self.sampler, self.svc = cfg, state, task, sampler, svc
+        self.tokenize, self.detokenize, self.clock, self.evaluator = tokenize, detokenize, clock, evaluator
         self.cancelled: set[str] = set()  # request ids of aborted groups: their late samples are dropped
         self.discarded_tokens = 0  # tokens of aborted groups that reached us since the last record
         # Partial rollout: paused request id -> its group; groups waiting for the next dispatch; groups
@@ -69,7 +62,7 @@ class SampleRouting:
         self.carry_debt = 0
         self.resumes = 0  # request ids of resumed samples: "<group>#p<n>"
 
-    def _request(
+    def request(
         self, rid: str, prompt: Prompt, tokens: list[int], indices: list[int], *, group: str = "",
         seed_key: str = "", max_tokens: int | None = None,
     ) -> Request:  # fmt: skip
@@ -91,7 +84,7 @@ class SampleRouting:
 
     # ---- samples ----
 
-    def _route(self, sample: Sample) -> None:
+    def route(self, sample: Sample) -> None:
         if self.evaluator is not None and self.evaluator.owns(sample.prompt_id):
             self.evaluator.add(sample)
             return
@@ -103,7 +96,7 @@ class SampleRouting:
             self._came_back(paused, sample)
             return
         j = RequestId.parse(sample.prompt_id).iteration
-        batch = self.batches.get(j)
+        batch = self.state.batches.get(j)
         if batch is None:
             log.warning("sample of unknown iteration %s dropped", sample.prompt_id)
             return
@@ -116,7 +109,7 @@ class SampleRouting:
         """A sample of `batch` (whole: a resumed one joined to its start): into its group, or generated
         again when its oldest token is past the staleness bound."""
         j = batch.index
-        staleness = j + self.offset - sample.weight_version
+        staleness = j + self.state.offset - sample.weight_version
         if staleness > self.cfg.bound:
             # Too old for this batch (a late joiner's, a re-dispatch's, one resumed once too often):
             # generate it again.
@@ -126,7 +119,7 @@ class SampleRouting:
             rid = str(RequestId.parse(group).retried(batch.retries))
             batch.prompts[rid] = batch.prompts[group]
             prompt, tokens = batch.prompts[group]
-            retry = self._request(
+            retry = self.request(
                 rid, prompt, tokens, [sample.sample_index], group=group, seed_key=draw_key(group)
             )
             self.svc.submit([retry])
@@ -144,7 +137,7 @@ class SampleRouting:
         key = GroupCollector.key(sample)
         group = batch.collector.add(sample)
         for r in group:
-            r.staleness, r.iteration = j + self.offset - r.sample.weight_version, j
+            r.staleness, r.iteration = j + self.state.offset - r.sample.weight_version, j
         finished = bool(group) or key in batch.dropped  # the group is whole (trained, or dropped)
         if finished:
             batch.carried.pop(key, None)
@@ -160,12 +153,12 @@ class SampleRouting:
         if finished and batch.refill is not None and batch.done_groups < batch.needed:
             self._refill(batch)
         if batch.done_groups == batch.needed:
-            self.gen_spans.append([batch.dispatched_at, batch.generated_at])
+            self.state.gen_spans.append([batch.dispatched_at, batch.generated_at])
             if estimator(self.cfg.algorithm.advantage).whiten:
                 self._whiten(batch)
             if batch.needed < batch.n_groups and _unfinished(batch):
                 # The last iteration's extra groups have no next batch to go on in: aborted.
-                if self.cfg.rollout.partial and batch.index + 1 < self.end:
+                if self.cfg.rollout.partial and batch.index + 1 < self.state.end:
                     self._pause_rest(batch)
                 else:
                     self._abort_rest(batch)
@@ -206,7 +199,7 @@ class SampleRouting:
             batch.prompts[rid] = (p, tokens)
             batch.order.append(rid)
             indices = list(range(self.cfg.algorithm.group_size))
-            req = self._request(rid, p, tokens, indices, seed_key=draw_key(rid))
+            req = self.request(rid, p, tokens, indices, seed_key=draw_key(rid))
             req.priority = -1
             requests.append(req)
         batch.n_groups += len(prompts)
@@ -239,7 +232,7 @@ class SampleRouting:
         self.svc.cancel(ids)
         self.discarded_tokens += batch.collector.drop(batch.aborted)
         positions = self.sampler.give_back([batch.prompts[rid][0] for rid in batch.aborted])
-        for later in self.batches.values():
+        for later in self.state.batches.values():
             if later.index > batch.index:
                 saved = later.sampler_state
                 later.sampler_state = {**saved, "returned": [*saved.get("returned", []), *positions]}
@@ -252,7 +245,7 @@ class SampleRouting:
         in async mode, in the next one, drawn already)."""
         assert batch.collector is not None
         rest = _unfinished(batch)
-        later = sorted(k for k in self.batches if k > batch.index)
+        later = sorted(k for k in self.state.batches if k > batch.index)
         groups, paused = [], []
         for rid in rest:
             c = batch.carried.pop(rid, None) or Carried(rid, *batch.prompts[rid])
@@ -268,7 +261,7 @@ class SampleRouting:
         for c in groups:
             if later:
                 self.carry_debt += 1
-                self._resume(c, self.batches[later[0]])
+                self.resume(c, self.state.batches[later[0]])
             else:
                 self.carry.append(c)
         batch.paused = rest
@@ -289,7 +282,7 @@ class SampleRouting:
         if c.batch is not None:
             self._go_on(c, i)
 
-    def _resume(self, c: Carried, batch: Batch) -> None:
+    def resume(self, c: Carried, batch: Batch) -> None:
         """Make a paused group one of `batch`'s (under a key of that batch) and send on what it has."""
         rid = RequestId.parse(c.key).in_batch(batch.index)
         while str(rid) in batch.prompts:  # drawn afresh by this batch too (an epoch boundary)
@@ -318,7 +311,7 @@ class SampleRouting:
         # between turns); any other starts over there: its environment's state went with its episode.
         parked = prefix.episode is not None and prefix.episode.parked
         restart = (bool(prefix.loss_mask) or prefix.episode is not None) and not parked
-        if restart or batch.index + self.offset - prefix.weight_version > self.cfg.bound:
+        if restart or batch.index + self.state.offset - prefix.weight_version > self.cfg.bound:
             self.discarded_tokens += len(prefix.token_ids)
             parked = False
             prefix = msgspec.structs.replace(
@@ -328,11 +321,11 @@ class SampleRouting:
         rid = str(RequestId.parse(c.key).resumed(self.resumes))
         batch.prompts[rid] = (c.prompt, c.tokens)
         if parked:  # its generator sends it whole (continued, or run again if it no longer holds it)
-            req = self._request(rid, c.prompt, c.tokens, [i], group=c.key)
+            req = self.request(rid, c.prompt, c.tokens, [i], group=c.key)
             req.resume, req.target = f"{prefix.prompt_id}/{prefix.sample_index}", prefix.generator
         else:
             budget = self.cfg.task.max_output_len - len(prefix.token_ids)
-            req = self._request(
+            req = self.request(
                 rid, c.prompt, c.tokens + list(prefix.token_ids), [i], group=c.key, max_tokens=budget
             )
         req.priority = -1  # admitted before any fresh request: begun earlier, it is likely the longest
@@ -353,10 +346,10 @@ class SampleRouting:
             self.discarded_tokens += n
         return rest
 
-    def _score(self, batch: Batch, key: str, samples: list[Sample]) -> list[Rollout]:
+    def score(self, batch: Batch, key: str, samples: list[Sample]) -> list[Rollout]:
         prompt, tokens = batch.prompts[key]
         lengths = [generated(s) for s in samples]
-        self.recent_lengths.extend(lengths)
+        self.state.recent_lengths.extend(lengths)
         # A group is admitted whole and comes back when its longest sample ends: that is its
         # processing time, so it is what the ranker learns, and is judged on. (A trajectory's
         # length is the tokens its model generated over all its turns, not its environment's.)
