@@ -183,7 +183,7 @@ class Workload:
     def version_bytes(self) -> float:
         """Bytes of one weight version as the generators receive it, on the broadcast and through the
         cross-site relay alike: the whole model (with LoRA the merged weights,
-        trainer.lora.merged_state), or with model.lora.sync adapter the adapters alone."""
+        trainer.role.lora.merged_state), or with model.lora.sync adapter the adapters alone."""
         if self.lora and self.lora_sync == "adapter":
             return self.adapter_params * self.model.dtype_bytes
         return self.model.weight_bytes
@@ -196,7 +196,7 @@ class Workload:
     @property
     def reference_copies(self) -> int:
         """Frozen reference models in memory: one with a KL term, none with LoRA (the actor's base,
-        its adapters switched off, is the reference: trainer.learner.Learner.reference_logp)."""
+        its adapters switched off, is the reference: trainer.role.learner.Learner.reference_logp)."""
         return int(self.reference and not self.lora)
 
 
@@ -257,7 +257,7 @@ def workload_from_recipe(r: Recipe, mode: str | None = None) -> Workload:
         lengths=LengthDist(mode_len, t.max_output_len, t.output_len_tail, t.output_len_spread),
         micro_batch=r.train.micro_batch,
         staleness=max(1, r.algorithm.max_staleness),
-        # As trainer.learner.LossConfig decides: a zero coefficient turns the KL (and reference) off.
+        # As trainer.role.learner.LossConfig decides: a zero coefficient turns the KL (and reference) off.
         reference=a.kl_coef != 0 and a.kl_mode != "none",
         lora_rank=max(0, lora.rank),
         lora_targets=tuple(lora.target_modules) if lora.rank > 0 else (),
