@@ -7,7 +7,7 @@ says what any of them accepts (``docs/security.md`` prints it):
 * a **frame limit**: a longer frame is refused before its body is read or decoded (ZeroMQ's
   ``ZMQ_MAXMSGSIZE`` drops the sender's connection unread; the relay and the weight broadcast
   refuse the announced length; aiohttp answers 413);
-* a **nesting limit**: free-form values (a dataset row, a sampling document, an environment's step)
+* a **nesting limit**: free-form values (a dataset row, an environment's step, a member's metrics)
   may nest at most :data:`MAX_DEPTH` levels. msgpack and JSON decoders recurse once per level, so a
   1 KB frame nested 1,000 levels deep raises ``RecursionError`` inside the decoder; 900 levels
   decode, then break whatever walks the value next (pickling it to an environment process, encoding

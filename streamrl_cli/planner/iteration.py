@@ -51,7 +51,7 @@ def weight_sync_s(
     receives (pipelined too: the slower of the two links sets the time).
 
     A version is the whole model in its dtype, with LoRA too when model.lora.sync is merged (the
-    default: base + (alpha / rank)·B·A under the base model's names, trainer.lora.merged_state);
+    default: base + (alpha / rank)·B·A under the base model's names, trainer.role.lora.merged_state);
     with sync adapter it is the adapters alone, inside a site.
     """
     local_bw = min(gen_hw.internode_bw, train_hw.internode_bw) * train_hw.eff.comm

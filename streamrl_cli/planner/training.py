@@ -14,7 +14,7 @@ and estimate its time; keep the fastest. What is counted, and why:
   GSPO, CISPO), the advantage estimator other than GAE, and importance sampling cost nothing more:
   they reuse the actor's one forward. Micro-batches are packed to one maximum-length sequence of
   tokens (sequences up to 21K tokens make sample counts meaningless as a memory bound).
-- LoRA (``model.lora``, trainer.lora): the actor's frozen weights need no weight gradient. Of its
+- LoRA (``model.lora``, trainer.role.lora): the actor's frozen weights need no weight gradient. Of its
   4 forward-equivalents the frozen weights' gradient GEMMs go (2·N per token: one forward's dense
   FLOPs); the activation gradients still flow back through every base layer, attention's backward
   and the recomputation stay, and the N_a adapter weights add their own forward, recomputation and

@@ -674,7 +674,7 @@ def _task(r: Recipe) -> Iterator[Problem]:
 
 def _lora(r: Recipe) -> Iterator[Problem]:
     """model.lora: its numbers, and targets that exist in the model (recipe.lora reads its names).
-    PPO's critic is not adapted: it trains in full beside the actor's adapters (README, LoRA); it
+    PPO's critic is not adapted: it trains in full beside the actor's adapters (docs/lora.md); it
     never goes to the generators, so model.lora.sync does not concern it."""
     from streamrl_cli.recipe.lora import matches, target_names
 

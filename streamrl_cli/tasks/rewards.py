@@ -13,7 +13,7 @@ verifiers (a reward model, a sandbox running code) are far cheaper per batch tha
 
 - ``async def`` rewards are awaited (a reward calling a remote judge can overlap its requests).
 - ``None`` for a completion means "cannot score this one" (TRL's convention): the trainer does not
-  learn from that sample (see ``trainer.pipeline``) and counts it in the ``reward/unscored`` metric.
+  learn from that sample (``trainer.loop``) and counts it in the ``reward/unscored`` metric.
 - A recipe names a function as ``module:function`` (importable) or ``path/to/file.py:function``
   (loaded from the file; no ``PYTHONPATH`` needed, and the file's directory becomes importable so it
   can import its neighbours). Relative file paths are resolved against the directory ``streamrl``

@@ -54,7 +54,7 @@ def wire_name(name: str) -> str:
 
 
 def peft_config(lora: LoraConfig, base_model: str = "") -> dict[str, Any]:
-    """The adapter's ``adapter_config.json``: what PEFT writes for ``trainer.lora.apply``'s adapters
+    """The adapter's ``adapter_config.json``: what PEFT writes for ``trainer.role.lora.apply``'s adapters
     (the fields vLLM reads: rank, alpha, targets, no bias, no rsLoRA/DoRA)."""
     return {
         "peft_type": "LORA",

@@ -1,7 +1,7 @@
 """The source of an elastic broadcast group: plan, propose, wait until ready, send; once more on a new group.
 
 Why shared: two processes are rank 0 of a group whose members come and go. The trainer sends to
-the generators of its own site (``trainer.publish``); at another site the relay sends what it
+the generators of its own site (``trainer.role.publish``); at another site the relay sends what it
 fetched to the generators there, its own engine included (``generator.weights``). Both follow the
 protocol of ``weights.layout``: before each transfer the source compares the generators it can
 reach now (alive, past start-up; a restarted one is a new incarnation) with the group it has; when

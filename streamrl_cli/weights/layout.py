@@ -7,7 +7,7 @@ the generators it can reach *now*, re-forms it whenever that set changes, and sa
 version proposal who is in the group at which ranks (the proposal's ``transfer`` document and its
 ``members``, rendezvous API). Pure functions over rendezvous member records: no sockets, no torch.
 
-Protocol of one transfer of version v (trainer: ``trainer.publish``; generators:
+Protocol of one transfer of version v (trainer: ``trainer.role.publish``; generators:
 ``generator.weights``, ``generator.main``)::
 
     trainer                                         generator (each one named in the layout)

@@ -168,7 +168,7 @@ class Learner:
                 torch.manual_seed(0)
                 policy = lora_.apply(policy, self.lora)
         self.actor = _engine(policy, opt.algorithm.lr, opt)
-        # PPO's critic trains in full with LoRA too (its own network; README, LoRA).
+        # PPO's critic trains in full with LoRA too (its own network; docs/lora.md).
         self.critic = _engine(Critic(path, dtype), opt.algorithm.critic_lr, opt) if loss.critic else None
         # With LoRA the reference is the actor with its adapters off: no second copy.
         self.ref = load_reference(path, dtype, device) if self.kl and self.lora is None else None
