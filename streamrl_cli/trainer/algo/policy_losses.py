@@ -49,6 +49,17 @@ def statistics(clipped: Tensor, log_ratio: Tensor, mask: Tensor) -> dict[str, Te
         }
 
 
+def clipped_surrogate(ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> tuple[Tensor, Tensor]:
+    """PPO's -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) per token, and where the clipping is
+    active: the clipped term is the one taken and it cuts the gradient (by r's value)."""
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    with torch.no_grad():
+        r = ratio.detach()
+        active = ((adv > 0) & (r > 1.0 + clip_high)) | ((adv < 0) & (r < 1.0 - clip_low))
+    return -torch.minimum(unclipped, clipped), active
+
+
 @POLICY_LOSSES.register("clip")
 def clip_loss(
     logp: Tensor,
@@ -63,15 +74,8 @@ def clip_loss(
     token [B, T], and stats as sums over valid tokens (divide by "tokens")."""
     adv = per_token(advantages.detach(), logp)
     log_ratio = logp - old_logp.detach()
-    ratio = torch.exp(log_ratio)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
-    loss = -torch.minimum(unclipped, clipped)
-    loss = weighted(loss, is_weights, mask)
-    with torch.no_grad():
-        # Clipping is active where the clipped term is the one taken and it cuts the gradient.
-        active = ((adv > 0) & (ratio > 1.0 + clip_high)) | ((adv < 0) & (ratio < 1.0 - clip_low))
-        return loss, statistics(active, log_ratio, mask)
+    loss, active = clipped_surrogate(torch.exp(log_ratio), adv, clip_low, clip_high)
+    return weighted(loss, is_weights, mask), statistics(active, log_ratio, mask)
 
 
 @POLICY_LOSSES.register("gspo")
@@ -95,15 +99,9 @@ def gspo_loss(
     log_ratio = (logp - old_logp.detach()) * valid
     count = valid.sum(dim=-1).clamp(min=1.0)
     log_s = (log_ratio.sum(dim=-1) / count).detach().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    s_tok = torch.exp(log_s.unsqueeze(-1) + logp - logp.detach())
-    unclipped = s_tok * adv
-    clipped = torch.clamp(s_tok, 1.0 - clip_low, 1.0 + clip_high) * adv
-    loss = -torch.minimum(unclipped, clipped)
-    loss = weighted(loss, is_weights, mask)
-    with torch.no_grad():
-        s = log_s.exp().unsqueeze(-1).expand_as(logp)
-        active = ((adv > 0) & (s > 1.0 + clip_high)) | ((adv < 0) & (s < 1.0 - clip_low))
-        return loss, statistics(active, log_ratio, mask)
+    s_tok = torch.exp(log_s.unsqueeze(-1) + logp - logp.detach())  # its value: s_i at every token
+    loss, active = clipped_surrogate(s_tok, adv, clip_low, clip_high)
+    return weighted(loss, is_weights, mask), statistics(active, log_ratio, mask)
 
 
 @POLICY_LOSSES.register("cispo")
