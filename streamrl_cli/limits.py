@@ -64,8 +64,6 @@ def depth(value: Any, limit: int = MAX_DEPTH) -> int:
                 stack.extend((x, d + 1) for x in v.values())
             elif isinstance(v, list | tuple):
                 stack.extend((x, d + 1) for x in v)
-            elif hasattr(v, "__struct_fields__"):  # a msgspec Struct: its fields are one level down
-                stack.extend((getattr(v, f), d + 1) for f in v.__struct_fields__)
     return deepest
 
 

@@ -179,10 +179,7 @@ _batch_dec = msgspec.msgpack.Decoder(tuple[list[int], list[msgspec.Raw]])
 def decode_batch(data: bytes | memoryview) -> tuple[list[int], list[msgspec.Raw]]:
     """(seqs, items still encoded): items are decoded one by one, so one bad item spoils only itself.
     An item nested too deeply to skip is a FrameError (msgspec recurses to skip a Raw value)."""
-    try:
-        seqs, items = _batch_dec.decode(data)
-    except RecursionError:
-        raise limits.FrameError("a batch item nests too deeply to decode") from None
+    seqs, items = limits.decode(_batch_dec.decode, data, "a batch", max_bytes=MAX_MESSAGE, max_depth=None)
     if len(seqs) != len(items):
         raise ValueError(f"batch of {len(items)} items carries {len(seqs)} sequence numbers")
     return seqs, items
@@ -203,10 +200,7 @@ def decode_sample(data: bytes | memoryview) -> Sample:
 
 def decode_request(data: bytes | memoryview) -> Request:
     """A request; its free-form part (``env``) nests at most ``limits.MAX_DEPTH`` levels."""
-    try:
-        req = _request_dec.decode(data)
-    except RecursionError:
-        raise limits.FrameError("a request nests too deeply to decode") from None
+    req = limits.decode(_request_dec.decode, data, "a request", max_bytes=MAX_MESSAGE, max_depth=None)
     limits.check_depth(req.env, "a request's environment row")
     return req
 
