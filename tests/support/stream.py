@@ -31,3 +31,16 @@ def drain(receiver, want: int, timeout: float = 20.0) -> list[Sample]:
         if s is not None:
             got.append(s)
     return got
+
+
+def delivers(cfg, receiver, prompt_id: str, generator: str = "generator-0") -> bool:
+    """Whether a well-behaved generator's sample still reaches ``receiver`` (after whatever a test threw
+    at it): a new sender sends one sample, which must be the one drained."""
+    from streamrl_cli.transport.samples import make_sender
+
+    good = make_sender(cfg, address=receiver.address, token=TOKEN, generator=generator)
+    try:
+        good.send(sample(prompt_id, 0))
+        return [x.key for x in drain(receiver, 1)] == [(prompt_id, 0)]
+    finally:
+        good.close()
