@@ -54,7 +54,7 @@ def before_submit(composed: Composed) -> Composed:
     _teacher(r, problems)
     _loggers(r, problems)
     if problems:
-        raise RecipeError([_where(composed, p) for p in problems], source=str(composed.path))
+        raise RecipeError(_where(composed, problems), source=str(composed.path))
     if model is r.model:
         return composed
     return dataclasses.replace(composed, recipe=dataclasses.replace(r, model=model))
@@ -63,15 +63,12 @@ def before_submit(composed: Composed) -> Composed:
 _KEY = re.compile(r"([a-z_]+(?:\.[a-z_0-9]+)+): (.*)", re.DOTALL)
 
 
-def _where(composed: Composed, problem: str) -> str:
-    """``problem`` ("key.path: message") with where the key was set, as the recipe's own checks say it."""
+def _where(composed: Composed, problems: list[str]) -> list[str]:
+    """Each problem ("key.path: message") with where its key was set, as the recipe's own checks say it."""
     from streamrl_cli.recipe.load import Provenance, shipped_recipes_dir
 
-    m = _KEY.fullmatch(problem)
-    if m is None:
-        return problem
     prov = Provenance(composed.path, shipped_recipes_dir(), composed.choices, composed.overrides)
-    return prov.describe(m.group(1), m.group(2))
+    return [prov.describe(*m.groups()) if (m := _KEY.fullmatch(p)) else p for p in problems]
 
 
 def _task(r: Recipe, problems: list[str]) -> None:
