@@ -137,11 +137,7 @@ def _placement(
     """Checks the role's cluster/partition into ``out``; returns the cluster and its GPUs per node."""
     c = r.clusters.get(job.cluster)
     if c is None:
-        close = difflib.get_close_matches(job.cluster, list(r.clusters), n=1, cutoff=0.4)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        out.append(
-            (f"roles.{role}.cluster", f"no cluster {job.cluster!r}{hint}; defined: {', '.join(r.clusters)}")
-        )
+        out.extend(_named_cluster(r, role, job.cluster))
         return None, None
     if c.launcher == "local":
         return c, c.local_gpus
