@@ -74,13 +74,20 @@ def test_a_cancelled_group_is_dropped_by_its_generator_and_nothing_of_it_arrives
         metrics = harness.rdv.status()["metrics"]
         return sum(m["record"].get("cancelled_requests", 0) for m in metrics.values() if "record" in m)
 
+    # Both generators take work first: a group submitted while none is alive (a lease missed on
+    # 2 busy cores) waits in the ledger, and cancelling it then reaches no generator at all.
+    wait_until(lambda: len(harness.svc.generators()) == 2, 60, "both generators taking work")
     before = cancelled()
     (long,) = harness.submit([LONG_PROMPT[:20]], n=4, temperature=1.0, max_tokens=256, ignore_eos=True)
+    (owner,) = harness.svc.dispatcher.ledger.owers(long)  # dispatched to one generator at once
     harness.svc.cancel([long])
     short = harness.submit([LONG_PROMPT[:12], LONG_PROMPT[5:15]], n=2, temperature=1.0, max_tokens=8)
     got = harness.receive(4)
     assert {s.prompt_id for s in got} == set(short)
-    wait_until(lambda: cancelled() == before + 1, 30, "the cancellation counted by its generator")
+    try:
+        wait_until(lambda: cancelled() == before + 1, 30, f"the cancellation counted by {owner}")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{harness.log_tails()}") from None
     assert harness.svc.outstanding() == 0
     assert harness.svc.get(timeout=1.0) is None  # nothing of the cancelled group comes after
 
