@@ -17,43 +17,104 @@ from streamrl_cli.transport.wire import Sample
 
 
 @dataclass
-class Batch:
+class Planned:
+    """What the loop asked the generators for, for this batch: written when it is dispatched
+    (``trainer.loop.pipeline``) and changed after only by the router: new requests for it (refills
+    under dynamic sampling, retries of stale samples, groups resumed from the batch before), and
+    fewer groups `needed` when dynamic sampling gives up drawing."""
+
     index: int
-    prompts: dict[str, tuple[Prompt, list[int]]]  # request prompt id -> (task prompt, tokens)
     sampler_state: dict[str, Any]  # the sampler's position before drawing this batch
+    # Every request id of the batch (its groups, their "#r" retries and "#p" resumptions) ->
+    # (task prompt, prompt tokens).
+    prompts: dict[str, tuple[Prompt, list[int]]] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)  # group keys in the batch's order
+    n_groups: int = 0  # groups dispatched
+    needed: int = 0  # groups the iteration trains on (n_groups less the over-sampled ones)
     dispatched_at: float = 0.0
-    last_sample_at: float = 0.0  # when the trainer last read one of its samples (progress)
-    generated_at: float = 0.0  # when generation finished its last sample so far (T_gen's end)
+    refill: Refill | None = None  # dynamic sampling's bookkeeping (None: off)
+    retries: int = 0  # stale samples asked for again
+    predicted: dict[str, float] = field(default_factory=dict)  # request prompt id -> predicted length
+    decision: dict[str, Any] = field(default_factory=dict)  # the skewness-aware dispatch, for the record
+
+
+@dataclass
+class Arrived:
+    """What came back for the batch and where it is now: the router (``trainer.loop.sample_routing``)
+    writes it as samples arrive; the loop takes whole groups off ``ready`` to train (``take``)."""
+
     collector: GroupCollector | None = None
     ready: list[Rollout] = field(default_factory=list)  # whole groups not yet trained on
     # Reproducible runs train the groups in the batch's own order, not as they finish: a group that
     # finished early waits here (group key -> rollouts) until those before it are in `ready`.
     held: dict[str, list[Rollout]] = field(default_factory=dict)
-    order: list[str] = field(default_factory=list)  # group keys in the batch's order
-    released: int = 0  # groups of `order` moved to `ready`
+    released: int = 0  # groups of the batch's order moved to `ready`
     trained: list[Rollout] = field(default_factory=list)
-    # Dynamic sampling: the iteration's bookkeeping, and the groups dropped (all rewards equal) by key.
-    refill: Refill | None = None
-    dropped: dict[str, list[Rollout]] = field(default_factory=dict)
-    n_groups: int = 0  # groups dispatched
-    needed: int = 0  # groups the iteration trains on (n_groups less the over-sampled ones)
-    done_groups: int = 0
+    done_groups: int = 0  # groups scored that count toward the batch
+    dropped: dict[str, list[Rollout]] = field(default_factory=dict)  # dynamic sampling: no reward spread
     aborted: list[str] = field(default_factory=list)  # over-sampled groups cancelled when it closed
+    paused: list[str] = field(default_factory=list)  # over-sampled groups paused when it closed
     carried: dict[str, Carried] = field(default_factory=dict)  # group key -> a group resumed in this batch
-    # Over-sampled groups paused when it closed (partial rollout).
-    paused: list[str] = field(default_factory=list)
+    last_sample_at: float = 0.0  # when the trainer last read one of its samples (progress)
+    generated_at: float = 0.0  # when generation finished its last sample so far (T_gen's end)
     # When each sample's generation finished, by (group key, sample index): the tail time.
     done_at: dict[tuple[str, int], float] = field(default_factory=dict)
-    retries: int = 0
-    predicted: dict[str, float] = field(default_factory=dict)  # request prompt id -> predicted length
+    # The longest sample's own decoding (first token to finish): more instances won't shorten it.
+    longest_s: float = 0.0
     observed: dict[str, float] = field(default_factory=dict)  # request prompt id -> longest output
     # request prompt id -> (model turns, model tokens) of each of its trajectories (multi-turn only)
     turns: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     lengths: dict[str, list[int]] = field(default_factory=dict)  # task prompt id -> lengths by sample index
-    plan: dict[str, Any] = field(default_factory=dict)  # the dispatch decision, for the record
-    longest_s: float = (
-        0.0  # the longest sample's own decoding (first token to finish): more instances won't shorten it
-    )
+
+    def stamp(self, sample: Sample, now: float, dispatched_at: float) -> None:
+        """The times of a sample read `now`. T_gen ends when the generator finished the sample, not
+        when the loop read it: while a micro-batch trains, arrived samples wait in the queue, and
+        stamping them on reading made T_gen track T_train whenever training was the slower stage (the
+        elastic rule then never saw idle generators). The generator's clock is bounded by what this
+        side saw."""
+        self.last_sample_at = now
+        done_at = min(now, max(dispatched_at, sample.finished_at)) if sample.finished_at > 0 else now
+        self.generated_at = max(self.generated_at, done_at)
+        self.done_at[(GroupCollector.key(sample), sample.sample_index)] = done_at
+        if sample.first_token_at and sample.finished_at:
+            self.longest_s = max(self.longest_s, sample.finished_at - sample.first_token_at)
+
+    def release_in_order(self, key: str, group: list[Rollout], order: list[str]) -> None:
+        """Reproducible runs: a whole group waits until every group before it in the batch's `order`
+        is ready, so the same micro-batches, summed in the same order, run after run (the order the
+        groups finish in varies; the gradients, hence the weights, are the same bit for bit)."""
+        self.held[key] = group
+        while self.released < len(order) and order[self.released] in self.held:
+            self.ready += self.held.pop(order[self.released])
+            self.released += 1
+
+    def take(self, n: int) -> list[Rollout]:
+        """The next (at most) `n` ready rollouts, counted as trained from now on."""
+        take, self.ready = self.ready[:n], self.ready[n:]
+        self.trained += take
+        return take
+
+
+@dataclass(eq=False)
+class Batch:
+    """An iteration's batch in flight: what was asked for it (``planned``) and what came back
+    (``arrived``)."""
+
+    planned: Planned
+    arrived: Arrived = field(default_factory=Arrived)
+
+    @classmethod
+    def new(cls, index: int, sampler_state: dict[str, Any]) -> Batch:
+        return cls(Planned(index=index, sampler_state=sampler_state))
+
+    @property
+    def index(self) -> int:
+        return self.planned.index
+
+    @property
+    def whole(self) -> bool:
+        """It has every group it trains on (scored, or dropped and given up on)."""
+        return self.arrived.done_groups == self.planned.needed
 
 
 @dataclass(eq=False)

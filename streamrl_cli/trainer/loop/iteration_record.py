@@ -75,7 +75,7 @@ def iteration_record(
     """Iteration `i`'s record, once its step is done. `version`: the weight version the step made;
     `policy`: the batch's own (what its samples are generated with, staleness 0); the spans are
     [start, end] clock times; `overlong`: DAPO's overlong shaping is on (its mean is recorded)."""
-    rows = batch.trained
+    rows = batch.arrived.trained
     # Reward statistics over scored samples (an unscored one has no reward to average).
     rewards = [r.reward for r in rows if r.scored] or [float("nan")]  # none scored: recorded as null
     lengths = sorted(r.response_len for r in rows)
@@ -83,7 +83,7 @@ def iteration_record(
     token_stale = [policy - v for r in rows for v in token_versions(r.sample)]
     elapsed = max(end - started, 1e-9)
     busy = sum(b - a for a, b in train_spans) + (step_span[1] - step_span[0])
-    gen_busy = _covered(gen_spans + [[batch.dispatched_at, batch.generated_at]], started, end)
+    gen_busy = _covered(gen_spans + [[batch.planned.dispatched_at, batch.arrived.generated_at]], started, end)
     syncs = [s for s in sync_spans if started <= s[2] <= end + 1e-6]
     tokens = sum(lengths)
     rec = {
@@ -104,9 +104,9 @@ def iteration_record(
         "samples_per_s": len(rows) / elapsed,
         "tokens_per_s": tokens / elapsed,
         "t/iteration": elapsed,
-        "t/generation": batch.generated_at - batch.dispatched_at,
+        "t/generation": batch.arrived.generated_at - batch.planned.dispatched_at,
         "t/train": busy,
-        "t/longest_sample": batch.longest_s,
+        "t/longest_sample": batch.arrived.longest_s,
         "t/tail": _tail(batch, rows),
         "t/wait": wait_s,
         "t/weight_sync": sum(s[2] - s[1] for s in syncs),
@@ -116,12 +116,12 @@ def iteration_record(
         "staleness/max": max(stale),
         "staleness/token_mean": statistics.fmean(token_stale) if token_stale else 0.0,
         "staleness/token_max": max(token_stale, default=0),
-        "retries": batch.retries,
-        "rollout/aborted_groups": len(batch.aborted),
-        "rollout/aborted_prompts": [batch.prompts[rid][0].prompt_id for rid in batch.aborted],
+        "retries": batch.planned.retries,
+        "rollout/aborted_groups": len(batch.arrived.aborted),
+        "rollout/aborted_prompts": [batch.planned.prompts[rid][0].prompt_id for rid in batch.arrived.aborted],
         "rollout/discarded_tokens": discarded_tokens,
-        "rollout/paused_groups": len(batch.paused),
-        "rollout/paused_prompts": [batch.prompts[rid][0].prompt_id for rid in batch.paused],
+        "rollout/paused_groups": len(batch.arrived.paused),
+        "rollout/paused_prompts": [batch.planned.prompts[rid][0].prompt_id for rid in batch.arrived.paused],
         "rollout/resumed_samples": sum(
             r.sample.episode.resumed if r.sample.episode is not None else bool(r.sample.token_versions)
             for r in rows
@@ -130,11 +130,11 @@ def iteration_record(
         "data/digest": _digest(batch),
         "micro_batches": len(train_spans),
         # What each prompt produced (`streamrl rank --fit` input; the benchmark's true oracle).
-        "lengths/by_prompt": batch.lengths,
+        "lengths/by_prompt": batch.arrived.lengths,
         "timeline": {
             "start": started,
             "end": end,
-            "generation": [batch.dispatched_at, batch.generated_at],
+            "generation": [batch.planned.dispatched_at, batch.arrived.generated_at],
             "train": train_spans,
             "step": step_span,
             "weight_sync": [syncs[-1][1], syncs[-1][2]] if syncs else None,
@@ -142,7 +142,7 @@ def iteration_record(
         **agent_metrics(rows),
         **stats,
         **skew_record(batch, ranker),
-        **(batch.refill.record() if batch.refill is not None else {}),
+        **(batch.planned.refill.record() if batch.planned.refill is not None else {}),
     }
     if overlong:  # mean shaping of the scored samples trained (≤ 0)
         shaped = [r.shaping for r in rows if r.scored]
@@ -153,23 +153,25 @@ def iteration_record(
 def skew_record(batch: Batch, ranker: LengthRanker | None) -> dict[str, Any]:
     """Ranker quality on this batch (predicted before it learned from it), then its update."""
     out: dict[str, Any] = {}
-    if batch.plan:
-        out["dispatch/long_instances"], out["dispatch/regular_instances"] = batch.plan["split"]
-        out["dispatch/estimated_s"] = batch.plan["estimated_s"]
-    keys = [k for k in batch.observed if k in batch.predicted]
+    if batch.planned.decision:
+        out["dispatch/long_instances"], out["dispatch/regular_instances"] = batch.planned.decision["split"]
+        out["dispatch/estimated_s"] = batch.planned.decision["estimated_s"]
+    keys = [k for k in batch.arrived.observed if k in batch.planned.predicted]
     if ranker is None or len(keys) < 2:
         return out
     from streamrl_cli.ranker.quality import quality
 
-    q = quality([batch.observed[k] for k in keys], [batch.predicted[k] for k in keys])
+    q = quality([batch.arrived.observed[k] for k in keys], [batch.planned.predicted[k] for k in keys])
     out.update({f"ranker/{name}": v for name, v in q.items() if name != "n"})
-    ranker.update([batch.prompts[k][0] for k in keys], [batch.observed[k] for k in keys])
+    ranker.update([batch.planned.prompts[k][0] for k in keys], [batch.arrived.observed[k] for k in keys])
     from streamrl_cli.ranker.turns import TurnLearner, group_turns
 
-    turned = [k for k in keys if k in batch.turns]
+    turned = [k for k in keys if k in batch.arrived.turns]
     if turned and isinstance(ranker, TurnLearner):  # multi-turn: turns and tokens per turn too
-        seen = [group_turns(batch.turns[k]) for k in turned]
-        ranker.update_turns([batch.prompts[k][0] for k in turned], [t for t, _ in seen], [n for _, n in seen])
+        seen = [group_turns(batch.arrived.turns[k]) for k in turned]
+        ranker.update_turns(
+            [batch.planned.prompts[k][0] for k in turned], [t for t, _ in seen], [n for _, n in seen]
+        )
     return out
 
 
@@ -180,7 +182,7 @@ def _tail(batch: Batch, rows: list[Rollout]) -> float:
     done: dict[str, float] = {}
     for r in rows:
         key = GroupCollector.key(r.sample)
-        done[key] = max(done.get(key, 0.0), batch.done_at.get((key, r.sample.sample_index), 0.0))
+        done[key] = max(done.get(key, 0.0), batch.arrived.done_at.get((key, r.sample.sample_index), 0.0))
     times = sorted(done.values())
     if len(times) < 2:
         return 0.0
@@ -205,5 +207,5 @@ def _covered(spans: list[list[float]], start: float, end: float) -> float:
 
 def _digest(batch: Batch) -> str:
     """The prompts a batch drew (its groups' own ids, not retries or resumptions), in order."""
-    drawn = [p.prompt_id for k, (p, _) in batch.prompts.items() if RequestId.parse(k).is_group]
+    drawn = [p.prompt_id for k, (p, _) in batch.planned.prompts.items() if RequestId.parse(k).is_group]
     return xxhash.xxh64_hexdigest("\n".join(drawn).encode())

@@ -209,9 +209,12 @@ class Pipeline:
         draw = max(self.cfg.train.global_batch - len(held), fresh - self.router.carry_debt)
         self.router.carry_debt = max(0, self.router.carry_debt - (fresh - draw))
         prompts = self.sampler.next_batch(draw)
-        batch = Batch(index=j, prompts={}, sampler_state=state)
+        batch = Batch.new(j, state)
+        planned = batch.planned
         group_size = self.cfg.algorithm.group_size
-        batch.collector = GroupCollector(group_size, lambda key, s, b=batch: self.router.score(b, key, s))
+        batch.arrived.collector = GroupCollector(
+            group_size, lambda key, s, b=batch: self.router.score(b, key, s)
+        )
         # A batch that spans two epochs may draw a prompt twice (the end of one permutation and the
         # start of the next): each draw is a group of its own, under its own request id.
         rids, drawn = [], {}
@@ -222,18 +225,18 @@ class Pipeline:
         requests = []
         for k, (p, rid) in enumerate(zip(prompts, rids, strict=True)):
             tokens = self.tokenize(p.text)
-            batch.prompts[rid] = (p, tokens)
+            planned.prompts[rid] = (p, tokens)
             req = self.router.request(rid, p, tokens, list(range(group_size)), seed_key=draw_key(rid))
             if placement is not None:
                 req.priority, req.target, req.batch_limit = placement[k]
             requests.append(req)
-        batch.n_groups = len(prompts)
-        batch.needed = self.cfg.train.global_batch
+        planned.n_groups = len(prompts)
+        planned.needed = self.cfg.train.global_batch
         if self.cfg.algorithm.dynamic_sampling:
             budget = self.cfg.refill_budget
-            batch.refill = Refill(needed=batch.needed, budget=budget, outstanding=len(prompts))
-        batch.order = rids
-        batch.dispatched_at = self.clock()
+            planned.refill = Refill(needed=planned.needed, budget=budget, outstanding=len(prompts))
+        planned.order = rids
+        planned.dispatched_at = self.clock()
         self.state.batches[j] = batch
         for c in held:  # resumed first: they are the longest (FIFO admission takes them first)
             self.router.resume(c, batch)
@@ -253,7 +256,7 @@ class Pipeline:
         cfg = self.cfg
         predicted = [float(x) for x in self.ranker.rank(prompts)] if self.ranker is not None else None
         if predicted is not None:
-            batch.predicted = dict(zip(rids, predicted, strict=True))
+            batch.planned.predicted = dict(zip(rids, predicted, strict=True))
         alive = self.svc.generators()
         if not alive:
             return None
@@ -263,7 +266,7 @@ class Pipeline:
                 recent_lengths=list(self.state.recent_lengths), alpha=cfg.skewness.long_tail,
                 max_batch=cfg.generator.max_num_seqs, group=cfg.algorithm.group_size,
             )  # fmt: skip
-            batch.plan = {"split": list(plan.split), "estimated_s": plan.latency}
+            batch.planned.decision = {"split": list(plan.split), "estimated_s": plan.latency}
         else:
             plan = random_dispatch(len(prompts), alive, self.rng)
         if cfg.skewness.schedule == "lpt" and predicted is not None:
@@ -296,19 +299,18 @@ class Pipeline:
         # An estimator that normalises over the whole batch (REINFORCE++) trains after its last group.
         alg = self.cfg.algorithm
         stream = alg.mode != "baseline" and not estimator(alg.advantage).whiten
+        got = batch.arrived
         while True:
-            done = batch.done_groups == batch.needed
-            if not done and batch.needed < batch.n_groups:
+            done = batch.whole
+            if not done and batch.planned.needed < batch.planned.n_groups:
                 # Over-sampling: read what already arrived before training a round, so that the
                 # batch closes (and its extra groups are cancelled) as soon as it may, not a round late.
-                while batch.done_groups < batch.needed and (sample := self.svc.get(timeout=0)) is not None:
+                while not batch.whole and (sample := self.svc.get(timeout=0)) is not None:
                     self.router.route(sample)
-                done = batch.done_groups == batch.needed
-            if done or (stream and len(batch.ready) > per_round):
-                take = batch.ready[:per_round] if not done or len(batch.ready) > per_round else batch.ready
-                batch.ready = batch.ready[len(take) :]
-                batch.trained += take
-                last = done and not batch.ready
+                done = batch.whole
+            if done or (stream and len(got.ready) > per_round):
+                take = got.take(per_round)
+                last = done and not got.ready
                 t0 = self.clock()
                 mbs = [take[k : k + micro] for k in range(0, len(take), micro)]
                 self.driver.round(mbs, last=last)
@@ -326,7 +328,8 @@ class Pipeline:
                 self._check_generators()
             if (
                 sample is None
-                and self.clock() - max(batch.dispatched_at, batch.last_sample_at) > self.cfg.sample_timeout_s
+                and self.clock() - max(batch.planned.dispatched_at, got.last_sample_at)
+                > self.cfg.sample_timeout_s
             ):
                 raise TimeoutError(f"no sample of iteration {i} for {self.cfg.sample_timeout_s:.0f}s")
             self._dispatch_due()
@@ -393,12 +396,12 @@ class Pipeline:
     def _client_state(self, i: int) -> dict[str, Any]:
         """What a resumed run needs: where the data of iteration i + 1 starts."""
         nxt = self.state.batches.get(i + 1)
-        sampler = nxt.sampler_state if nxt is not None else self.sampler.state()
+        sampler = nxt.planned.sampler_state if nxt is not None else self.sampler.state()
         # Paused groups are not saved (their tokens were generated by weights a resumed run no longer
         # has in flight): their prompts are drawn again first, from the start.
         live = [
             *self.router.carry,
-            *(c for b in self.state.batches.values() if b.index > i for c in b.carried.values()),
+            *(c for b in self.state.batches.values() if b.index > i for c in b.arrived.carried.values()),
         ]
         if live:
             back = self.sampler.positions([c.prompt for c in live])

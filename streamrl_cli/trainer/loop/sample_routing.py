@@ -100,7 +100,7 @@ class SampleRouter:
         if batch is None:
             log.warning("sample of unknown iteration %s dropped", sample.prompt_id)
             return
-        carried = batch.carried.get(GroupCollector.key(sample))
+        carried = batch.arrived.carried.get(GroupCollector.key(sample))
         if carried is not None and sample.sample_index in carried.prefix:  # a resumed sample: join its start
             sample = self._joined(carried.prefix.pop(sample.sample_index), sample)
         self._accept(batch, sample)
@@ -115,48 +115,35 @@ class SampleRouter:
             # generate it again.
             group = GroupCollector.key(sample)
             self.discarded_tokens += len(sample.token_ids)
-            batch.retries += 1
-            rid = str(RequestId.parse(group).retried(batch.retries))
-            batch.prompts[rid] = batch.prompts[group]
-            prompt, tokens = batch.prompts[group]
+            batch.planned.retries += 1
+            rid = str(RequestId.parse(group).retried(batch.planned.retries))
+            batch.planned.prompts[rid] = batch.planned.prompts[group]
+            prompt, tokens = batch.planned.prompts[group]
             retry = self.request(
                 rid, prompt, tokens, [sample.sample_index], group=group, seed_key=draw_key(group)
             )
             self.svc.submit([retry])
             return
-        now = batch.last_sample_at = self.clock()
-        # T_gen ends when the generator finished the sample, not when this loop read it: while a
-        # micro-batch trains, arrived samples wait in the queue, and stamping them on reading made
-        # T_gen track T_train whenever training was the slower stage (the elastic rule then never
-        # saw idle generators). The generator's clock is bounded by what this side saw.
-        done_at = min(now, max(batch.dispatched_at, sample.finished_at)) if sample.finished_at > 0 else now
-        batch.generated_at = max(batch.generated_at, done_at)
-        batch.done_at[(GroupCollector.key(sample), sample.sample_index)] = done_at
-        if sample.first_token_at and sample.finished_at:
-            batch.longest_s = max(batch.longest_s, sample.finished_at - sample.first_token_at)
+        got = batch.arrived
+        got.stamp(sample, self.clock(), batch.planned.dispatched_at)
         key = GroupCollector.key(sample)
-        group = batch.collector.add(sample)
+        group = got.collector.add(sample)
         for r in group:
             r.staleness, r.iteration = j + self.state.offset - r.sample.weight_version, j
-        finished = bool(group) or key in batch.dropped  # the group is whole (trained, or dropped)
+        finished = bool(group) or key in got.dropped  # the group is whole (trained, or dropped)
         if finished:
-            batch.carried.pop(key, None)
+            got.carried.pop(key, None)
         if not self.cfg.train.reproducible_sampling:
-            batch.ready += group
+            got.ready += group
         elif finished:
-            # The same micro-batches, summed in the same order, run after run: the gradients, hence
-            # the weights, are the same bit for bit (the order the groups finished in varies).
-            batch.held[key] = group
-            while batch.released < len(batch.order) and batch.order[batch.released] in batch.held:
-                batch.ready += batch.held.pop(batch.order[batch.released])
-                batch.released += 1
-        if finished and batch.refill is not None and batch.done_groups < batch.needed:
+            got.release_in_order(key, group, batch.planned.order)
+        if finished and batch.planned.refill is not None and not batch.whole:
             self._refill(batch)
-        if batch.done_groups == batch.needed:
-            self.state.gen_spans.append([batch.dispatched_at, batch.generated_at])
+        if batch.whole:
+            self.state.gen_spans.append([batch.planned.dispatched_at, batch.arrived.generated_at])
             if estimator(self.cfg.algorithm.advantage).whiten:
                 self._whiten(batch)
-            if batch.needed < batch.n_groups and _unfinished(batch):
+            if batch.planned.needed < batch.planned.n_groups and _unfinished(batch):
                 # The last iteration's extra groups have no next batch to go on in: aborted.
                 if self.cfg.rollout.partial and batch.index + 1 < self.state.end:
                     self._pause_rest(batch)
@@ -168,7 +155,7 @@ class SampleRouter:
     def _refill(self, batch: Batch) -> None:
         """Dynamic sampling, after a group of `batch` finished: draw the groups that those still out
         cannot make up for, or, with none out and the budget spent, close the batch with fewer."""
-        r = batch.refill
+        r = batch.planned.refill
         assert r is not None
         n = r.to_draw()
         if n:
@@ -181,36 +168,41 @@ class SampleRouter:
                 f"{r.kept} groups" if r.kept else "the dropped groups (no group had a reward spread)",
             )  # fmt: skip
             if not r.kept:  # nothing informative at all: the dropped groups, rather than an empty batch
-                batch.ready += [x for k in batch.order if k in batch.dropped for x in batch.dropped[k]]
-                batch.done_groups = len(batch.dropped)
-            batch.needed = batch.done_groups
+                batch.arrived.ready += [
+                    x
+                    for k in batch.planned.order
+                    if k in batch.arrived.dropped
+                    for x in batch.arrived.dropped[k]
+                ]
+                batch.arrived.done_groups = len(batch.arrived.dropped)
+            batch.planned.needed = batch.arrived.done_groups
 
     def _draw_more(self, batch: Batch, n: int) -> None:
         """Dynamic sampling: `n` more groups for `batch`, in place of dropped ones (admitted first)."""
-        assert batch.refill is not None
+        assert batch.planned.refill is not None
         prompts = self.sampler.next_batch(n)
         requests = []
         for p in prompts:
             rid = RequestId(iteration=batch.index, prompt_id=p.prompt_id)
-            while str(rid) in batch.prompts:  # drawn by this batch already
+            while str(rid) in batch.planned.prompts:  # drawn by this batch already
                 rid = RequestId(iteration=batch.index, prompt_id=p.prompt_id, draw=rid.draw + 1)
             rid = str(rid)
             tokens = self.tokenize(p.text)
-            batch.prompts[rid] = (p, tokens)
-            batch.order.append(rid)
+            batch.planned.prompts[rid] = (p, tokens)
+            batch.planned.order.append(rid)
             indices = list(range(self.cfg.algorithm.group_size))
             req = self.request(rid, p, tokens, indices, seed_key=draw_key(rid))
             req.priority = -1
             requests.append(req)
-        batch.n_groups += len(prompts)
-        batch.refill.drew(len(prompts))
+        batch.planned.n_groups += len(prompts)
+        batch.planned.refill.drew(len(prompts))
         self.svc.submit(requests)
 
     def _whiten(self, batch: Batch) -> None:
         """REINFORCE++: the batch's advantages normalised over all its scored tokens, once it is whole."""
         import torch
 
-        rows = batch.ready
+        rows = batch.arrived.ready
         lengths = torch.tensor([float(r.trained_tokens) if r.scored else 0.0 for r in rows])
         adv = batch_whiten(torch.tensor([r.advantage for r in rows]), lengths)
         for r, a in zip(rows, adv.tolist(), strict=True):
@@ -220,22 +212,22 @@ class SampleRouter:
         """Over-sampling: the iteration has its groups; the others are cancelled on their generators
         (late samples dropped) and their prompts drawn again first (batches drawn already, in async
         mode, carry them in their saved sampler state, so a resumed run neither loses nor repeats them)."""
-        assert batch.collector is not None
-        batch.aborted = _unfinished(batch)
-        ids = [k for rid in batch.aborted for k in _request_ids(batch, rid)]
-        for rid in batch.aborted:  # resumed groups (partial rollout): what they still owe goes too
-            c = batch.carried.pop(rid, None)
+        assert batch.arrived.collector is not None
+        batch.arrived.aborted = _unfinished(batch)
+        ids = [k for rid in batch.arrived.aborted for k in _request_ids(batch, rid)]
+        for rid in batch.arrived.aborted:  # resumed groups (partial rollout): what they still owe goes too
+            c = batch.arrived.carried.pop(rid, None)
             if c is not None:
                 ids += [k for k in c.ids if self.pausing.pop(k, None) is not None]
                 self.discarded_tokens += sum(len(s.token_ids) for s in c.prefix.values())
         self.cancelled.update(ids)
         self.svc.cancel(ids)
-        self.discarded_tokens += batch.collector.drop(batch.aborted)
-        positions = self.sampler.give_back([batch.prompts[rid][0] for rid in batch.aborted])
+        self.discarded_tokens += batch.arrived.collector.drop(batch.arrived.aborted)
+        positions = self.sampler.give_back([batch.planned.prompts[rid][0] for rid in batch.arrived.aborted])
         for later in self.state.batches.values():
             if later.index > batch.index:
-                saved = later.sampler_state
-                later.sampler_state = {**saved, "returned": [*saved.get("returned", []), *positions]}
+                saved = later.planned.sampler_state
+                later.planned.sampler_state = {**saved, "returned": [*saved.get("returned", []), *positions]}
 
     # ---- partial rollout ----
 
@@ -243,14 +235,14 @@ class SampleRouter:
         """Partial rollout: the iteration has its groups; the others are paused on their generators,
         which send back each sample as far as it got, and go on in the next batch to be drawn (or,
         in async mode, in the next one, drawn already)."""
-        assert batch.collector is not None
+        assert batch.arrived.collector is not None
         rest = _unfinished(batch)
         later = sorted(k for k in self.state.batches if k > batch.index)
         groups, paused = [], []
         for rid in rest:
-            c = batch.carried.pop(rid, None) or Carried(rid, *batch.prompts[rid])
+            c = batch.arrived.carried.pop(rid, None) or Carried(rid, *batch.planned.prompts[rid])
             c.batch = None
-            c.have.update(batch.collector.take(rid))
+            c.have.update(batch.arrived.collector.take(rid))
             ids = _request_ids(batch, rid)
             c.inflight = set(range(self.cfg.algorithm.group_size)) - set(c.have)
             c.ids += ids
@@ -264,7 +256,7 @@ class SampleRouter:
                 self.resume(c, self.state.batches[later[0]])
             else:
                 self.carry.append(c)
-        batch.paused = rest
+        batch.arrived.paused = rest
 
     def _came_back(self, c: Carried, sample: Sample) -> None:
         """A sample of a paused group, as far as it got (or whole, if it finished meanwhile)."""
@@ -285,16 +277,16 @@ class SampleRouter:
     def resume(self, c: Carried, batch: Batch) -> None:
         """Make a paused group one of `batch`'s (under a key of that batch) and send on what it has."""
         rid = RequestId.parse(c.key).in_batch(batch.index)
-        while str(rid) in batch.prompts:  # drawn afresh by this batch too (an epoch boundary)
+        while str(rid) in batch.planned.prompts:  # drawn afresh by this batch too (an epoch boundary)
             rid = rid.carried_again()
         key = str(rid)
         c.key, c.batch = key, batch
-        batch.prompts[key] = (c.prompt, c.tokens)
-        batch.order.append(key)
-        batch.n_groups += 1
-        if batch.refill is not None:
-            batch.refill.outstanding += 1
-        batch.carried[key] = c
+        batch.planned.prompts[key] = (c.prompt, c.tokens)
+        batch.planned.order.append(key)
+        batch.planned.n_groups += 1
+        if batch.planned.refill is not None:
+            batch.planned.refill.outstanding += 1
+        batch.arrived.carried[key] = c
         for i in sorted({*c.have, *c.prefix}):
             self._go_on(c, i)
 
@@ -319,7 +311,7 @@ class SampleRouter:
             )
         self.resumes += 1
         rid = str(RequestId.parse(c.key).resumed(self.resumes))
-        batch.prompts[rid] = (c.prompt, c.tokens)
+        batch.planned.prompts[rid] = (c.prompt, c.tokens)
         if parked:  # its generator sends it whole (continued, or run again if it no longer holds it)
             req = self.request(rid, c.prompt, c.tokens, [i], group=c.key)
             req.resume, req.target = f"{prefix.prompt_id}/{prefix.sample_index}", prefix.generator
@@ -347,16 +339,18 @@ class SampleRouter:
         return rest
 
     def score(self, batch: Batch, key: str, samples: list[Sample]) -> list[Rollout]:
-        prompt, tokens = batch.prompts[key]
+        prompt, tokens = batch.planned.prompts[key]
         lengths = [generated(s) for s in samples]
         self.state.recent_lengths.extend(lengths)
         # A group is admitted whole and comes back when its longest sample ends: that is its
         # processing time, so it is what the ranker learns, and is judged on. (A trajectory's
         # length is the tokens its model generated over all its turns, not its environment's.)
-        batch.observed[key] = max(lengths)
+        batch.arrived.observed[key] = max(lengths)
         if turns := trajectory_turns(samples):  # what the ranker learns turn by turn
-            batch.turns[key] = turns
-        batch.lengths[draw_key(key)] = [generated(s) for s in sorted(samples, key=lambda x: x.sample_index)]
+            batch.arrived.turns[key] = turns
+        batch.arrived.lengths[draw_key(key)] = [
+            generated(s) for s in sorted(samples, key=lambda x: x.sample_index)
+        ]
         texts = [self.detokenize(s.token_ids) for s in samples]
         scores = trajectory_rewards(self.cfg.agent, self.task, [prompt] * len(samples), samples, texts)
         import torch
@@ -382,12 +376,12 @@ class SampleRouter:
             Rollout(prompt_tokens=tokens, sample=s, reward=r, advantage=a, scored=sc is not None, shaping=sh)
             for s, r, a, sc, sh in zip(samples, rewards, adv, scores, shaping, strict=True)
         ]
-        if batch.refill is not None:
-            batch.refill.finished(informative(trained))
+        if batch.planned.refill is not None:
+            batch.planned.refill.finished(informative(trained))
             if not informative(trained):  # every advantage 0: it does not count toward the batch
-                batch.dropped[key] = rollouts
+                batch.arrived.dropped[key] = rollouts
                 return []
-        batch.done_groups += 1
+        batch.arrived.done_groups += 1
         return rollouts
 
 
@@ -399,10 +393,12 @@ def draw_key(group: str) -> str:
 
 def _unfinished(batch: Batch) -> list[str]:
     """The groups of a closed batch that it does not train (over-sampled ones still out), in order."""
-    done = {GroupCollector.key(r.sample) for r in [*batch.trained, *batch.ready]} | set(batch.dropped)
-    return [rid for rid in batch.order if rid not in done]
+    done = {GroupCollector.key(r.sample) for r in [*batch.arrived.trained, *batch.arrived.ready]} | set(
+        batch.arrived.dropped
+    )
+    return [rid for rid in batch.planned.order if rid not in done]
 
 
 def _request_ids(batch: Batch, group: str) -> list[str]:
     """Every request id of `group` in `batch`: its own and its "#r" retries and "#p" resumptions."""
-    return [k for k in batch.prompts if str(RequestId.parse(k).group) == group]
+    return [k for k in batch.planned.prompts if str(RequestId.parse(k).group) == group]

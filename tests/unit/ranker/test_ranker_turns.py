@@ -108,10 +108,11 @@ def test_only_multi_turn_runs_rank_by_turns_and_never_the_oracle():
 
 def test_the_trainer_feeds_a_batchs_turns_to_a_turn_ranker_after_it_is_judged():
     p = prompts(3)
-    batch = Batch(index=0, prompts={f"r{i}": (q, []) for i, q in enumerate(p)}, sampler_state={})
-    batch.predicted = {"r0": 10.0, "r1": 20.0, "r2": 5.0}
-    batch.observed = {"r0": 300.0, "r1": 40.0}  # r2 still out: not learnt
-    batch.turns = {"r0": [(3, 300), (2, 200)], "r1": [(1, 40)]}
+    batch = Batch.new(0, {})
+    batch.planned.prompts = {f"r{i}": (q, []) for i, q in enumerate(p)}
+    batch.planned.predicted = {"r0": 10.0, "r1": 20.0, "r2": 5.0}
+    batch.arrived.observed = {"r0": 300.0, "r1": 40.0}  # r2 still out: not learnt
+    batch.arrived.turns = {"r0": [(3, 300), (2, 200)], "r1": [(1, 40)]}
     r = TurnRanker(HistoryRanker(None))
     rec = skew_record(batch, r)
     assert rec["ranker/spearman"] == -1.0  # judged on what it predicted before it learnt

@@ -665,13 +665,13 @@ def test_tail_runs_from_ninety_percent_of_the_samples_generated_to_the_last():
     from streamrl_cli.trainer.loop.batch_state import Batch
     from streamrl_cli.trainer.loop.iteration_record import _tail
 
-    batch = Batch(index=0, prompts={}, sampler_state={})
+    batch = Batch.new(0, {})
     rows = []
     for g in range(5):  # 5 groups of 2, finished at 1, 2, 3, 4 and 10 s
         for i in range(2):
             s = Sample(prompt_id=f"g{g}", sample_index=i, group_id=f"g{g}", token_ids=[1], logprobs=[-1.0],
                        finish_reason="stop", weight_version=0)  # fmt: skip
-            batch.done_at[(f"g{g}", i)] = [1.0, 2.0, 3.0, 4.0, 10.0][g]
+            batch.arrived.done_at[(f"g{g}", i)] = [1.0, 2.0, 3.0, 4.0, 10.0][g]
             rows.append(Rollout(prompt_tokens=[5], sample=s, reward=0.0, advantage=0.0))
     assert _tail(batch, rows) == 6.0  # ⌊90%⌋ of 5 groups: the 4th, done at 4 s; the last at 10 s
     assert _tail(batch, rows[:2]) == 0.0  # one group: no tail
