@@ -208,3 +208,129 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str, max_len: int) -> tuple
     if mode == "seq-mean-token-sum-norm":
         return masked.sum() / max_len, float(per_token.shape[0])
     raise ValueError(f"unknown loss aggregation {mode!r}; valid: {', '.join(LOSS_AGGS)}")
+
+
+# Tokens per chunk of the LM head in `chunked_logprobs` (the recipe's roles.trainer.logits_chunk).
+LOGITS_CHUNK = 2048
+
+
+@dataclass(frozen=True)
+class HeadMath:
+    """What a causal LM does to its LM head's output before the logits: Cohere's ``logit_scale`` (a
+    multiplier, 1: none) and Gemma 2/3's ``final_logit_softcapping`` (tanh(l / c) · c, 0: none)."""
+
+    scale: float = 1.0
+    softcap: float = 0.0
+
+    def logits(self, hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """fp32 logits [N, V] of hidden states [N, H], in the model's own order and dtype until the cast."""
+        logits = torch.nn.functional.linear(hidden, weight, bias)
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float()
+
+
+def chunked_logprobs(
+    hidden: Tensor,
+    tokens: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    s: SamplingTransform,
+    *,
+    entropy: bool = False,
+    chunk: int = LOGITS_CHUNK,
+    head: HeadMath = HeadMath(),
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`sampled_logprobs` of the logits ``head.logits(hidden, weight, bias)`` without ever holding
+    them whole: hidden states [B, T, H] and tokens [B, T] → log-probs [B, T] (and entropy [B, T]).
+
+    The LM head and the log-softmax run ``chunk`` tokens at a time; backward recomputes each chunk's
+    logits instead of keeping them, so the logits cost chunk × vocabulary floats, not tokens ×
+    vocabulary, forward and backward. Each chunk's numbers are ``sampled_logprobs``' own (same
+    temperature, truncation and entropy code), so the results equal the unchunked computation's to
+    rounding; gradients reach ``hidden``, ``weight`` and ``bias``.
+    """
+    if chunk <= 0:
+        raise ValueError(f"chunk must be at least 1, got {chunk}")
+    shape = tokens.shape
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    logp, ent = _ChunkedHead.apply(flat, weight, bias, tokens.reshape(-1), s, entropy, chunk, head)
+    return logp.reshape(shape), (ent.reshape(shape) if entropy else None)
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """LM head + sampled log-softmax (+ entropy) chunk by chunk; backward recomputes each chunk."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        tokens: Tensor,
+        s: SamplingTransform,
+        entropy: bool,
+        chunk: int,
+        head: HeadMath,
+    ) -> tuple[Tensor, Tensor]:
+        logps, ents = [], []
+        for a in range(0, hidden.shape[0], chunk):
+            lp, ent = sampled_logprobs(
+                head.logits(hidden[a : a + chunk], weight, bias), tokens[a : a + chunk], s, entropy=entropy
+            )
+            logps.append(lp)
+            if ent is not None:
+                ents.append(ent)
+        logp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
+        ent = torch.cat(ents) if ents else hidden.new_zeros(0, dtype=torch.float32)
+        if not entropy:
+            ctx.mark_non_differentiable(ent)
+        ctx.save_for_backward(hidden, weight, bias, tokens)
+        ctx.s, ctx.entropy, ctx.chunk, ctx.head = s, entropy, chunk, head
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, g_logp: Tensor | None, g_ent: Tensor | None):  # type: ignore[override]
+        hidden, weight, bias, tokens = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        g_hidden = torch.zeros_like(hidden) if need_h else None
+        # Summed over chunks in fp32 (the unchunked matmul's accumulation is fp32 too, in one go).
+        g_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        g_bias = torch.zeros_like(bias, dtype=torch.float32) if need_b and bias is not None else None
+        if g_logp is None and (g_ent is None or not ctx.entropy):
+            return g_hidden, g_weight, g_bias, None, None, None, None, None
+        for a in range(0, hidden.shape[0], ctx.chunk):
+            b = a + ctx.chunk
+            with torch.enable_grad():
+                h = hidden[a:b].detach().requires_grad_(need_h)
+                w = weight.detach().requires_grad_(need_w)
+                bb = bias.detach().requires_grad_(need_b) if bias is not None else None
+                lp, ent = sampled_logprobs(
+                    ctx.head.logits(h, w, bb), tokens[a:b], ctx.s, entropy=ctx.entropy and g_ent is not None
+                )
+                out = (lp * g_logp[a:b]).sum() if g_logp is not None else lp.new_zeros(())
+                if ent is not None and g_ent is not None:
+                    out = out + (ent * g_ent[a:b]).sum()
+                wanted = [t for t, need in ((h, need_h), (w, need_w), (bb, need_b)) if need and t is not None]
+                grads = iter(torch.autograd.grad(out, wanted, allow_unused=True)) if wanted else iter(())
+            if need_h:
+                gh = next(grads)
+                if gh is not None:
+                    g_hidden[a:b] = gh
+            if need_w:
+                gw = next(grads)
+                if gw is not None:
+                    g_weight += gw
+            if need_b and bias is not None:
+                gb = next(grads)
+                if gb is not None:
+                    g_bias += gb
+        return (
+            g_hidden,
+            g_weight.to(weight.dtype) if g_weight is not None else None,
+            g_bias.to(bias.dtype) if g_bias is not None else None,
+            None, None, None, None, None,
+        )  # fmt: skip

@@ -13,12 +13,15 @@ rather than rows × its longest row.
 
 from __future__ import annotations
 
+import inspect
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from streamrl_cli.trainer.algo.losses import SamplingTransform, sampled_logprobs
+from streamrl_cli.trainer.algo.losses import HeadMath, SamplingTransform, chunked_logprobs, sampled_logprobs
 from streamrl_cli.trainer.loop.batch import MicroBatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,23 +74,82 @@ class Critic(nn.Module):
 
 
 def policy_forward(
-    model: nn.Module, mb: MicroBatch, sampling: SamplingTransform | float, *, entropy: bool = False
+    model: nn.Module,
+    mb: MicroBatch,
+    sampling: SamplingTransform | float,
+    *,
+    entropy: bool = False,
+    chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the targets under `model`, of the distribution the generators sample from
-    (temperature, top-k/top-p/min-p applied; a float: a temperature alone), and optionally the entropy."""
+    (temperature, top-k/top-p/min-p applied; a float: a temperature alone), and optionally the entropy.
+
+    ``chunk`` > 0 (roles.trainer.logits_chunk): the LM head and log-softmax run that many tokens at a
+    time (``losses.chunked_logprobs``), so the [tokens × vocabulary] logits never exist whole; the
+    model runs its own forward (through DeepSpeed's and PEFT's wrappers) for the final hidden states
+    and the logits of its last position only. Models whose head :func:`lm_head` cannot reproduce
+    run unchunked."""
     if not isinstance(sampling, SamplingTransform):
         sampling = SamplingTransform.tempered(float(sampling))
     packed = Packed.of(mb)
     if packed is None:
-        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
-        return sampled_logprobs(out.logits[:, :-1].float(), mb.targets, sampling, entropy=entropy)
-    # use_cache=False: with a cache (any model whose config keeps use_cache on, in eval mode)
-    # transformers no longer reads the packing from the position ids and attends across sequences.
-    logits = (
-        model(input_ids=packed.ids, position_ids=packed.positions, use_cache=False).logits[:, :-1].float()
-    )
-    logp, ent = sampled_logprobs(logits, packed.ids[:, 1:], sampling, entropy=entropy)
+        ids, targets, kwargs = mb.input_ids, mb.targets, {"attention_mask": mb.attention_mask}
+    else:
+        # use_cache=False: with a cache (any model whose config keeps use_cache on, in eval mode)
+        # transformers no longer reads the packing from the position ids and attends across sequences.
+        ids, targets = packed.ids, packed.ids[:, 1:]
+        kwargs = {"position_ids": packed.positions, "use_cache": False}
+    head = lm_head(model) if chunk > 0 else None
+    if head is None:
+        logits = model(input_ids=ids, **kwargs).logits[:, :-1].float()
+        logp, ent = sampled_logprobs(logits, targets, sampling, entropy=entropy)
+    else:
+        linear, math = head
+        out = model(input_ids=ids, **kwargs, output_hidden_states=True, logits_to_keep=1)
+        hidden = out.hidden_states[-1][:, :-1]
+        del out  # the other layers' states: only what backward keeps anyway
+        logp, ent = chunked_logprobs(
+            hidden, targets, linear.weight, linear.bias, sampling, entropy=entropy, chunk=chunk, head=math
+        )
+    if packed is None:
+        return logp, ent
     return packed.unpack(logp), (packed.unpack(ent) if ent is not None else None)
+
+
+# model_type → what its causal LM does to the LM head's output (``HeadMath``): the architectures
+# whose forward is backbone → lm_head → these, and which take ``logits_to_keep``.
+HEADS: dict[str, Callable[[Any], HeadMath]] = {
+    **dict.fromkeys(
+        ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "phi3", "olmo2"),
+        lambda _c: HeadMath(),
+    ),
+    **dict.fromkeys(
+        ("gemma2", "gemma3_text"), lambda c: HeadMath(softcap=float(c.final_logit_softcapping or 0.0))
+    ),
+    "cohere": lambda c: HeadMath(scale=float(c.logit_scale)),
+}
+
+
+def lm_head(model: nn.Module) -> tuple[nn.Linear, HeadMath] | None:
+    """The LM head of `model` (a DeepSpeed engine, a PEFT model or a transformers causal LM) and what
+    follows it, where the chunked log-probs can compute the logits themselves; None where they cannot:
+    an architecture not in `HEADS`, an LM head that is not a plain Linear (LoRA on lm_head), or
+    whose weight is partitioned (ZeRO-3)."""
+    base = model
+    ds = sys.modules.get("deepspeed")
+    if ds is not None and isinstance(base, ds.DeepSpeedEngine):
+        base = base.module
+    if hasattr(base, "get_base_model"):  # peft.PeftModel
+        base = base.get_base_model()
+    config = getattr(base, "config", None)
+    make = HEADS.get(getattr(config, "model_type", ""))
+    get = getattr(base, "get_output_embeddings", None)
+    linear = get() if make is not None and get is not None else None
+    if type(linear) is not nn.Linear or hasattr(linear.weight, "ds_id"):
+        return None
+    if "logits_to_keep" not in inspect.signature(base.forward).parameters:
+        return None
+    return linear, make(config)
 
 
 # A packed row holds at most this many tokens (or the longest sequence, if longer). With sdpa or

@@ -1,0 +1,212 @@
+"""Chunked log-probs (roles.trainer.logits_chunk): the LM head and the sampled log-softmax computed a
+chunk of tokens at a time, recomputed in backward, give the unchunked numbers to 1e-5 in fp32,
+forward and gradient, for every sampling transform, packed and unpacked micro-batches, LoRA and tied
+embeddings; and the same inputs give bit-identical outputs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from streamrl_cli.models.tiny import TinySpec, build_tiny_model
+from streamrl_cli.recipe.schema import LoraConfig
+from streamrl_cli.trainer.algo.losses import (
+    HeadMath,
+    SamplingTransform,
+    chunked_logprobs,
+    sampled_logprobs,
+)
+from streamrl_cli.trainer.loop.batch import Rollout, collate
+from streamrl_cli.trainer.role import lora as lora_
+from streamrl_cli.trainer.role.models import Packed, lm_head, load_policy, policy_forward
+from streamrl_cli.transport.wire import Sample
+
+SAMPLINGS = {
+    "plain": SamplingTransform.tempered(1.0),
+    "tempered": SamplingTransform.tempered(0.7),
+    "top-k": SamplingTransform(temperature=0.9, top_k=7, top_p=1.0, min_p=0.0),
+    "top-p": SamplingTransform(temperature=1.0, top_k=0, top_p=0.8, min_p=0.0),
+    "min-p": SamplingTransform(temperature=1.3, top_k=0, top_p=1.0, min_p=0.05),
+    "all": SamplingTransform(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02),
+}
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("chunked") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory) -> str:
+    return str(
+        build_tiny_model(tmp_path_factory.mktemp("chunked") / "tied", TinySpec(tie_word_embeddings=True))
+    )
+
+
+def head_case(seed: int, *, bias: bool):
+    """Hidden states [2, 9, 16], an LM head of 50 tokens (with big logits: truncation bites), targets."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, 9, 16, generator=g).requires_grad_(True)
+    weight = (torch.randn(50, 16, generator=g) * 0.8).requires_grad_(True)
+    b = (torch.randn(50, generator=g) * 0.5).requires_grad_(True) if bias else None
+    tokens = torch.randint(0, 50, (2, 9), generator=g)
+    weights = (torch.randn(2, 9, generator=g), torch.randn(2, 9, generator=g))  # the loss's mix
+    return hidden, weight, b, tokens, weights
+
+
+def grads_of(logp, ent, weights, inputs):
+    loss = (logp * weights[0]).sum() + ((ent * weights[1]).sum() if ent is not None else 0.0)
+    return torch.autograd.grad(loss, [t for t in inputs if t is not None])
+
+
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+@pytest.mark.parametrize("entropy", [True, False])
+@pytest.mark.parametrize("chunk", [1, 4, 7, 18, 1000])
+def test_chunked_equals_unchunked_forward_and_gradients(name, entropy, chunk):
+    s = SAMPLINGS[name]
+    hidden, weight, bias, tokens, weights = head_case(
+        list(SAMPLINGS).index(name) * 10 + chunk, bias=chunk % 2 == 0
+    )
+    math = HeadMath()
+    logp, ent = sampled_logprobs(math.logits(hidden, weight, bias), tokens, s, entropy=entropy)
+    c_logp, c_ent = chunked_logprobs(hidden, tokens, weight, bias, s, entropy=entropy, chunk=chunk)
+    close(c_logp, logp)
+    if entropy:
+        close(c_ent, ent)
+    else:
+        assert c_ent is None
+    inputs = (hidden, weight, bias)
+    for got, want in zip(
+        grads_of(c_logp, c_ent, weights, inputs), grads_of(logp, ent, weights, inputs), strict=True
+    ):
+        close(got, want)
+
+
+@pytest.mark.parametrize("math", [HeadMath(softcap=3.0), HeadMath(scale=0.25)])
+def test_softcap_and_logit_scale(math):
+    s = SAMPLINGS["top-p"]
+    hidden, weight, bias, tokens, weights = head_case(3, bias=False)
+    logp, ent = sampled_logprobs(math.logits(hidden, weight, bias), tokens, s, entropy=True)
+    c_logp, c_ent = chunked_logprobs(hidden, tokens, weight, bias, s, entropy=True, chunk=5, head=math)
+    close(c_logp, logp)
+    close(c_ent, ent)
+    for got, want in zip(
+        grads_of(c_logp, c_ent, weights, (hidden, weight)),
+        grads_of(logp, ent, weights, (hidden, weight)),
+        strict=True,
+    ):
+        close(got, want)
+
+
+def test_only_one_output_used_and_no_grad():
+    s = SAMPLINGS["all"]
+    hidden, weight, bias, tokens, weights = head_case(5, bias=True)
+    logp, ent = sampled_logprobs(HeadMath().logits(hidden, weight, bias), tokens, s, entropy=True)
+    c_logp, c_ent = chunked_logprobs(hidden, tokens, weight, bias, s, entropy=True, chunk=4)
+    # the entropy alone in the loss (the log-probs' gradient is None in backward)
+    close(torch.autograd.grad(c_ent.sum(), hidden)[0], torch.autograd.grad(ent.sum(), hidden)[0])
+    with torch.no_grad():
+        n_logp, _ = chunked_logprobs(hidden, tokens, weight, bias, s, chunk=4)
+    assert not n_logp.requires_grad
+    close(n_logp, logp.detach())
+    with pytest.raises(ValueError, match="chunk"):
+        chunked_logprobs(hidden, tokens, weight, bias, s, chunk=0)
+
+
+def rollouts(n: int, seed: int) -> list[Rollout]:
+    """Rows of uneven lengths: collate right-pads them, and `Packed` packs them."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        resp = [rng.randrange(1, 400) for _ in range(rng.randint(2, 14))]
+        sample = Sample(
+            prompt_id=f"p{i}", sample_index=0, token_ids=resp, logprobs=[-1.0] * len(resp),
+            finish_reason="stop", weight_version=0,
+        )  # fmt: skip
+        prompt = [rng.randrange(1, 400) for _ in range(rng.randint(2, 9))]
+        out.append(Rollout(prompt_tokens=prompt, sample=sample, reward=0.0))
+    return out
+
+
+def forward_and_grads(model: nn.Module, mb, s: SamplingTransform, chunk: int):
+    """(log-probs, entropy, {name: grad}) of one loss through `policy_forward`."""
+    model.zero_grad(set_to_none=True)
+    logp, ent = policy_forward(model, mb, s, entropy=True, chunk=chunk)
+    g = torch.Generator().manual_seed(1)
+    mix = torch.randn(logp.shape, generator=g) * mb.mask
+    ((logp * mix).sum() - 0.1 * (ent * mb.mask).sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logp.detach(), ent.detach(), grads
+
+
+def assert_same(model: nn.Module, mb, s: SamplingTransform, chunk: int) -> dict[str, torch.Tensor]:
+    logp, ent, grads = forward_and_grads(model, mb, s, 0)
+    c_logp, c_ent, c_grads = forward_and_grads(model, mb, s, chunk)
+    close(c_logp, logp)
+    close(c_ent, ent)
+    assert c_grads.keys() == grads.keys() and grads
+    for name in grads:
+        close(c_grads[name], grads[name])
+    return c_grads
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("name", ["plain", "all"])
+def test_policy_forward_chunked_equals_unchunked(model_dir, packed, name):
+    torch.manual_seed(0)
+    model = load_policy(model_dir, torch.float32)
+    mb = collate(rollouts(5, seed=7) if packed else rollouts(1, seed=8))  # one row: never packed
+    assert (Packed.of(mb) is not None) == packed
+    assert lm_head(model) is not None  # the chunked path runs
+    grads = assert_same(model, mb, SAMPLINGS[name], chunk=5)
+    assert "lm_head.weight" in grads and "model.embed_tokens.weight" in grads
+
+
+def test_tied_embeddings(tied_dir):
+    model = load_policy(tied_dir, torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    grads = assert_same(model, collate(rollouts(4, seed=3)), SAMPLINGS["tempered"], chunk=6)
+    assert "model.embed_tokens.weight" in grads  # the head's and the embedding's gradient, summed
+
+
+def test_lora_model_and_its_reference(model_dir):
+    torch.manual_seed(0)
+    model = lora_.apply(load_policy(model_dir, torch.float32), LoraConfig(rank=4))
+    with torch.no_grad():  # B starts at 0: make the adapters matter
+        for n, p in model.named_parameters():
+            if lora_.is_adapter(n):
+                p.normal_(0, 0.05)
+    assert lm_head(model) is not None
+    mb = collate(rollouts(5, seed=11))
+    grads = assert_same(model, mb, SAMPLINGS["top-k"], chunk=4)
+    assert grads and all(lora_.is_adapter(n) for n in grads)
+    # The reference: the base weights, adapters off, no gradient.
+    with torch.no_grad(), model.disable_adapter():
+        ref = policy_forward(model, mb, SAMPLINGS["top-k"], chunk=4)[0]
+        ref_full = policy_forward(model, mb, SAMPLINGS["top-k"])[0]
+    close(ref, ref_full)
+    with torch.no_grad():
+        on = policy_forward(model, mb, SAMPLINGS["top-k"], chunk=4)[0]
+    assert not torch.allclose(on, ref)
+
+
+def test_lora_on_the_lm_head_runs_unchunked(model_dir):
+    model = lora_.apply(load_policy(model_dir, torch.float32), LoraConfig(rank=2, target_modules=["lm_head"]))
+    assert lm_head(model) is None
+    assert_same(model, collate(rollouts(3, seed=2)), SAMPLINGS["plain"], chunk=4)
+
+
+def test_reproducible_bit_for_bit(model_dir):
+    model = load_policy(model_dir, torch.float32)
+    mb = collate(rollouts(5, seed=5))
+    first = forward_and_grads(model, mb, SAMPLINGS["all"], 3)
+    second = forward_and_grads(model, mb, SAMPLINGS["all"], 3)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    assert all(torch.equal(first[2][n], second[2][n]) for n in first[2])
