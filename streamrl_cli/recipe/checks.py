@@ -196,6 +196,14 @@ def _trainer(r: Recipe) -> Iterator[Problem]:
             yield "roles.trainer.nodes", f"{t.nodes} nodes but partition {t.partition!r} allows {max_nodes}"
     if t.zero_stage not in (0, 1, 2, 3):
         yield "roles.trainer.zero_stage", f"must be 0, 1, 2 or 3, got {t.zero_stage}"
+    if t.attention == "flash_attention_2" and gpus_avail == 0:
+        yield (
+            "roles.trainer.attention",
+            f"flash_attention_2 runs on CUDA GPUs only, and the trainer's cluster {t.cluster!r} gives it "
+            "none (it trains on CPUs): use sdpa or eager",
+        )
+    if t.logits_chunk < 0:
+        yield "roles.trainer.logits_chunk", f"must be 0 (unchunked) or more, got {t.logits_chunk}"
     if t.restarts < 0:
         yield "roles.trainer.restarts", f"must be 0 (no restart) or more, got {t.restarts}"
     for key in ("tensor_parallel", "pipeline_parallel"):
@@ -470,6 +478,8 @@ def _workload(r: Recipe) -> Iterator[Problem]:
     for key in ("global_batch", "micro_batch", "iterations"):
         if getattr(t, key) < 1:
             yield f"train.{key}", f"must be at least 1, got {getattr(t, key)}"
+    if t.micro_batch_tokens < 0:
+        yield "train.micro_batch_tokens", f"must be 0 (no token bound) or more, got {t.micro_batch_tokens}"
     if t.global_batch * max(a.group_size, 1) > SAMPLES_PER_ITERATION:
         yield (
             "train.global_batch",

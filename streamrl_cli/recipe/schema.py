@@ -39,6 +39,7 @@ TEACHER_BUILDERS = ("tiny-teacher",)
 SKEW_DISPATCH = ("random", "skewness-aware")
 SKEW_SCHEDULE = ("fifo", "lpt")
 RANKERS = ("none", "learned", "history", "oracle")
+ATTENTIONS = ("sdpa", "eager", "flash_attention_2")  # transformers' attn_implementation
 # sbatch options the launcher owns (clusters.X.sbatch may not set them): a site's value would
 # break placement, logs or the array.
 RESERVED_SBATCH = frozenset(
@@ -156,6 +157,20 @@ class TrainerConfig(RoleJobConfig):
     pipeline_parallel: int = 1  # PP degree: 1 only
     zero_stage: int = 1  # DeepSpeed ZeRO stage, 0-3
     cpu_offload: bool = False  # ZeRO-Offload: optimizer states in host memory (tune-split may pick it)
+    # Recompute each transformer block's activations during backward instead of keeping them from the
+    # forward pass (transformers' gradient checkpointing, non-reentrant), on the actor and the critic:
+    # a micro-batch's activations cost about one block's instead of every block's, for about a third
+    # more compute. For long sequences (docs/long-context.md); works with LoRA and every ZeRO stage.
+    activation_checkpointing: bool = False
+    # The attention kernel the trainer's models load with (transformers' attn_implementation): sdpa
+    # (PyTorch's fused attention), eager (plain matmuls; slowest, the most memory), flash_attention_2
+    # (CUDA GPUs with the flash-attn package only).
+    attention: str = choices(*ATTENTIONS, default="sdpa")
+    # Tokens per chunk of the LM head and log-softmax in the actor's and reference's log-probs: the
+    # [tokens × vocabulary] logits are computed a chunk at a time and recomputed in backward, never
+    # held whole (at 8k tokens and a 152k vocabulary, 5 GB in fp32 instead of 1.2 GB per 2048 tokens).
+    # The results equal the unchunked ones to rounding. 0: unchunked (the whole logits at once).
+    logits_chunk: int = at_most(TOKENS, 2048)
     program: str = "streamrl_cli.trainer.main:main"  # `module:function` the trainer's processes run
     # A trainer that dies (killed, crashed, its node lost) is started again, resuming from the run's
     # newest checkpoint, at most this many times per run: by `streamrl run` for a local trainer, by
@@ -443,6 +458,10 @@ class TaskConfig:
 class TrainConfig:
     global_batch: int = at_most(BATCH, 16)  # prompts per iteration
     micro_batch: int = at_most(BATCH, 4)  # samples per forward/backward
+    # Tokens per forward/backward (prompt + response of each sample), beside micro_batch's count: a
+    # micro-batch is cut where either would be passed, in the batch's order; a sample longer than
+    # this is a micro-batch of its own. For long, uneven outputs (docs/long-context.md). 0: no bound.
+    micro_batch_tokens: int = at_most(TOKENS, 0)
     iterations: int = at_most(ITERATIONS, 10)  # RL iterations
     seed: int = 0  # seed of data order and sampling
     # Seed every request from `seed`, the prompt id and the sample index (the same prompt gives the

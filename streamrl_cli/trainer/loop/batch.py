@@ -117,6 +117,34 @@ def collate(rollouts: Sequence[Rollout], device: torch.device | str = "cpu") -> 
     )
 
 
+def by_tokens(rollouts: Sequence[Rollout], *, rows: int, tokens: int) -> list[list[Rollout]]:
+    """Rollouts cut into micro-batches of at most ``rows`` rollouts and ``tokens`` tokens (the sum of
+    each rollout's prompt + response tokens: what a packed forward costs), for
+    ``train.micro_batch`` and ``train.micro_batch_tokens``.
+
+    The rule: the rollouts keep their order, and a micro-batch takes the next one unless that would
+    pass either bound (greedy cuts), so the same list always gives the same micro-batches. A rollout
+    longer than ``tokens`` by itself is a micro-batch of its own. ``tokens`` 0: no token bound, the
+    row count alone."""
+    if rows < 1:
+        raise ValueError(f"rows must be at least 1, got {rows}")
+    if tokens < 0:
+        raise ValueError(f"tokens must be 0 (no bound) or more, got {tokens}")
+    out: list[list[Rollout]] = []
+    current: list[Rollout] = []
+    used = 0
+    for r in rollouts:
+        n = len(r.prompt_tokens) + r.response_len
+        if current and (len(current) == rows or (tokens and used + n > tokens)):
+            out.append(current)
+            current, used = [], 0
+        current.append(r)
+        used += n
+    if current:
+        out.append(current)
+    return out
+
+
 class GroupCollector:
     """Samples in, whole groups out (each group once, in completion order).
 

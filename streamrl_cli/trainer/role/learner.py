@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from streamrl_cli.errors import StreamRLError
 from streamrl_cli.recipe import presets
 from streamrl_cli.trainer import algo as A
 from streamrl_cli.trainer.algo import losses as L
@@ -31,6 +32,7 @@ from streamrl_cli.trainer.loop.batch import MicroBatch
 from streamrl_cli.trainer.role import lora as lora_
 from streamrl_cli.trainer.role.models import (
     Critic,
+    checkpoint_activations,
     critic_forward,
     load_policy,
     load_reference,
@@ -161,7 +163,18 @@ class Learner:
         self.loss, self.opt, self.device = loss, opt, device
         self.lora = lora if lora_.enabled(lora) else None  # rank 0: off
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        policy = load_policy(path, dtype)
+        t = opt.trainer
+        if t.attention == "flash_attention_2" and device.type != "cuda":
+            raise StreamRLError(
+                f"roles.trainer.attention=flash_attention_2 runs on CUDA GPUs only, and this trainer "
+                f"runs on {device}: use sdpa or eager"
+            )
+        # Tokens per chunk of the LM head in the actor's and reference's log-probs (0: unchunked).
+        self.chunk = t.logits_chunk
+        policy = load_policy(path, dtype, t.attention)
+        if t.activation_checkpointing:
+            # Before LoRA: PEFT then makes the embeddings' output require grad, as checkpointing wants.
+            checkpoint_activations(policy)
         if self.lora is not None:
             # The same initial adapters on every rank (the trainer seeds each rank differently).
             with torch.random.fork_rng(devices=[]):
@@ -169,15 +182,26 @@ class Learner:
                 policy = lora_.apply(policy, self.lora)
         self.actor = _engine(policy, opt.algorithm.lr, opt)
         # PPO's critic trains in full with LoRA too (its own network; docs/lora.md).
-        self.critic = _engine(Critic(path, dtype), opt.algorithm.critic_lr, opt) if loss.critic else None
+        self.critic = (
+            _engine(self._critic(path, dtype, t), opt.algorithm.critic_lr, opt) if loss.critic else None
+        )
         # With LoRA the reference is the actor with its adapters off: no second copy.
-        self.ref = load_reference(path, dtype, device) if self.kl and self.lora is None else None
+        self.ref = load_reference(path, dtype, device, t.attention) if self.kl and self.lora is None else None
         self._begin()
 
     @property
     def kl(self) -> bool:
         """Whether the loss (or reward) has a KL term, which needs the reference's log-probs."""
         return self.loss.kl
+
+    @staticmethod
+    def _critic(path: str, dtype: torch.dtype, t: TrainerConfig) -> Critic:
+        critic = Critic(path, dtype, t.attention)
+        if t.activation_checkpointing:
+            checkpoint_activations(critic.backbone)
+            # from_pretrained leaves the backbone in eval mode, where transformers checkpoints nothing.
+            critic.train()
+        return critic
 
     def _begin(self) -> None:
         self.units = 0.0
@@ -191,7 +215,7 @@ class Learner:
         accumulation: the gradient reduction happens in that backward)."""
         c, a = self.loss, self.loss.algorithm
         self.actor.train()
-        logp, ent = policy_forward(self.actor, mb, c.sampling, entropy=True)
+        logp, ent = policy_forward(self.actor, mb, c.sampling, entropy=True, chunk=self.chunk)
         # The trainer's log-probs before this step, and the response tokens. Off-policy masking takes
         # tokens out of the actor's loss (and its denominator), never out of the critic's.
         trainer_logp, valid = logp.detach(), mb.mask
@@ -275,13 +299,13 @@ class Learner:
         weights with the adapters switched off (in eval mode, as the copy runs)."""
         with torch.no_grad():
             if self.ref is not None:
-                return policy_forward(self.ref, mb, self.loss.sampling)[0]
+                return policy_forward(self.ref, mb, self.loss.sampling, chunk=self.chunk)[0]
             module = self.actor.module
             was_training = module.training
             module.eval()
             try:
                 with module.disable_adapter():
-                    return policy_forward(module, mb, self.loss.sampling)[0]
+                    return policy_forward(module, mb, self.loss.sampling, chunk=self.chunk)[0]
             finally:
                 module.train(was_training)
 

@@ -32,16 +32,19 @@ def torch_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else DTYPES[name]
 
 
-def load_policy(path: str, dtype: torch.dtype) -> nn.Module:
+def load_policy(path: str, dtype: torch.dtype, attention: str | None = None) -> nn.Module:
+    """The causal LM at `path`; `attention`: transformers' attn_implementation (None: its default)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
     model.config.use_cache = False
     return model
 
 
-def load_reference(path: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    ref = load_policy(path, dtype).to(device).eval()
+def load_reference(
+    path: str, dtype: torch.dtype, device: torch.device, attention: str | None = None
+) -> nn.Module:
+    ref = load_policy(path, dtype, attention).to(device).eval()
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
@@ -50,11 +53,11 @@ def load_reference(path: str, dtype: torch.dtype, device: torch.device) -> nn.Mo
 class Critic(nn.Module):
     """Backbone + scalar value head; values of every position."""
 
-    def __init__(self, path: str, dtype: torch.dtype):
+    def __init__(self, path: str, dtype: torch.dtype, attention: str | None = None):
         super().__init__()
         from transformers import AutoModel
 
-        self.backbone = AutoModel.from_pretrained(path, dtype=dtype)
+        self.backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attention)
         self.backbone.config.use_cache = False
         self.head = nn.Linear(self.backbone.config.hidden_size, 1, dtype=dtype)
         nn.init.zeros_(self.head.weight)
@@ -226,6 +229,13 @@ class Packed:
         flat = x.reshape(-1)
         picked = flat[torch.where(valid, index, torch.zeros_like(index))]
         return torch.where(valid, picked, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def checkpoint_activations(model: nn.Module) -> None:
+    """Gradient checkpointing on a transformers model (non-reentrant: the inputs of a checkpointed
+    block need not require grad, so frozen embeddings under LoRA are fine, and ZeRO's hooks see one
+    backward). It acts in train mode only, as transformers' layers check."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def critic_forward(critic: Any, mb: MicroBatch) -> torch.Tensor:

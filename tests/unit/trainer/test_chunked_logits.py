@@ -11,8 +11,17 @@ import pytest
 import torch
 from torch import nn
 
+from streamrl_cli.errors import StreamRLError
 from streamrl_cli.models.tiny import TinySpec, build_tiny_model
-from streamrl_cli.recipe.schema import LoraConfig
+from streamrl_cli.recipe import checks
+from streamrl_cli.recipe.schema import (
+    AlgorithmConfig,
+    ClusterConfig,
+    LoraConfig,
+    Recipe,
+    RolesConfig,
+    TrainerConfig,
+)
 from streamrl_cli.trainer.algo.losses import (
     HeadMath,
     SamplingTransform,
@@ -21,7 +30,14 @@ from streamrl_cli.trainer.algo.losses import (
 )
 from streamrl_cli.trainer.loop.batch import Rollout, collate
 from streamrl_cli.trainer.role import lora as lora_
-from streamrl_cli.trainer.role.models import Packed, lm_head, load_policy, policy_forward
+from streamrl_cli.trainer.role.learner import Learner, OptimConfig
+from streamrl_cli.trainer.role.models import (
+    Packed,
+    checkpoint_activations,
+    lm_head,
+    load_policy,
+    policy_forward,
+)
 from streamrl_cli.transport.wire import Sample
 
 SAMPLINGS = {
@@ -210,3 +226,64 @@ def test_reproducible_bit_for_bit(model_dir):
     second = forward_and_grads(model, mb, SAMPLINGS["all"], 3)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     assert all(torch.equal(first[2][n], second[2][n]) for n in first[2])
+
+
+# ---- roles.trainer.activation_checkpointing and attention ----
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_activation_checkpointing_gives_the_same_gradients(model_dir, lora):
+    """Recomputed activations, the same numbers; with LoRA the frozen embeddings' output is made to
+    require grad (PEFT), so the adapters of the first block get their gradient."""
+    mb = collate(rollouts(4, seed=9))
+
+    def grads(checkpointed: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = load_policy(model_dir, torch.float32)
+        runs = []
+        model.model.layers[0].register_forward_pre_hook(lambda *_: runs.append(1))
+        if checkpointed:
+            checkpoint_activations(model)
+        if lora:
+            model = lora_.apply(model, LoraConfig(rank=4))
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if lora_.is_adapter(n):
+                        p.normal_(0, 0.05)
+        model.train()
+        out = forward_and_grads(model, mb, SAMPLINGS["plain"], 5)[2]
+        assert len(runs) == (2 if checkpointed else 1)  # the block ran again in backward
+        return out
+
+    plain, checkpointed = grads(False), grads(True)
+    assert plain.keys() == checkpointed.keys() and any(".layers.0." in n for n in plain)
+    for name in plain:
+        close(checkpointed[name], plain[name])
+
+
+def test_attention_implementation_reaches_the_model(model_dir):
+    assert load_policy(model_dir, torch.float32, "eager").config._attn_implementation == "eager"
+    assert load_policy(model_dir, torch.float32, "sdpa").config._attn_implementation == "sdpa"
+
+
+def test_flash_attention_refused_on_cpu(model_dir):
+    local = {"local": ClusterConfig(launcher="local", local_gpus=0)}
+    trainer = TrainerConfig(cluster="local", attention="flash_attention_2")
+    problems = checks.check(Recipe(clusters=local, roles=RolesConfig(trainer=trainer)))
+    assert [p for p in problems if p[0] == "roles.trainer.attention"] == [
+        (
+            "roles.trainer.attention",
+            "flash_attention_2 runs on CUDA GPUs only, and the trainer's cluster 'local' gives it none "
+            "(it trains on CPUs): use sdpa or eager",
+        )
+    ]
+    gpus = {"local": ClusterConfig(launcher="local", local_gpus=1)}
+    assert not [
+        p
+        for p in checks.check(Recipe(clusters=gpus, roles=RolesConfig(trainer=trainer)))
+        if "attention" in p[0]
+    ]
+    # At the trainer's start too (a recipe's cluster may say GPUs where a rank finds none).
+    opt = OptimConfig(algorithm=AlgorithmConfig(), trainer=trainer)
+    with pytest.raises(StreamRLError, match="flash_attention_2 runs on CUDA GPUs only.*runs on cpu"):
+        Learner(model_dir, None, opt, torch.device("cpu"), torch.float32)  # type: ignore[arg-type]
