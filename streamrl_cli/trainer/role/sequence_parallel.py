@@ -31,13 +31,14 @@ group. The gather's backward hands each rank the gradient of ITS slice only, wit
 communication: every rank holds the same loss, so that slice is exactly d loss / d local output,
 and the per-rank parameter gradients add up (over the group) to the gradient of that loss.
 DeepSpeed, given :attr:`SequenceParallel.mpu` in ``deepspeed.initialize``, reduces gradients over
-all N ranks and divides by N / degree (the data-parallel width): the group's sum, averaged over
-groups. ZeRO partitions over all N ranks (DeepSpeed's ``seq_data_parallel_group``).
+all N ranks and divides by N / degree (the data-parallel width) with ZeRO 0-2: the group's sum,
+averaged over groups; but by N with ZeRO-3 (:meth:`SequenceParallel.averaged_over`). ZeRO
+partitions over all N ranks (DeepSpeed's ``seq_data_parallel_group``).
 
 What the caller does differently (``trainer.role.learner``): engines get ``mpu=sp.mpu``; losses and
 stats, summed over all ranks, count each micro-batch once per rank of its group (divide by
-``degree``); gradients are DeepSpeed's average over the :attr:`~SequenceParallel.dp_world` groups,
-not over ranks; the rank driver hands a micro-batch per SP group (:attr:`~SequenceParallel.dp_rank`).
+``degree``); DeepSpeed's gradient is divided by :meth:`~SequenceParallel.averaged_over`, not by
+the world; the rank driver hands a micro-batch per SP group (:attr:`~SequenceParallel.dp_rank`).
 """
 
 from __future__ import annotations
@@ -130,6 +131,14 @@ class SequenceParallel:
             raise ValueError(f"sequence parallelism needs a degree of 2 or more, got {degree}")
         mpu = create_groups(degree)
         return cls(degree, mpu.get_sequence_parallel_group(), mpu)
+
+    def averaged_over(self, zero_stage: int) -> int:
+        """The number DeepSpeed 0.19.8 divides each gradient's sum over all ranks by, given this
+        ``mpu``: the data-parallel width (world / degree) with ZeRO 0-2; the whole world with ZeRO-3,
+        whose default reduce-scatter (``reduce_scatter: true``) ignores the SP size (its contiguous
+        all-reduce path does not; other projects hit the same: hamishivi/tmax#9)."""
+        world = self.dp_world * self.degree
+        return world if zero_stage == 3 else self.dp_world
 
     # -- the model ------------------------------------------------------------------------------
 

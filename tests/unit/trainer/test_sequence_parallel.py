@@ -134,21 +134,22 @@ def _rank_main(rank: int, world: int, degree: int, stage: int, address: str, pat
         engine.backward(num, scale_wrt_gas=False)
         units += n
         logps.append(logp.detach())
-    # Learner.finish_gradients' rule, unchanged: each rank counted its group's units (degree times
-    # over), and DeepSpeed divided the gradient by the data-parallel width (world / degree), not the
-    # world: world / summed units is the same factor, (world / degree) / units.
+    # Learner.finish_gradients' rule with SP: each rank counted its group's units (degree times over);
+    # DeepSpeed divided the gradient sum by sp.averaged_over(stage), not by the world.
     total = torch.tensor([units], dtype=torch.float64)
     torch.distributed.all_reduce(total)
-    factor = world / float(total[0])
+    factor = sp.averaged_over(stage) / (float(total[0]) / degree)
     params = [p for p in engine.module.parameters() if p.requires_grad]
     safe_update_full_grad_vectorized(params, lambda g, _p: g * factor)
     grads = {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()}
+    engine.step()  # lr 0: for the norm DeepSpeed reports (and clips by), ZeRO 1-3
+    norm = engine.get_global_grad_norm()
     critic = models.Critic(path, torch.float32)
     critic.head.weight.data = torch.linspace(-1, 1, critic.head.weight.numel()).reshape_as(critic.head.weight)
     sp.install(critic.backbone)
     values = sp.critic_forward(critic, batches[1]).detach()
     if rank == 0:
-        torch.save((logps, grads, values), out)
+        torch.save((logps, grads, values, norm), out)
     torch.distributed.barrier()
     leave_group()
     release_groups()
@@ -170,9 +171,10 @@ def run_ranks(path: str, tmp_path, world: int, degree: int, stage: int):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("stage", [2])
+@pytest.mark.parametrize("stage", [2, 3])
 def test_two_sp_ranks_give_the_unsplit_loss_and_gradient(model_dir, tmp_path, monkeypatch, stage):
-    got_logps, got_grads, got_values = run_ranks(model_dir, tmp_path, world=2, degree=2, stage=stage)
+    got = run_ranks(model_dir, tmp_path, world=2, degree=2, stage=stage)
+    got_logps, got_grads, got_values, got_norm = got
     monkeypatch.setattr(models, "PACK_TOKENS", PACK_TOKENS)
     packed = [models.Packed(mb) for mb in micro_batches()]
     assert [p.ids.shape[0] for p in packed[:2]] == [1, 2]  # one row of 3 sequences; two rows
@@ -185,3 +187,5 @@ def test_two_sp_ranks_give_the_unsplit_loss_and_gradient(model_dir, tmp_path, mo
     for name, g in grads.items():
         torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
     assert any(g.abs().sum() > 0 for g in grads.values())
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+    assert got_norm == pytest.approx(float(norm), rel=1e-4)
