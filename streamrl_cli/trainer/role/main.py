@@ -19,13 +19,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import random
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.recipe.schema import TaskConfig
@@ -33,7 +32,32 @@ from streamrl_cli.roles.spec import TrainerSpec
 from streamrl_cli.rundir import RunDir
 from streamrl_cli.trainer.role.prompts import prompt_tokenizer
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from streamrl_cli.elastic.control import ElasticController
+    from streamrl_cli.metrics.sinks import MetricsSink
+    from streamrl_cli.ranker.base import Ranker
+    from streamrl_cli.rendezvous import RendezvousClient
+    from streamrl_cli.roles.requeue import EndSignals
+    from streamrl_cli.skew.dispatch_plan import PTL
+    from streamrl_cli.tasks import Task
+    from streamrl_cli.trainer.loop.collaborators import SampleService
+    from streamrl_cli.trainer.loop.evaluation import Evaluator
+    from streamrl_cli.trainer.loop.pipeline import Stopped
+    from streamrl_cli.trainer.role.learner import Learner
+    from streamrl_cli.trainer.role.publish import WeightPublisher
+    from streamrl_cli.trainer.role.ranks import RankDriver
+    from streamrl_cli.trainer.role.records import Reporter
+    from streamrl_cli.transport.routing import DispatchService
+
 log = logging.getLogger("streamrl.trainer")
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
 
 WAIT_S = 600.0
 
@@ -44,19 +68,14 @@ def main(spec: TrainerSpec, rank: int) -> int:
     return TrainerRole(spec, rank).run()
 
 
-def _round(x: float | None, digits: int) -> float | None:
-    return None if x is None else round(x, digits)
-
-
 class TrainerRole:
     def __init__(self, spec: TrainerSpec, rank: int):
         self.spec, self.rank = spec, rank
         self.run_dir = Path(spec.run_dir)
-        self.rdv: Any = None
-        self.closers: list[Any] = []
-        self.teachers: Any = None  # on-policy distillation: the teachers' dispatch service
-        self._last_step = 0  # the latest iteration recorded (eval records are logged at it)
-        self.ends: Any = None  # SLURM's warnings before the job ends (roles.requeue.EndSignals)
+        self.rdv: RendezvousClient
+        self.closers: list[Closable] = []  # closed in reverse order at the end
+        self.teachers: DispatchService | None = None  # on-policy distillation: the teachers' stream
+        self.ends: EndSignals  # SLURM's warnings before the job ends
 
     def run(self) -> int:
         from streamrl_cli.rendezvous import RendezvousClient, read_secret
@@ -96,7 +115,7 @@ class TrainerRole:
         world = self.spec.world
         host = socket.gethostname()
         addresses: dict[str, str] = {}
-        store: Any = None  # rank 0's store for the trainer group
+        store: Any = None  # rank 0's store for the trainer group (a torch.distributed.TCPStore)
         info: dict[str, Any] = {"program": "trainer", "pid": os.getpid(), "device": str(device)}
         if self.rank == 0:
             from streamrl_cli.models.warmup import ensure_model
@@ -161,7 +180,7 @@ class TrainerRole:
         log.info("trainer: a new process will be started (roles.trainer.restarts); generators wait")
         return f"{RESTARTING}: {reason}"
 
-    def _end_early(self, stopped: Any) -> str:
+    def _end_early(self, stopped: Stopped) -> str:
         """After the checkpoint SLURM's warning asked for: requeue our job after USR2; say why we leave
         (a reason starting `requeued`/`preempted` keeps the generators waiting for us to come back)."""
         from streamrl_cli.roles.requeue import PREEMPTED, REQUEUED, own_job_id, requeue_self
@@ -178,7 +197,7 @@ class TrainerRole:
         log.info("ending on %s", why)
         return f"{PREEMPTED}: {why}"
 
-    def _data_plane(self, backend: str) -> tuple[Any, Any]:
+    def _data_plane(self, backend: str) -> tuple[DispatchService, WeightPublisher]:
         from streamrl_cli.trainer.role.publish import WeightPublisher
         from streamrl_cli.transport.routing import DispatchService
         from streamrl_cli.transport.samples import StreamConfig
@@ -217,7 +236,7 @@ class TrainerRole:
             self.rdv.leave("failed")
         os._exit(3)
 
-    def _learner(self, device: Any) -> Any:
+    def _learner(self, device: torch.device) -> Learner:
         import torch
 
         from streamrl_cli.trainer.role.learner import Learner, LossConfig, OptimConfig
@@ -231,85 +250,32 @@ class TrainerRole:
         dtype = torch_dtype(self.spec.model.dtype, device)
         return Learner(path, loss, opt, device, dtype, lora=self.spec.model.lora)
 
-    def _train(self, driver: Any, svc: Any, publisher: Any) -> None:
+    def _train(self, driver: RankDriver, svc: DispatchService, publisher: WeightPublisher) -> None:
         from transformers import AutoTokenizer
 
         from streamrl_cli.tasks import make_task
         from streamrl_cli.tasks.sampler import PromptSampler
         from streamrl_cli.trainer.loop.pipeline import Pipeline, PipelineConfig
-        from streamrl_cli.trainer.role import checkpoint as ckpt
+        from streamrl_cli.trainer.role.records import Checkpoints, Reporter
 
         t, task_cfg = self.spec.train, self.spec.task
-        seed = t.seed
-        random.seed(seed)
-        task = make_task(
-            task_cfg,
-            seed,
-            model_path=os.path.expanduser(self.spec.model.path),
-            agentic=self.spec.agent.enabled,
-        )
-        sampler = PromptSampler(list(task.prompts()), t.global_batch, seed, shuffle=task_cfg.shuffle)
-        tok = AutoTokenizer.from_pretrained(os.path.expanduser(self.spec.model.path))
-        tokenize = prompt_tokenizer(tok, task_cfg.max_prompt_len, task, "task.dataset")
-
-        start, version, push = 0, 0, False
-        latest = ckpt.latest(self.run_dir)
-        if latest is not None:
-            state = driver.load(latest)
-            sampler.load_state(state["sampler"])
-            ckpt.set_rng_state(state["rng"])
-            start, push = int(state["next_iteration"]), True
-            # The rendezvous may have seen newer versions than the checkpoint's (the run went on after it).
-            current = self.rdv.versions()["current"]
-            version = max(int(state["weight_version"]), (current or 0) + 1)
-            log.info("resuming from %s: iteration %d, weight version %d", latest, start, version)
-        elif current := self.rdv.versions()["current"]:
-            # Restarted before any checkpoint: the generators serve weights this process no longer
-            # has, so it starts over from the model on disk and pushes it first, as a newer version.
-            version, push = current + 1, True
-            log.info("starting over (no checkpoint yet): the model on disk as weight version %d", version)
-        iterations = t.iterations
-        cfg = PipelineConfig.from_spec(self.spec)
-        ranker = self._ranker(task, seed)
-        ptl = self._ptl()
-        sinks = self._sinks()
-        evaluator = self._evaluator(task_cfg, seed, tok, sinks)
-        every, keep = t.checkpoint_every, t.keep_checkpoints
-
-        elastic = self._elastic(svc)
-
-        def on_record(rec: dict[str, Any]) -> None:
-            i = rec["iteration"]
-            if elastic is not None:
-                rec = {**rec, **elastic.after_iteration(rec)}
-            bad = [k for k, v in rec.items() if isinstance(v, float) and not math.isfinite(v)]
-            if bad:  # JSON has no NaN/inf: recorded as null, and said once in the log
-                log.warning("iteration %d: non-finite %s", i, ", ".join(f"{k}={rec[k]}" for k in bad))
-                rec = {**rec, **dict.fromkeys(bad)}
-            self.rdv.post_metrics(rec)
-            self.rdv.post_progress(
-                i + 1, iterations=iterations, reward=_round(rec["reward_mean"], 4),
-                samples_per_s=round(rec["samples_per_s"], 2), trainer_idle=round(rec["idle/trainer"], 3),
-                generator_idle=round(rec["idle/generator"], 3), mode=rec["mode"],
-                **({"ranker_recall20": round(rec["ranker/recall@20"], 3)} if "ranker/recall@20" in rec
-                   else {}),
-            )  # fmt: skip
-            self._last_step = i
-            for sink in sinks:
-                sink.log(rec, i)
-            log.info("iteration %d: reward %s, %.1f samples/s, trainer idle %.0f%%, generator idle %.0f%%",
-                     i, _round(rec["reward_mean"], 3), rec["samples_per_s"], 100 * rec["idle/trainer"],
-                     100 * rec["idle/generator"])  # fmt: skip
-
-        def on_checkpoint(i: int, state: dict[str, Any], stopping: bool) -> None:
-            if stopping or (every and (i + 1) % every == 0) or i + 1 == iterations:
-                path = ckpt.checkpoint_dir(self.run_dir, i)
-                driver.save(path, {**state, "rng": ckpt.rng_state()})
-                ckpt.prune(self.run_dir, keep)
+        path = os.path.expanduser(self.spec.model.path)
+        random.seed(t.seed)
+        task = make_task(task_cfg, t.seed, model_path=path, agentic=self.spec.agent.enabled)
+        sampler = PromptSampler(list(task.prompts()), t.global_batch, t.seed, shuffle=task_cfg.shuffle)
+        tok = AutoTokenizer.from_pretrained(path)
+        checkpoints = Checkpoints(driver, self.run_dir, t.checkpoint_every, t.keep_checkpoints, t.iterations)
+        start = checkpoints.resume(sampler, self.rdv.versions()["current"])
+        reporter = Reporter(self.rdv, self._sinks(), t.iterations, self._elastic(svc))
+        self.closers.append(reporter)
+        ranker = self._ranker(task, t.seed)
+        if ranker is not None:
+            self.closers.append(ranker)
+        evaluator = self._evaluator(task_cfg, t.seed, tok, reporter)
 
         self._wait_serving("generator", self.generators)
         svc.watch(self.rdv)
-        data = svc
+        data: SampleService = svc
         if self.teachers is not None:
             from streamrl_cli.trainer.loop.distill import TeacherScoring
 
@@ -318,22 +284,17 @@ class TrainerRole:
             data = TeacherScoring(svc, self.teachers, no_teacher_s=t.stall_after_s)
         self.rdv.set_status(state="training")
         pipe = Pipeline(
-            cfg, task=task, sampler=sampler, tokenize=tokenize,
+            PipelineConfig.from_spec(self.spec), task=task, sampler=sampler,
+            tokenize=prompt_tokenizer(tok, task_cfg.max_prompt_len, task, "task.dataset"),
             detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True), svc=data, driver=driver,
-            publisher=publisher, on_record=on_record, on_checkpoint=on_checkpoint, ranker=ranker, ptl=ptl,
-            evaluator=evaluator, stop_requested=self.ends.requested.is_set,
+            publisher=publisher, on_record=reporter.iteration, on_checkpoint=checkpoints.save,
+            ranker=ranker, ptl=self._ptl(), evaluator=evaluator, stop_requested=self.ends.requested.is_set,
         )  # fmt: skip
-        try:
-            pipe.run(start, iterations, version, push_first=push)
-            if t.export_final:
-                self._export_final()
-        finally:
-            for sink in sinks:
-                sink.close()
-            if ranker is not None:
-                ranker.close()
+        pipe.run(start.iteration, t.iterations, start.version, push_first=start.push_first)
+        if t.export_final:
+            self._export_final()
 
-    def _elastic(self, svc: Any) -> Any:
+    def _elastic(self, svc: DispatchService) -> ElasticController | None:
         """The elastic rule (roles.generator.elastic), or None when it is off."""
         from streamrl_cli.elastic.control import ElasticController
 
@@ -354,7 +315,9 @@ class TrainerRole:
         out = export_checkpoint(last, m.path, RunDir(self.run_dir).exported_model, m.dtype)
         log.info("exported %s as a Hugging Face model to %s", last.name, out)
 
-    def _evaluator(self, task_cfg: TaskConfig, seed: int, tok: Any, sinks: list[Any]) -> Any:
+    def _evaluator(
+        self, task_cfg: TaskConfig, seed: int, tok: PreTrainedTokenizerBase, reporter: Reporter
+    ) -> Evaluator | None:
         """The held-out evaluation (task.eval_dataset), or None."""
         if not task_cfg.eval_dataset:
             return None
@@ -369,33 +332,14 @@ class TrainerRole:
         cfg = EvalConfig(
             task=task_cfg, algorithm=self.spec.algorithm, train=self.spec.train, agent=self.spec.agent
         )
-
-        def on_eval(rec: dict[str, Any]) -> None:
-            self.rdv.post_metrics(rec)
-            # progress is merged, not replaced: `streamrl status` shows the latest eval reward
-            self.rdv.post_progress(
-                self._last_step + 1, eval_reward=_round(rec["eval/reward_mean"], 4),
-                eval_iteration=rec["eval/iteration"],
-            )  # fmt: skip
-            # W&B drops steps older than its latest: an evaluation finishes during a later iteration
-            step = max(rec["eval/iteration"], self._last_step)
-            for sink in sinks:
-                sink.log(rec, step)
-            kind = "final" if rec["eval/final"] else "periodic"
-            log.info("evaluation of iteration %d (%s): reward %s over %d prompts, mean length %.1f",
-                     rec["eval/iteration"], kind, _round(rec["eval/reward_mean"], 3), rec["eval/samples"],
-                     rec["eval/length_mean"])  # fmt: skip
-
-        def detokenize(ids: list[int]) -> str:
-            return tok.decode(ids, skip_special_tokens=True)
-
         tokenize = prompt_tokenizer(tok, task_cfg.max_prompt_len, held_out, "task.eval_dataset")
         return Evaluator(
-            held_out, cfg, tokenize=tokenize, detokenize=detokenize, on_eval=on_eval, clock=time.time
-        )
+            held_out, cfg, tokenize=tokenize, on_eval=reporter.evaluation, clock=time.time,
+            detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        )  # fmt: skip
 
-    def _ranker(self, task: Any, seed: int) -> Any:
-        from streamrl_cli.ranker.base import make_ranker
+    def _ranker(self, task: Task, seed: int) -> Ranker | None:
+        from streamrl_cli.ranker.factory import make_ranker
 
         skew = self.spec.skewness
         base = skew.ranker_model or self.spec.model.path
@@ -403,7 +347,7 @@ class TrainerRole:
             skew, model_path=os.path.expanduser(base), task=task, seed=seed, turns=self.spec.agent.enabled
         )
 
-    def _ptl(self) -> Any:
+    def _ptl(self) -> PTL | None:
         """The generators' measured decode curve for Algorithm 2 (planner.profile_file), or None."""
         path = self.spec.planner.profile_file
         if not path or self.spec.skewness.dispatch != "skewness-aware":
@@ -473,7 +417,7 @@ class TrainerRole:
                 )
             time.sleep(0.5)
 
-    def _sinks(self) -> list[Any]:
+    def _sinks(self) -> list[MetricsSink]:
         names = list(self.spec.train.loggers)
         if not names:
             return []
