@@ -5,7 +5,8 @@ docs/architecture.md).
 one. Torch and transformers are imported only by the learned ranker, when it is made.
 """
 
-from streamrl_cli.ranker.base import KINDS, OracleRanker, RandomRanker, Ranker, RankerError, make_ranker
+from streamrl_cli.ranker.base import KINDS, OracleRanker, RandomRanker, Ranker, RankerError
+from streamrl_cli.ranker.factory import make_ranker
 from streamrl_cli.ranker.quality import QualityTracker, quality
 
 __all__ = [

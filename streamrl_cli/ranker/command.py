@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from streamrl_cli.ranker import cache as rc
-from streamrl_cli.ranker.base import RankerError, make_ranker
+from streamrl_cli.ranker.base import RankerError
+from streamrl_cli.ranker.factory import make_ranker
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from streamrl_cli.tasks import Prompt, Task, TaskError
-from streamrl_cli.tasks.rewards import Reward
+from streamrl_cli.tasks.rewards import Reward, repeat_score
 
 # Single tokens (with a leading space) of streamrl_cli.models.tiny's tokenizer; tests check it.
 WORDS = ("fox", "brown", "model", "policy", "stream", "step", "every", "over")
@@ -33,19 +32,6 @@ MODE = 4  # most common count
 TAIL = 0.2  # fraction of prompts in the flat tail
 TAIL_MIN = 10  # the tail's counts are uniform in [TAIL_MIN, max_count]
 MAX_COUNT = 40
-EOS_TEXT = "<|endoftext|>"  # the tiny tokenizer's EOS, in case a caller decodes it into the text
-
-
-def repeat_score(answer: Mapping[str, Any], completion: str, tolerance: float = 0.25) -> float:
-    """Reward in [0, 1]: (share of output words equal to the word) × exp(-|words - count| / scale),
-    scale = max(1, tolerance × count). 1.0 only for exactly ``count`` copies of the word."""
-    word, count = answer["word"], int(answer["count"])
-    words = completion.split(EOS_TEXT, 1)[0].split()  # text after an (undecoded) EOS is not output
-    if not words:
-        return 0.0
-    share = sum(w == word for w in words) / len(words)
-    scale = max(1.0, tolerance * count)
-    return share * math.exp(-abs(len(words) - count) / scale)
 
 
 class RepeatTask(Task):

@@ -35,7 +35,7 @@ import inspect
 import math
 import re
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -271,12 +271,25 @@ def math_answer(prompts: list[str], completions: list[str], answer: list[Any], *
     return out
 
 
+EOS_TEXT = "<|endoftext|>"  # the tiny tokenizer's EOS, in case a caller decodes it into the text
+
+
+def repeat_score(answer: Mapping[str, Any], completion: str, tolerance: float = 0.25) -> float:
+    """Reward in [0, 1]: (share of output words equal to the word) × exp(-|words - count| / scale),
+    scale = max(1, tolerance × count). 1.0 only for exactly ``count`` copies of the word."""
+    word, count = answer["word"], int(answer["count"])
+    words = completion.split(EOS_TEXT, 1)[0].split()  # text after an (undecoded) EOS is not output
+    if not words:
+        return 0.0
+    share = sum(w == word for w in words) / len(words)
+    scale = max(1.0, tolerance * count)
+    return share * math.exp(-abs(len(words) - count) / scale)
+
+
 def repeat_verifier(
     prompts: list[str], completions: list[str], word: list[str], count: list[int], **_: Any
 ) -> list[float]:
-    """The built-in repeat task's graded verifier (see :func:`streamrl_cli.tasks.builtin.repeat_score`)."""
-    from streamrl_cli.tasks.builtin import repeat_score
-
+    """The built-in repeat task's verifier as a recipe's ``task.reward`` (:func:`repeat_score`)."""
     return [
         repeat_score({"word": w, "count": n}, c) for c, w, n in zip(completions, word, count, strict=True)
     ]
