@@ -28,6 +28,7 @@ are ``trainer.loop.request_id``; the parts the loop drives are typed in ``traine
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from streamrl_cli.errors import StreamRLError
 from streamrl_cli.tasks import Prompt, Task
 from streamrl_cli.trainer.algo.advantages import estimator
-from streamrl_cli.trainer.loop.batch import GroupCollector
+from streamrl_cli.trainer.loop.batch import GroupCollector, by_tokens
 from streamrl_cli.trainer.loop.batch_state import LoopState
 from streamrl_cli.trainer.loop.dynamic_sampling import Refill
 from streamrl_cli.trainer.loop.evaluation import Evaluator
@@ -293,8 +294,10 @@ class Pipeline:
             self._check_generators()
             self._dispatch_due()
         batch = self.state.batches[i]
-        micro = self.cfg.train.micro_batch
-        per_round = micro * self.cfg.world
+        world = self.cfg.world
+        cut = functools.partial(
+            by_tokens, rows=self.cfg.train.micro_batch, tokens=self.cfg.train.micro_batch_tokens
+        )
         train_spans: list[list[float]] = []
         # An estimator that normalises over the whole batch (REINFORCE++) trains after its last group.
         alg = self.cfg.algorithm
@@ -308,11 +311,14 @@ class Pipeline:
                 while not batch.whole and (sample := self.svc.get(timeout=0)) is not None:
                     self.router.route(sample)
                 done = batch.whole
-            if done or (stream and len(got.ready) > per_round):
-                take = got.take(per_round)
+            # A round is one micro-batch per rank (cut by rows and tokens); streaming trains one as soon
+            # as more than a round's worth is ready, the whole batch's last round once it is whole.
+            # (A round's micro-batches are cut from its first world × micro_batch rollouts at most.)
+            mbs = cut(got.ready[: world * self.cfg.train.micro_batch])[:world] if done or stream else []
+            if done or (len(mbs) == world and len(got.ready) > sum(map(len, mbs))):
+                got.take(sum(map(len, mbs)))
                 last = done and not got.ready
                 t0 = self.clock()
-                mbs = [take[k : k + micro] for k in range(0, len(take), micro)]
                 self.driver.round(mbs, last=last)
                 train_spans.append([t0, self.clock()])
                 if last:

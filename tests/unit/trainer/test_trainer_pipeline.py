@@ -174,6 +174,44 @@ def test_sync_stream_trains_before_the_last_sample_and_steps_after_it():
     assert events.index(("weights", 1)) < events.index(("dispatch", "it1/c/4"))
 
 
+@pytest.mark.parametrize(("budget", "world"), [(0, 1), (5, 1), (7, 2)])
+def test_micro_batches_are_cut_by_tokens_as_well_as_rows(budget, world):
+    # Each sample is 2 prompt tokens + (index + 1) response tokens: 3 and 4 tokens in a group of 2.
+    events: list = []
+    gens = Generators(events)
+    shapes: list = []
+
+    class Shapes(Driver):
+        def round(self, micro_batches, *, last):
+            shapes.append([[len(r.prompt_tokens) + r.response_len for r in mb] for mb in micro_batches])
+            super().round(micro_batches, last=last)
+
+    driver = Shapes(events)
+    task = CountTask(64)
+    pipe = Pipeline(
+        config(mode="sync-stream", micro_batch_tokens=budget, world=world), task=task,
+        sampler=ListSampler(task.prompts(), 4), tokenize=lambda t: [5, 6],
+        detokenize=lambda ids: "x" * len(ids), svc=gens, driver=driver, publisher=Publisher(events, gens),
+        on_record=[].append, clock=Clock(),
+    )  # fmt: skip
+    pipe.run(0, 2, 0)
+    mbs = [mb for rnd in shapes for mb in rnd]
+    assert all(len(rnd) <= world for rnd in shapes)  # one micro-batch per rank at most
+    assert sum(map(len, mbs)) == 2 * 4 * 2  # every sample trained once
+    assert all(len(mb) <= 2 for mb in mbs)  # train.micro_batch
+    if budget:
+        assert all(sum(mb) <= budget for mb in mbs)
+        # 5: the token bound cuts every pair the row bound would keep; 7: a group's 3 + 4 tokens fit
+        assert {len(mb) for mb in mbs} == ({1} if budget == 5 else {2})
+    else:
+        assert {len(mb) for mb in mbs} == {2}
+    # Streaming still trains rounds before the batch is whole.
+    it0 = events[: events.index(("step",))]
+    assert next(k for k, e in enumerate(it0) if e[0] == "round") < max(
+        k for k, e in enumerate(it0) if e[0] == "sample"
+    )
+
+
 def test_baseline_waits_for_the_whole_batch():
     events, driver, _ = make("baseline")
     it0 = events[: events.index(("step",))]
