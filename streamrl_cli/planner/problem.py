@@ -13,6 +13,7 @@ devices, of kind `cpu`: so the local recipe can be tuned too, from a CPU profile
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from streamrl_cli.planner.hardware import load_hardware
 from streamrl_cli.planner.profile import load_profile
 from streamrl_cli.planner.search import Option, Planner, Pool, SearchResult, trainer_counts
 from streamrl_cli.planner.workload import Workload, workload_from_recipe
-from streamrl_cli.recipe.schema import GPUS_PER_NODE, MODES, NODES, Recipe
+from streamrl_cli.recipe.schema import GPUS_PER_NODE, MODES, NODES, Recipe, TrainerConfig
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,9 @@ def current_option(planner: Planner, r: Recipe, pools: list[Pool]) -> Option | N
     gen = planner.gen_model(gpool).plan(gen_tp, g.instances)
     tm = planner.train_model(tpool)
     pp, tp = t.pipeline_parallel, t.tensor_parallel if t.gpus_per_node else 1
-    train = tm.plan(tp, pp, y // (tp * pp), t.zero_stage, t.cpu_offload) if y % (tp * pp) == 0 else None
+    sp, ckpt = planner.wl.sequence_parallel, t.activation_checkpointing
+    group = tp * pp * sp
+    train = tm.plan(tp, pp, y // group, t.zero_stage, t.cpu_offload, sp, ckpt) if y % group == 0 else None
     if gen is None:
         return None
     if train is not None:
@@ -216,8 +219,18 @@ def overrides(option: Option, r: Recipe) -> list[str]:
         f"roles.trainer.pipeline_parallel={t.pp}",
         f"roles.trainer.zero_stage={t.zero}",
         f"roles.trainer.cpu_offload={str(t.offload).lower()}",
+        f"roles.trainer.activation_checkpointing={str(t.checkpointing).lower()}",
     ]
+    # Until the recipe schema has the trainer's key, its degree is only in the layout and the report
+    # (report.long_context_note): a written recipe could not load with it.
+    if schema_has_sequence_parallel():
+        lines.append(f"roles.trainer.sequence_parallel={t.sp}")
     return lines
+
+
+def schema_has_sequence_parallel() -> bool:
+    """Whether recipes can set roles.trainer.sequence_parallel (the trainer's Ulysses degree)."""
+    return "sequence_parallel" in {f.name for f in dataclasses.fields(TrainerConfig)}
 
 
 def check_overrides(recipe: str, given: list[str], lines: list[str]) -> Recipe:

@@ -10,8 +10,15 @@ from pathlib import Path
 
 from rich.table import Table
 
-from streamrl_cli.planner.problem import Tuned
+from streamrl_cli.planner.problem import Tuned, schema_has_sequence_parallel
 from streamrl_cli.planner.search import Option
+from streamrl_cli.planner.training import (
+    ZERO_STAGES,
+    TrainPlan,
+    activation_bytes,
+    logits_bytes,
+    memory_parts,
+)
 from streamrl_cli.planner.workload import Workload
 
 
@@ -66,6 +73,92 @@ def lora_note(wl: Workload) -> str:
     )
 
 
+def long_context(wl: Workload, t: TrainPlan) -> dict:
+    """How a training plan holds one micro-batch (planner.training): its tokens, their split over the
+    SP ranks, the logits and activations as planned and as they would be otherwise, and what the
+    plan changes in the recipe's roles.trainer keys."""
+    tokens = wl.micro_tokens
+    local = tokens / (t.tp * t.sp)
+    parts = dict(t.memory_parts_gb)
+    doc: dict = {
+        "micro_batch_tokens": tokens,
+        "tokens_per_gpu": round(local),
+        "sequence_parallel": t.sp,
+        "activation_checkpointing": t.checkpointing,
+        "logits_chunk": wl.logits_chunk if t.logits_chunked else 0,
+        "vocabulary": wl.model.vocab,
+        "logits_gb": round(parts.get("logits", 0.0), 2),
+        "logits_gb_unchunked": round(logits_bytes(wl, tokens / t.sp, False) / t.tp / 1e9, 2),
+        "activations_gb": round(parts.get("activations", 0.0), 2),
+        "activations_gb_other": round(activation_bytes(wl, local, not t.checkpointing) / 1e9, 2),
+        "proposes": {},
+    }
+    if t.sp != wl.sequence_parallel:
+        doc["proposes"]["roles.trainer.sequence_parallel"] = t.sp
+    if t.checkpointing != wl.activation_checkpointing:
+        doc["proposes"]["roles.trainer.activation_checkpointing"] = t.checkpointing
+    if t.sp > 1 and t.tp == t.pp == 1:
+        # The least memory any layout without SP needs on the same GPUs (ZeRO stage, offload,
+        # checkpointing free): why SP was needed, when it is more than the GPU holds.
+        doc["without_sp_gb"] = round(
+            min(
+                sum(memory_parts(wl, 1, 1, t.gpus, z, off, 1, ckpt).values())
+                for z in ZERO_STAGES
+                for off in (False, True)
+                for ckpt in (False, True)
+            )
+            / 1e9,
+            1,
+        )
+    return doc
+
+
+def long_context_note(wl: Workload, t: TrainPlan) -> str:
+    """The recommended trainer's micro-batch in words, for the table's caption ("" where it uses none
+    of the long-context keys and the recipe set none)."""
+    d = long_context(wl, t)
+    if t.sp == 1 and not t.checkpointing and not d["proposes"]:
+        return ""
+    said = [f"micro-batch of {_tokens(d['micro_batch_tokens'])} tokens"]
+    if t.sp > 1:
+        said.append(f"SP{t.sp} splits it to {_tokens(d['tokens_per_gpu'])} per GPU")
+        if "without_sp_gb" in d and d["without_sp_gb"] > t.usable_gb:
+            said.append(
+                f"without SP no layout of these {t.gpus} GPUs fits (at least {d['without_sp_gb']:.0f} GB "
+                f"of {t.usable_gb:.0f} usable)"
+            )
+    if d["logits_chunk"]:
+        said.append(
+            f"logits chunked by {d['logits_chunk']}: {_gb(d['logits_gb'])} GB instead of "
+            f"{_gb(d['logits_gb_unchunked'])} GB"
+        )
+    elif wl.logits_chunk > 0 and wl.model.vocab:
+        said.append(
+            f"logits unchunked under ZeRO-{t.zero} (the trainer's chunked head cannot take a "
+            f"partitioned weight): {_gb(d['logits_gb'])} GB"
+        )
+    elif wl.model.vocab:
+        said.append(f"logits unchunked (roles.trainer.logits_chunk 0): {_gb(d['logits_gb'])} GB")
+    if t.checkpointing:
+        said.append(
+            f"activation checkpointing on: activations {_gb(d['activations_gb'])} GB instead of "
+            f"{_gb(d['activations_gb_other'])} GB, one more forward per token"
+        )
+    else:
+        said.append(
+            f"activation checkpointing off: activations {_gb(d['activations_gb'])} GB "
+            f"(on: {_gb(d['activations_gb_other'])} GB)"
+        )
+    text = "Trainer: " + "; ".join(said) + "."
+    if d["proposes"]:
+        keys = " ".join(f"{k}={str(v).lower()}" for k, v in d["proposes"].items())
+        text += f"\nProposes {keys} (the recipe's differ)"
+        if "roles.trainer.sequence_parallel" in d["proposes"] and not schema_has_sequence_parallel():
+            text += "; sequence_parallel is not a recipe key in this version: --write leaves it out"
+        text += "."
+    return text
+
+
 def option_doc(o: Option, recommended: bool = False) -> dict:
     e, g, t = o.estimate, o.gen, o.train
     return {
@@ -97,7 +190,11 @@ def option_doc(o: Option, recommended: bool = False) -> dict:
             "data_parallel": t.dp,
             "zero_stage": t.zero,
             "cpu_offload": t.offload,
+            "sequence_parallel": t.sp,
+            "activation_checkpointing": t.checkpointing,
+            "logits_chunked": t.logits_chunked,
             "memory_gb_per_gpu": round(t.memory_gb, 1),
+            "memory_gb_by_part": {k: round(v, 2) for k, v in t.memory_parts_gb},
             # The same layout training every weight (LoRA off): what LoRA saves per GPU.
             "memory_gb_per_gpu_full_finetune": round(t.full_memory_gb, 1),
         },
@@ -134,6 +231,7 @@ def document(tuned: Tuned, top: int = 10) -> dict:
             "output_len_max": wl.lengths.max_len,
         },
         "trainer": trainer_doc(wl),
+        "long_context": long_context(wl, res.recommended.train),
         "pools": [{"name": p.name, "hardware": p.kind, "gpus": p.gpus, "site": p.site} for p in tuned.pools],
     }
 
@@ -162,6 +260,9 @@ def table(tuned: Tuned, top: int = 10) -> Table:
     caption = "★ recommended (by " + res.objective + ")"
     if wl.lora:
         caption += "\n" + lora_note(wl)
+    note = long_context_note(wl, res.recommended.train)
+    if note:
+        caption += "\n" + note
     tab = Table(title=title, title_justify="left", caption=caption)
     for col, right in (
         ("", False),

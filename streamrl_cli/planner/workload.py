@@ -7,8 +7,11 @@ lengths, algorithm and pipelining mode — in small frozen dataclasses, built he
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from streamrl_cli.planner import PlannerError
 from streamrl_cli.planner.lengths import LengthDist
@@ -16,6 +19,10 @@ from streamrl_cli.recipe.presets import require_resolved, uses_critic
 from streamrl_cli.recipe.schema import Recipe
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The vocabulary the planner assumes when the model's config.json is not on this machine: Qwen2.5's
+# (Llama 3's is 128,256). It sizes the LM head's logits (planner.training.logits_bytes).
+DEFAULT_VOCAB = 152_064
+LOGITS_CHUNK = 2048  # roles.trainer.logits_chunk's default (trainer.algo.losses.LOGITS_CHUNK)
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,7 @@ class ModelShape:
     kv_heads: int
     dtype_bytes: int  # bytes per weight and activation element
     intermediate: int = 0  # MLP width (gate/up outputs, down input); 0: inferred, see mlp_width
+    vocab: int = 0  # LM head outputs (0: unknown, its logits are not counted)
 
     @property
     def head_dim(self) -> int:
@@ -125,6 +133,14 @@ class Workload:
     lora_rank: int = 0  # model.lora.rank (0: every weight of the actor trains)
     lora_targets: tuple[str, ...] = ()  # model.lora.target_modules
     lora_sync: str = "merged"  # model.lora.sync: "adapter" sends the adapters alone inside a site
+    # Long contexts (planner.training): the LM head's tokens per chunk (0: unchunked), the token
+    # budget of a micro-batch (0: none), the recipe's activation checkpointing and Ulysses degree
+    # (on, or above 1, they are fixed; at their defaults tune-split may propose them), the attention.
+    logits_chunk: int = LOGITS_CHUNK
+    micro_batch_tokens: int = 0
+    activation_checkpointing: bool = False
+    sequence_parallel: int = 1
+    attention: str = "sdpa"
 
     @property
     def samples(self) -> int:
@@ -137,6 +153,15 @@ class Workload:
     @property
     def max_seq(self) -> int:
         return self.max_prompt_len + self.lengths.max_len
+
+    @property
+    def micro_tokens(self) -> int:
+        """Tokens of one packed micro-batch, the memory bound: one maximum-length sequence, or with
+        train.micro_batch_tokens min(micro_batch_tokens, micro_batch × max_seq), at least one
+        maximum-length sequence (the trainer cuts micro-batches by rows and by tokens)."""
+        if self.micro_batch_tokens <= 0:
+            return self.max_seq
+        return max(self.max_seq, min(self.micro_batch_tokens, self.micro_batch * self.max_seq))
 
     @property
     def tokens(self) -> float:
@@ -205,6 +230,26 @@ def _without_critic(name: str) -> str:
     return "grpo" if name == "ppo" else name
 
 
+def vocab_from_recipe(r: Recipe) -> int:
+    """The model's vocabulary: its config.json's vocab_size where the model directory is on this
+    machine, the built-in builder's for a model made at start, else DEFAULT_VOCAB."""
+    path = Path(os.path.expanduser(r.model.path)) / "config.json"
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        config = {}
+    if not isinstance(config, dict):
+        config = {}
+    vocab = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
+        return vocab
+    if r.model.builder is not None:
+        from streamrl_cli.models.tiny import TinySpec
+
+        return TinySpec().vocab_size
+    return DEFAULT_VOCAB
+
+
 def model_from_recipe(r: Recipe) -> ModelShape:
     m = r.model
     if m.params_b <= 0:
@@ -221,6 +266,7 @@ def model_from_recipe(r: Recipe) -> ModelShape:
         heads=m.num_attention_heads,
         kv_heads=m.num_kv_heads,
         dtype_bytes=DTYPE_BYTES[m.dtype],
+        vocab=vocab_from_recipe(r),
     )
 
 
@@ -246,6 +292,7 @@ def workload_from_recipe(r: Recipe, mode: str | None = None) -> Workload:
         raise PlannerError("the recipe's workload cannot be modelled:\n  - " + "\n  - ".join(problems))
     a = require_resolved(r.algorithm, "the planner's workload")  # checks.resolve filled its preset
     lora = r.model.lora
+    t_ = r.roles.trainer
     return Workload(
         model=model_from_recipe(r),
         algorithm="ppo" if uses_critic(a) else _without_critic(a.name),
@@ -262,4 +309,10 @@ def workload_from_recipe(r: Recipe, mode: str | None = None) -> Workload:
         lora_rank=max(0, lora.rank),
         lora_targets=tuple(lora.target_modules) if lora.rank > 0 else (),
         lora_sync=lora.sync if lora.rank > 0 else "merged",
+        logits_chunk=t_.logits_chunk,
+        micro_batch_tokens=r.train.micro_batch_tokens,
+        activation_checkpointing=t_.activation_checkpointing,
+        # roles.trainer.sequence_parallel is read where the recipe schema has it (the trainer's key).
+        sequence_parallel=max(1, getattr(t_, "sequence_parallel", 1)),
+        attention=t_.attention,
     )

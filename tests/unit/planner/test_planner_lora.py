@@ -28,7 +28,9 @@ HW = load_hardware()
 N = 121_634_816
 TOY = ModelShape("toy", float(N), 8, 1024, 16, 4, 2)  # intermediate left to be inferred
 QV = ("q_proj", "v_proj")
-ACTS = 2048 * 1024 * 2 * (8 + 16)  # max_seq × hidden × bytes × (layers + one layer's working set)
+# max_seq × bytes × (layers × hidden + one layer's working set), activation checkpointing on; the
+# working set of a block per token (planner.training.layer_working_set): 6·1024 + 2·256 + 4·4096.
+ACTS = 2048 * 2 * (8 * 1024 + 23_040)
 
 
 def toy(algorithm: str = "grpo", *, reference: bool = True, rank: int = 0, targets=QV) -> Workload:
@@ -83,16 +85,18 @@ def test_memory_of_full_fine_tuning_and_lora_by_part():
         "gradients": 2 * N,
         "optimizer": 12 * N,  # Adam's m and v and the fp32 master
         "activations": ACTS,
+        "logits": 0.0,  # the toy states no vocabulary
     }
-    assert sum(full.values()) == 2_290_089_984
+    assert sum(full.values()) == 2_317_352_960
     lora = memory_parts(toy(rank=8), 1, 1, 1, 1, False)
     assert lora == {
         "weights": 2 * (N + 212_992),  # the frozen base and the adapters; no reference copy
         "gradients": 2 * 212_992,
         "optimizer": 12 * 212_992,
         "activations": ACTS,
+        "logits": 0.0,
     }
-    assert sum(lora.values()) == 347_340_800
+    assert sum(lora.values()) == 374_603_776
     # ZeRO-3 on 4 GPUs shards weights, gradients and states alike.
     z3 = memory_parts(toy(rank=8), 1, 1, 4, 3, False)
     assert z3["weights"] == 2 * (N + 212_992) / 4 and z3["optimizer"] == 12 * 212_992 / 4
@@ -122,8 +126,9 @@ def test_lora_drops_the_frozen_weights_gradient_gemms_from_the_actors_work():
 
 
 def test_a_lora_trainer_fits_a_gpu_the_full_one_does_not():
-    # Usable 0.5 GB: full fine-tuning needs 830,472,192 bytes even with the optimizer offloaded
-    # (weights ×2, gradients, activations); LoRA 344,784,896 (offloaded) or 347,340,800.
+    # Usable 0.5 GB: full fine-tuning needs 857,735,168 bytes even with the optimizer offloaded
+    # (weights ×2, gradients, activations); LoRA 372,047,872 (offloaded) or 374,603,776 — with
+    # activation checkpointing: without it the activations alone (8 × 23,040 × 2 × 2048) overflow.
     h800 = HW.get("h800")
     small = dataclasses.replace(
         h800, hbm_bytes=0.5e9, eff=dataclasses.replace(h800.eff, memory_usable=1.0, reserve_bytes=0.0)
@@ -132,9 +137,9 @@ def test_a_lora_trainer_fits_a_gpu_the_full_one_does_not():
     assert TrainingModel(cm, small, toy()).best(1) is None
     plan = TrainingModel(cm, small, toy(rank=8)).best(1)
     assert plan is not None and not plan.offload  # the fastest: Adam's step on the GPU
-    assert plan.memory_gb * 1e9 == pytest.approx(347_340_800, abs=1)
+    assert plan.memory_gb * 1e9 == pytest.approx(374_603_776, abs=1) and plan.checkpointing
     assert plan.full_memory_gb * 1e9 > small.usable_bytes
-    full_same = TrainingModel(cm, h800, toy()).memory_bytes(1, 1, 1, plan.zero, plan.offload)
+    full_same = TrainingModel(cm, h800, toy()).memory_bytes(1, 1, 1, plan.zero, plan.offload, 1, True)
     assert plan.full_memory_gb * 1e9 == pytest.approx(full_same)
 
 
