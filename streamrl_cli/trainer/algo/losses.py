@@ -25,6 +25,7 @@ Conventions:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -210,10 +211,6 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str, max_len: int) -> tuple
     raise ValueError(f"unknown loss aggregation {mode!r}; valid: {', '.join(LOSS_AGGS)}")
 
 
-# Tokens per chunk of the LM head in `chunked_logprobs` (the recipe's roles.trainer.logits_chunk).
-LOGITS_CHUNK = 2048
-
-
 @dataclass(frozen=True)
 class HeadMath:
     """What a causal LM does to its LM head's output before the logits: Cohere's ``logit_scale`` (a
@@ -224,12 +221,24 @@ class HeadMath:
 
     def logits(self, hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """fp32 logits [N, V] of hidden states [N, H], in the model's own order and dtype until the cast."""
-        logits = torch.nn.functional.linear(hidden, weight, bias)
+        return self.post(torch.nn.functional.linear(hidden, weight, bias))
+
+    def post(self, logits: Tensor) -> Tensor:
+        """The LM head's output [N, V] → the fp32 logits."""
         if self.scale != 1.0:
             logits = logits * self.scale
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.float()
+
+    def grad_(self, grad: Tensor, logits: Tensor) -> Tensor:
+        """The gradient at the LM head's output from the one at the fp32 `logits` it gave (both [N, V];
+        `logits` is overwritten, `grad` is scaled in place)."""
+        if self.softcap:  # d(c · tanh(l / c)) = 1 - tanh², and tanh = logits / c
+            grad.mul_(logits.div_(self.softcap).square_().neg_().add_(1.0))
+        if self.scale != 1.0:
+            grad.mul_(self.scale)
+        return grad
 
 
 def chunked_logprobs(
@@ -240,17 +249,19 @@ def chunked_logprobs(
     s: SamplingTransform,
     *,
     entropy: bool = False,
-    chunk: int = LOGITS_CHUNK,
+    chunk: int,
     head: HeadMath = HeadMath(),
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`sampled_logprobs` of the logits ``head.logits(hidden, weight, bias)`` without ever holding
     them whole: hidden states [B, T, H] and tokens [B, T] → log-probs [B, T] (and entropy [B, T]).
 
-    The LM head and the log-softmax run ``chunk`` tokens at a time; backward recomputes each chunk's
-    logits instead of keeping them, so the logits cost chunk × vocabulary floats, not tokens ×
-    vocabulary, forward and backward. Each chunk's numbers are ``sampled_logprobs``' own (same
-    temperature, truncation and entropy code), so the results equal the unchunked computation's to
-    rounding; gradients reach ``hidden``, ``weight`` and ``bias``.
+    The LM head and the log-softmax run ``chunk`` tokens at a time (roles.trainer.logits_chunk);
+    backward recomputes each chunk's logits instead of keeping them, so the logits cost chunk ×
+    vocabulary floats, not tokens × vocabulary, forward and backward. Gradients reach ``hidden``,
+    ``weight`` and ``bias``; the results equal the unchunked computation's to rounding. Without
+    truncation the gradient is the log-softmax's own in closed form (per logit, for a token's
+    log-prob: onehot − p; for the entropy: −p · (log p + H)), a few passes over a chunk; with
+    truncation (top-k/top-p/min-p) each chunk runs ``sampled_logprobs`` again under autograd.
     """
     if chunk <= 0:
         raise ValueError(f"chunk must be at least 1, got {chunk}")
@@ -275,62 +286,117 @@ class _ChunkedHead(torch.autograd.Function):
         chunk: int,
         head: HeadMath,
     ) -> tuple[Tensor, Tensor]:
-        logps, ents = [], []
-        for a in range(0, hidden.shape[0], chunk):
-            lp, ent = sampled_logprobs(
-                head.logits(hidden[a : a + chunk], weight, bias), tokens[a : a + chunk], s, entropy=entropy
-            )
-            logps.append(lp)
-            if ent is not None:
-                ents.append(ent)
-        logp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
-        ent = torch.cat(ents) if ents else hidden.new_zeros(0, dtype=torch.float32)
+        n = hidden.shape[0]
+        logp = hidden.new_empty(n, dtype=torch.float32)
+        ent = hidden.new_empty(n if entropy else 0, dtype=torch.float32)
+        lse = hidden.new_empty(0 if s.truncates else n, dtype=torch.float32)
+        for a in range(0, n, chunk):
+            b = min(a + chunk, n)
+            logits = head.logits(hidden[a:b], weight, bias)
+            tgt = tokens[a:b].long()
+            if s.truncates:
+                lp, h = sampled_logprobs(logits, tgt, s, entropy=entropy)
+                logp[a:b] = lp
+                if h is not None:
+                    ent[a:b] = h
+                continue
+            if s.temperature != 1.0:
+                logits.div_(s.temperature)
+            lse[a:b] = torch.logsumexp(logits, dim=-1)
+            logp[a:b] = logits.gather(-1, tgt[:, None]).squeeze(-1) - lse[a:b]
+            if entropy:  # logsumexp − Σ p · l, as entropy_from_logits computes it
+                p = torch.softmax(logits, dim=-1)
+                ent[a:b] = lse[a:b] - p.mul_(logits).sum(dim=-1)
         if not entropy:
             ctx.mark_non_differentiable(ent)
-        ctx.save_for_backward(hidden, weight, bias, tokens)
+        ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent)
         ctx.s, ctx.entropy, ctx.chunk, ctx.head = s, entropy, chunk, head
         ctx.set_materialize_grads(False)
         return logp, ent
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, g_logp: Tensor | None, g_ent: Tensor | None):  # type: ignore[override]
-        hidden, weight, bias, tokens = ctx.saved_tensors
+        hidden, weight, bias, tokens, lse, ent = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and bias is not None
         g_hidden = torch.zeros_like(hidden) if need_h else None
         # Summed over chunks in fp32 (the unchunked matmul's accumulation is fp32 too, in one go).
         g_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-        g_bias = torch.zeros_like(bias, dtype=torch.float32) if need_b and bias is not None else None
-        if g_logp is None and (g_ent is None or not ctx.entropy):
+        g_bias = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        g_ent = g_ent if ctx.entropy else None
+        if g_logp is None and g_ent is None:
             return g_hidden, g_weight, g_bias, None, None, None, None, None
-        for a in range(0, hidden.shape[0], ctx.chunk):
-            b = a + ctx.chunk
-            with torch.enable_grad():
-                h = hidden[a:b].detach().requires_grad_(need_h)
-                w = weight.detach().requires_grad_(need_w)
-                bb = bias.detach().requires_grad_(need_b) if bias is not None else None
-                lp, ent = sampled_logprobs(
-                    ctx.head.logits(h, w, bb), tokens[a:b], ctx.s, entropy=ctx.entropy and g_ent is not None
-                )
-                out = (lp * g_logp[a:b]).sum() if g_logp is not None else lp.new_zeros(())
-                if ent is not None and g_ent is not None:
-                    out = out + (ent * g_ent[a:b]).sum()
-                wanted = [t for t, need in ((h, need_h), (w, need_w), (bb, need_b)) if need and t is not None]
-                grads = iter(torch.autograd.grad(out, wanted, allow_unused=True)) if wanted else iter(())
+        s, n = ctx.s, hidden.shape[0]
+        for a in range(0, n, ctx.chunk):
+            b = min(a + ctx.chunk, n)
+            h = hidden[a:b]
+            if s.truncates:
+                g_out = _truncated_grad(ctx, h, weight, bias, tokens[a:b], g_logp, g_ent, a, b)
+            else:
+                g_out = _softmax_grad(ctx, h, weight, bias, tokens[a:b], lse[a:b], ent, g_logp, g_ent, a, b)
+            g_out = g_out.to(weight.dtype)
             if need_h:
-                gh = next(grads)
-                if gh is not None:
-                    g_hidden[a:b] = gh
+                g_hidden[a:b] = g_out @ weight
             if need_w:
-                gw = next(grads)
-                if gw is not None:
-                    g_weight += gw
-            if need_b and bias is not None:
-                gb = next(grads)
-                if gb is not None:
-                    g_bias += gb
+                if g_weight.dtype == g_out.dtype:
+                    g_weight.addmm_(g_out.t(), h)
+                else:
+                    g_weight += (g_out.t() @ h).float()
+            if need_b:
+                g_bias += g_out.float().sum(dim=0)
         return (
             g_hidden,
             g_weight.to(weight.dtype) if g_weight is not None else None,
             g_bias.to(bias.dtype) if g_bias is not None else None,
             None, None, None, None, None,
         )  # fmt: skip
+
+
+def _softmax_grad(
+    ctx: Any, h: Tensor, weight: Tensor, bias: Tensor | None, tgt: Tensor, lse: Tensor, ent: Tensor,
+    g_logp: Tensor | None, g_ent: Tensor | None, a: int, b: int,
+) -> Tensor:  # fmt: skip
+    """∂loss/∂(the LM head's output) of one chunk [C, V], without truncation, in closed form: with
+    scaled logits l = logits / T, p = softmax(l) and H the entropy, ∂ log p_t / ∂l = onehot_t − p and
+    ∂H / ∂l = −p · (log p + H)."""
+    s, head = ctx.s, ctx.head
+    scaled = head.logits(h, weight, bias)
+    if s.temperature != 1.0:
+        scaled.div_(s.temperature)
+    p = torch.softmax(scaled, dim=-1)
+    grad = scaled.sub(lse[:, None])  # log p
+    zero = torch.zeros((), dtype=torch.float32, device=h.device)
+    g_lp = g_logp[a:b, None] if g_logp is not None else zero
+    if g_ent is not None:  # −p · (g_lp + g_ent · (log p + H))
+        grad.add_(ent[a:b, None]).mul_(g_ent[a:b, None]).add_(g_lp)
+    else:
+        grad.copy_(g_lp.expand_as(grad))
+    grad.mul_(p).neg_()
+    del p
+    if g_logp is not None:
+        grad.scatter_add_(-1, tgt.long()[:, None], g_logp[a:b, None])
+    if s.temperature != 1.0:
+        grad.div_(s.temperature)
+    if head.softcap:
+        scaled.mul_(s.temperature)  # the logits again, for the softcap's derivative
+    return head.grad_(grad, scaled)
+
+
+def _truncated_grad(
+    ctx: Any, h: Tensor, weight: Tensor, bias: Tensor | None, tgt: Tensor,
+    g_logp: Tensor | None, g_ent: Tensor | None, a: int, b: int,
+) -> Tensor:  # fmt: skip
+    """∂loss/∂(the LM head's output) of one chunk [C, V] with truncation: ``sampled_logprobs`` again,
+    under autograd, from the head's output."""
+    with torch.enable_grad():
+        z = torch.nn.functional.linear(
+            h.detach(), weight.detach(), bias.detach() if bias is not None else None
+        )
+        z.requires_grad_(True)
+        logits = ctx.head.post(z)
+        lp, ent = sampled_logprobs(logits, tgt, ctx.s, entropy=g_ent is not None)
+        out = (lp * g_logp[a:b]).sum() if g_logp is not None else lp.new_zeros(())
+        if ent is not None and g_ent is not None:
+            out = out + (ent * g_ent[a:b]).sum()
+        (grad,) = torch.autograd.grad(out, z, allow_unused=True)
+    return grad if grad is not None else torch.zeros_like(z)
