@@ -203,12 +203,22 @@ def train_passes(wl: Workload, ctx: float, checkpointing: bool = True) -> float:
 class TrainingModel:
     """P_train for one hardware kind and workload; plans are memoised."""
 
-    def __init__(self, cm: CostModel, hw: GPUSpec, wl: Workload, layouts: str = "trainer"):
+    def __init__(
+        self,
+        cm: CostModel,
+        hw: GPUSpec,
+        wl: Workload,
+        layouts: str = "trainer",
+        *,
+        sequence_parallel: tuple[int, ...] | None = None,
+        checkpointing: tuple[bool, ...] | None = None,
+    ):
         """``layouts``: "trainer" plans only what StreamRL's trainer runs, ZeRO data parallel (TP1
         PP1) with Ulysses sequence parallelism and activation checkpointing on or off; "megatron"
         also TP within a node and PP, always with checkpointing and without Ulysses, as the paper's
         trainer ran (for reproducing its measurements, never for a recipe). A recipe that sets
-        roles.trainer.sequence_parallel above 1 or activation_checkpointing on fixes it."""
+        roles.trainer.sequence_parallel above 1 or activation_checkpointing on fixes it;
+        ``sequence_parallel`` and ``checkpointing`` pin the degrees and settings tried (what-ifs)."""
         self.cm, self.hw, self.wl = cm, hw, wl
         m = wl.model
         if layouts == "trainer":
@@ -225,6 +235,10 @@ class TrainingModel:
             ]
             self.pps = [pp for pp in range(1, min(MAX_PP, m.layers) + 1) if m.layers % pp == 0]
             self.sps, self.checkpointing = [1], [True]
+        if sequence_parallel is not None:
+            self.sps = [sp for sp in sequence_parallel if sp == 1 or sp_divides(m, sp)]
+        if checkpointing is not None:
+            self.checkpointing = list(checkpointing)
         self._best = lru_cache(maxsize=None)(lambda g: self._best_uncached(g, lambda p: p.time_s))
         self._front = lru_cache(maxsize=None)(self._pareto)
 
