@@ -151,8 +151,14 @@ def long_context_note(wl: Workload, t: TrainPlan) -> str:
         )
     text = "Trainer: " + "; ".join(said) + "."
     if d["proposes"]:
-        keys = " ".join(f"{k}={str(v).lower()}" for k, v in d["proposes"].items())
-        text += f"\nProposes {keys} (the recipe's differ)"
+        recipe = {
+            "roles.trainer.sequence_parallel": wl.sequence_parallel,
+            "roles.trainer.activation_checkpointing": wl.activation_checkpointing,
+        }
+        keys = ", ".join(
+            f"{k}={str(v).lower()} (the recipe: {str(recipe[k]).lower()})" for k, v in d["proposes"].items()
+        )
+        text += f"\nProposes {keys}"
         if "roles.trainer.sequence_parallel" in d["proposes"] and not schema_has_sequence_parallel():
             text += "; sequence_parallel is not a recipe key in this version: --write leaves it out"
         text += "."

@@ -22,7 +22,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The vocabulary the planner assumes when the model's config.json is not on this machine: Qwen2.5's
 # (Llama 3's is 128,256). It sizes the LM head's logits (planner.training.logits_bytes).
 DEFAULT_VOCAB = 152_064
-LOGITS_CHUNK = 2048  # roles.trainer.logits_chunk's default (trainer.algo.losses.LOGITS_CHUNK)
+LOGITS_CHUNK = 1024  # roles.trainer.logits_chunk's default, for a workload built without a recipe
 
 
 @dataclass(frozen=True)

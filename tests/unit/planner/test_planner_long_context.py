@@ -28,6 +28,7 @@ from streamrl_cli.planner.training import (
 )
 from streamrl_cli.planner.workload import DEFAULT_VOCAB, workload_from_recipe
 from streamrl_cli.recipe.load import load
+from streamrl_cli.recipe.schema import TrainerConfig
 
 HW = load_hardware()
 H800 = HW.get("h800")
@@ -35,6 +36,7 @@ RECIPE = "paper/qwen2.5-32b-grpo-64k"
 T = 65_536  # 2,048 prompt + 63,488 output tokens: one micro-batch
 V = 152_064
 W = 148_628
+CHUNK = TrainerConfig().logits_chunk  # the recipe keeps the trainer's default
 L, H = 64, 5120
 
 
@@ -45,7 +47,7 @@ def wl64k(*ovr: str):
 def test_the_64k_workload_reads_the_long_context_keys():
     wl = wl64k()
     assert (wl.max_seq, wl.micro_tokens, wl.model.vocab) == (T, T, DEFAULT_VOCAB) and V == DEFAULT_VOCAB
-    assert (wl.logits_chunk, wl.activation_checkpointing, wl.sequence_parallel) == (2048, True, 1)
+    assert (wl.logits_chunk, wl.activation_checkpointing, wl.sequence_parallel) == (CHUNK, True, 1)
     assert layer_working_set(wl.model, T) == W
     assert layer_working_set(wl.model, T, "eager") == W + 40 * T  # eager keeps its probabilities
 
@@ -66,7 +68,7 @@ def test_micro_batch_tokens_bound_the_micro_batch_but_never_below_one_longest_sa
 def test_logits_bytes_follow_the_chunk_the_zero_stage_and_sp_exactly():
     wl = wl64k()
     unchunked = 3 * T * V * 4  # the logits, their log-softmax, its gradient: fp32
-    chunked = 2 * 2048 * V * 4  # one chunk's logits and their gradient
+    chunked = 2 * CHUNK * V * 4  # one chunk's logits and their gradient
     assert memory_parts(wl, 1, 1, 8, 2, False)["logits"] == chunked
     assert memory_parts(dataclasses.replace(wl, logits_chunk=0), 1, 1, 8, 2, False)["logits"] == unchunked
     # ZeRO-3 partitions the LM head's weight: the trainer's log-probs fall back to unchunked.
