@@ -196,15 +196,44 @@ class SequenceParallel:
     # -- the trainer's forwards (``models.policy_forward`` / ``critic_forward`` with SP) ----------
 
     def policy_forward(
-        self, model: nn.Module, mb: MicroBatch, sampling: SamplingTransform | float, *, entropy: bool = False
+        self,
+        model: nn.Module,
+        mb: MicroBatch,
+        sampling: SamplingTransform | float,
+        *,
+        entropy: bool = False,
+        chunk: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``models.policy_forward`` over this group: the same [B, L-1] log-probs (and entropy) of the
-        whole micro-batch on every rank of the group; each rank's forward holds 1/degree of the tokens."""
+        whole micro-batch on every rank of the group; each rank's forward holds 1/degree of the tokens.
+        ``chunk`` (roles.trainer.logits_chunk) as there: the LM head a chunk of this rank's tokens at
+        a time, where ``models.lm_head`` can reproduce it."""
+        from streamrl_cli.trainer.algo.losses import chunked_logprobs
+        from streamrl_cli.trainer.role.models import lm_head
+
         if not isinstance(sampling, SamplingTransform):
             sampling = SamplingTransform.tempered(float(sampling))
         shard = self.shard(mb)
-        logits = model(input_ids=shard.ids, position_ids=shard.positions, use_cache=False).logits.float()
-        logp, ent = sampled_logprobs(logits, shard.targets, sampling, entropy=entropy)
+        kwargs = {"input_ids": shard.ids, "position_ids": shard.positions, "use_cache": False}
+        head = lm_head(model) if chunk > 0 else None
+        if head is None:
+            logits = model(**kwargs).logits.float()
+            logp, ent = sampled_logprobs(logits, shard.targets, sampling, entropy=entropy)
+        else:
+            linear, math = head
+            out = model(**kwargs, output_hidden_states=True, logits_to_keep=1)
+            hidden = out.hidden_states[-1]
+            del out
+            logp, ent = chunked_logprobs(
+                hidden,
+                shard.targets,
+                linear.weight,
+                linear.bias,
+                sampling,
+                entropy=entropy,
+                chunk=chunk,
+                head=math,
+            )
         packed = shard.packed
         logp = packed.unpack(self.gather(logp, shard)[:, :-1])
         return logp, (packed.unpack(self.gather(ent, shard)[:, :-1]) if ent is not None else None)

@@ -102,7 +102,9 @@ def unsplit(path: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], tor
     return logps, {n: p.grad.clone() for n, p in model.named_parameters()}, values
 
 
-def _rank_main(rank: int, world: int, degree: int, stage: int, address: str, path: str, out: str) -> None:
+def _rank_main(
+    rank: int, world: int, degree: int, stage: int, long: bool, address: str, path: str, out: str
+) -> None:
     import deepspeed
     from deepspeed.utils import safe_get_full_grad, safe_update_full_grad_vectorized
 
@@ -114,6 +116,8 @@ def _rank_main(rank: int, world: int, degree: int, stage: int, address: str, pat
     torch.set_num_threads(1)
     sp = SequenceParallel.setup(degree)
     policy = sp.install(models.load_policy(path, torch.float32))
+    if long:  # the other long-context settings: checkpointed blocks re-run their all-to-alls in backward
+        models.checkpoint_activations(policy)
     ref = sp.install(models.load_reference(path, torch.float32, torch.device("cpu")))
     config = {
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
@@ -121,6 +125,9 @@ def _rank_main(rank: int, world: int, degree: int, stage: int, address: str, pat
     }  # fmt: skip
     optimizer = torch.optim.AdamW(policy.parameters(), lr=0.0)
     engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer, config=config, mpu=sp.mpu)
+    engine.train()
+    chunk = 8 if long else 0  # roles.trainer.logits_chunk: the LM head 8 tokens at a time
+    assert not long or (models.lm_head(engine) is not None and policy.is_gradient_checkpointing)
     batches = micro_batches()
     # One micro-batch per SP group and round, as the rank driver hands them out (sp.dp_rank; every
     # group in every round, with an empty filler batch where none is left); one group: all in turn.
@@ -131,8 +138,8 @@ def _rank_main(rank: int, world: int, degree: int, stage: int, address: str, pat
     ]
     logps, units = [], 0.0
     for k, mb in enumerate(mine):
-        logp, ent = sp.policy_forward(engine, mb, SAMPLING, entropy=True)
-        ref_logp = sp.policy_forward(ref, mb, SAMPLING)[0]
+        logp, ent = sp.policy_forward(engine, mb, SAMPLING, entropy=True, chunk=chunk)
+        ref_logp = sp.policy_forward(ref, mb, SAMPLING, chunk=chunk)[0]
         num, n = loss_numerator(logp, ent, ref_logp, mb)
         engine.set_gradient_accumulation_boundary(k == len(mine) - 1)
         engine.backward(num, scale_wrt_gas=False)
@@ -162,25 +169,27 @@ def _rank_main(rank: int, world: int, degree: int, stage: int, address: str, pat
     os._exit(0)  # as tests/e2e/test_trainer_learner.py: no interpreter teardown with gloo threads
 
 
-def run_ranks(path: str, tmp_path, world: int, degree: int, stage: int):
+def run_ranks(path: str, tmp_path, world: int, degree: int, stage: int, long: bool = False):
     import torch.multiprocessing as mp
 
     from streamrl_cli.trainer.role.learner import open_group_store
 
     store, address = open_group_store(world, "127.0.0.1")
     out = tmp_path / "sp.pt"
-    args = (world, degree, stage, address, path, str(out))
+    args = (world, degree, stage, long, address, path, str(out))
     mp.start_processes(_rank_main, args=args, nprocs=world, start_method="spawn")
     del store
     return torch.load(out)
 
 
 @pytest.mark.parametrize(
-    "world,stage",
-    [(2, 2), (4, 3)],  # one SP group of 2 (ZeRO-2); two SP groups of 2, data-parallel (ZeRO-3)
+    "world,stage,long",
+    # one SP group of 2 (ZeRO-2) with chunked logits and activation checkpointing; two SP groups of
+    # 2, data-parallel (ZeRO-3)
+    [(2, 2, True), (4, 3, False)],
 )
-def test_sp_ranks_give_the_unsplit_loss_and_gradient(model_dir, tmp_path, monkeypatch, world, stage):
-    got = run_ranks(model_dir, tmp_path, world=world, degree=2, stage=stage)
+def test_sp_ranks_give_the_unsplit_loss_and_gradient(model_dir, tmp_path, monkeypatch, world, stage, long):
+    got = run_ranks(model_dir, tmp_path, world=world, degree=2, stage=stage, long=long)
     got_logps, got_grads, got_values, got_norm = got
     monkeypatch.setattr(models, "PACK_TOKENS", PACK_TOKENS)
     packed = [models.Packed(mb) for mb in micro_batches()]
