@@ -26,9 +26,6 @@ from streamrl_cli.trainer.loop.batch import MicroBatch, Rollout, collate
 from streamrl_cli.trainer.role import models
 from streamrl_cli.transport.wire import Sample
 
-# real DeepSpeed engines in spawned gloo ranks
-pytestmark = pytest.mark.slow
-
 ALGO = presets.filled(
     AlgorithmConfig(
         name="grpo", kl_coef=0.05, entropy_coef=0.01, is_correction="on", temperature=0.7, top_k=40,
@@ -182,6 +179,7 @@ def run_ranks(path: str, tmp_path, world: int, degree: int, stage: int, long: bo
     return torch.load(out)
 
 
+@pytest.mark.slow  # real DeepSpeed engines in spawned gloo ranks
 @pytest.mark.parametrize(
     "world,stage,long",
     # one SP group of 2 (ZeRO-2) with chunked logits and activation checkpointing; two SP groups of
@@ -208,3 +206,22 @@ def test_sp_ranks_give_the_unsplit_loss_and_gradient(model_dir, tmp_path, monkey
     assert any(g.abs().sum() > 0 for g in grads.values())
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
     assert got_norm == pytest.approx(float(norm), rel=1e-4)
+
+
+def test_the_packed_causal_mask_is_transformers_own_for_the_whole_row():
+    """What the gathered heads attend to (sdpa): causal within each packed sequence, as transformers'
+    mask of the unsplit row; rows of one sequence each need no mask (sdpa's is_causal)."""
+    from transformers import AutoConfig
+    from transformers.masking_utils import create_causal_mask
+
+    from streamrl_cli.trainer.role.sequence_parallel import packed_causal_mask
+
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1, 2], [0, 1, 2, 0, 1, 2, 3, 4, 5]])
+    config = AutoConfig.for_model("qwen2", hidden_size=64, num_attention_heads=2, num_key_value_heads=2)
+    config._attn_implementation = "sdpa"
+    expected = create_causal_mask(
+        config=config, inputs_embeds=torch.zeros(2, 9, 64), attention_mask=None, past_key_values=None,
+        position_ids=positions,
+    )  # fmt: skip
+    assert torch.equal(packed_causal_mask(positions), expected)
+    assert packed_causal_mask(torch.arange(9).expand(2, 9)) is None
