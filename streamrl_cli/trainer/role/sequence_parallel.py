@@ -247,7 +247,7 @@ class SequenceParallel:
 
 # -- attention ----------------------------------------------------------------------------------
 
-_CORES: dict[str, Any] = {}  # the core implementation each registration wraps (one per process)
+_CORES: dict[str, Any] = {}  # what the registration wraps: its core implementation and SP group
 
 
 def _register(group: Any, core: str) -> None:
@@ -256,10 +256,10 @@ def _register(group: Any, core: str) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    if _CORES.get("core", core) != core or _CORES.get("group", group) is not group:
-        raise RuntimeError("one sequence-parallel attention per process: another group or core is installed")
-    if _CORES:
-        return
+    if _CORES.get("core") == core and _CORES.get("group") is group:
+        return  # registered: the actor's, reference's and critic's calls share it
+    # A new group (its groups rebuilt after release_groups) or core replaces the registration: one
+    # SP group per rank, so every model of the process runs the same one.
     _CORES.update(core=core, group=group)
     ulysses: dict[tuple[int, int, int], Any] = {}  # one DeepSpeed module per head layout
 
