@@ -13,7 +13,6 @@ devices, of kind `cpu`: so the local recipe can be tuned too, from a CPU profile
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ from streamrl_cli.planner.hardware import load_hardware
 from streamrl_cli.planner.profile import load_profile
 from streamrl_cli.planner.search import Option, Planner, Pool, SearchResult, trainer_counts
 from streamrl_cli.planner.workload import Workload, workload_from_recipe
-from streamrl_cli.recipe.schema import GPUS_PER_NODE, MODES, NODES, Recipe, TrainerConfig
+from streamrl_cli.recipe.schema import GPUS_PER_NODE, MODES, NODES, Recipe
 
 
 @dataclass(frozen=True)
@@ -220,17 +219,9 @@ def overrides(option: Option, r: Recipe) -> list[str]:
         f"roles.trainer.zero_stage={t.zero}",
         f"roles.trainer.cpu_offload={str(t.offload).lower()}",
         f"roles.trainer.activation_checkpointing={str(t.checkpointing).lower()}",
+        f"roles.trainer.sequence_parallel={t.sp}",
     ]
-    # Until the recipe schema has the trainer's key, its degree is only in the layout and the report
-    # (report.long_context_note): a written recipe could not load with it.
-    if schema_has_sequence_parallel():
-        lines.append(f"roles.trainer.sequence_parallel={t.sp}")
     return lines
-
-
-def schema_has_sequence_parallel() -> bool:
-    """Whether recipes can set roles.trainer.sequence_parallel (the trainer's Ulysses degree)."""
-    return "sequence_parallel" in {f.name for f in dataclasses.fields(TrainerConfig)}
 
 
 def check_overrides(recipe: str, given: list[str], lines: list[str]) -> Recipe:

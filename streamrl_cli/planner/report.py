@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from streamrl_cli.planner.problem import Tuned, schema_has_sequence_parallel
+from streamrl_cli.planner.problem import Tuned
 from streamrl_cli.planner.search import Option
 from streamrl_cli.planner.training import (
     ZERO_STAGES,
@@ -159,8 +159,6 @@ def long_context_note(wl: Workload, t: TrainPlan) -> str:
             f"{k}={str(v).lower()} (the recipe: {str(recipe[k]).lower()})" for k, v in d["proposes"].items()
         )
         text += f"\nProposes {keys}"
-        if "roles.trainer.sequence_parallel" in d["proposes"] and not schema_has_sequence_parallel():
-            text += "; sequence_parallel is not a recipe key in this version: --write leaves it out"
         text += "."
     return text
 

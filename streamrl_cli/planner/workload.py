@@ -313,6 +313,6 @@ def workload_from_recipe(r: Recipe, mode: str | None = None) -> Workload:
         micro_batch_tokens=r.train.micro_batch_tokens,
         activation_checkpointing=t_.activation_checkpointing,
         # roles.trainer.sequence_parallel is read where the recipe schema has it (the trainer's key).
-        sequence_parallel=max(1, getattr(t_, "sequence_parallel", 1)),
+        sequence_parallel=t_.sequence_parallel,
         attention=t_.attention,
     )

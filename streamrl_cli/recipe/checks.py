@@ -210,10 +210,48 @@ def _trainer(r: Recipe) -> Iterator[Problem]:
         if getattr(t, key) != 1:
             yield (
                 f"roles.trainer.{key}",
-                f"{getattr(t, key)}: the trainer is ZeRO data parallel only (DeepSpeed ZeRO stages 0-3, "
-                "optionally with cpu_offload) and runs no tensor or pipeline parallel layout; set it to 1 "
-                "and shard the model with zero_stage=3 (tune-split plans such layouts)",
+                f"{getattr(t, key)}: the trainer is ZeRO data parallel (DeepSpeed ZeRO stages 0-3, "
+                "optionally with cpu_offload) with Ulysses sequence parallelism, and runs no tensor or "
+                "pipeline parallel layout; set it to 1 and shard the model with zero_stage=3, or split "
+                "long sequences with sequence_parallel (tune-split plans such layouts)",
             )
+    yield from _sequence_parallel(r)
+
+
+def _sequence_parallel(r: Recipe) -> Iterator[Problem]:
+    """Ulysses splits each row over `sp` ranks and the attention heads over the same ranks: `sp` must
+    divide the trainer's ranks (the rest is ZeRO's data parallelism) and the query heads, and the
+    KV heads must divide over it or be repeated evenly (sp a multiple of them)."""
+    t, m = r.roles.trainer, r.model
+    sp = t.sequence_parallel
+    if sp == 1:
+        return
+    if sp < 1:
+        yield "roles.trainer.sequence_parallel", f"must be at least 1 (1: off), got {sp}"
+        return
+    world = t.nodes * max(t.gpus_per_node, 1)  # one rank per GPU, one per node on CPUs
+    if world % sp:
+        yield (
+            "roles.trainer.sequence_parallel",
+            f"{sp} does not divide the trainer's {world} ranks (nodes × gpus_per_node, one per node on "
+            f"CPUs); valid: {_divisors(world)}",
+        )
+    heads, kv = m.num_attention_heads, m.num_kv_heads
+    if heads % sp or (kv % sp and sp % kv):
+        yield (
+            "roles.trainer.sequence_parallel",
+            f"{sp} does not split the model's {heads} attention heads and {kv} KV heads evenly (Ulysses "
+            f"gives each rank heads / {sp}); valid: "
+            + ", ".join(
+                str(d) for d in range(1, heads + 1) if heads % d == 0 and (kv % d == 0 or d % kv == 0)
+            ),
+        )
+    if t.attention == "eager":
+        yield (
+            "roles.trainer.sequence_parallel",
+            "Ulysses needs sdpa or flash_attention_2 attention (eager needs the whole [tokens × tokens] "
+            "mask on every rank); set roles.trainer.attention=sdpa",
+        )
 
 
 def _generator(r: Recipe) -> Iterator[Problem]:

@@ -155,6 +155,12 @@ class TrainerConfig(RoleJobConfig):
     # tensor or pipeline parallel layout, so these stay 1 (anything else is refused, not ignored).
     tensor_parallel: int = 1  # TP degree: 1 only
     pipeline_parallel: int = 1  # PP degree: 1 only
+    # Sequence parallelism (DeepSpeed's Ulysses): each packed row of a micro-batch is split across
+    # this many ranks of the trainer job, which exchange attention heads for sequence (all-to-all) in
+    # every attention layer; ZeRO shards over all ranks. Activations and logits per rank shrink by
+    # this factor, so a sequence this many times longer fits (docs/long-context.md). It must divide
+    # the trainer's ranks and the model's attention heads; sdpa or flash_attention_2 only. 1: off.
+    sequence_parallel: int = at_most(GPUS_PER_NODE * NODES, 1)
     zero_stage: int = 1  # DeepSpeed ZeRO stage, 0-3
     cpu_offload: bool = False  # ZeRO-Offload: optimizer states in host memory (tune-split may pick it)
     # Recompute each transformer block's activations during backward instead of keeping them from the

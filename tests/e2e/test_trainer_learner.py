@@ -119,21 +119,27 @@ def assert_same(got: dict, expected: dict) -> None:
 CFG = loss_config(name="grpo", loss_agg="token-mean", kl_coef=0.05, is_correction="on")
 
 
-def _rank_main(rank: int, address: str, path: str, out: str) -> None:
-    """Two trainer ranks in lockstep through RankDriver/follow, ZeRO-2 over gloo."""
+def _rank_main(rank: int, address: str, path: str, out: str, sp: int, stage: int) -> None:
+    """Two trainer ranks in lockstep through RankDriver/follow over gloo: data parallel, or one
+    sequence-parallel group of two (each packed row split over both, ZeRO over both)."""
     from streamrl_cli.trainer.role.ranks import RankDriver, follow
 
     init_distributed(rank, 2, address, "gloo")
     torch.set_num_threads(1)
-    learner = Learner(path, CFG, optim_config(zero_stage=2, lr=0.0), torch.device("cpu"), torch.float32)
+    opt = optim_config(zero_stage=stage, sequence_parallel=sp, lr=0.0)
+    learner = Learner(path, CFG, opt, torch.device("cpu"), torch.float32)
     if rank:
         follow(learner, rank)
     else:
         driver = RankDriver(learner, 2)
         rows = rollouts(11, seed=7)
-        # rounds of one micro-batch per rank; the last round leaves rank 1 without one (a filler batch)
-        driver.round([rows[0:3], rows[3:5]], last=False)
-        driver.round([rows[5:11]], last=True)
+        if sp == 1:
+            # rounds of one micro-batch per rank; the last round leaves rank 1 without one (a filler batch)
+            driver.round([rows[0:3], rows[3:5]], last=False)
+            driver.round([rows[5:11]], last=True)
+        else:  # one micro-batch per round, which both ranks split
+            driver.round([rows[0:5]], last=False)
+            driver.round([rows[5:11]], last=True)
         torch.save(driver.gradients(), out)
         driver.stop()
     leave_group()
@@ -146,12 +152,17 @@ def _rank_main(rank: int, address: str, path: str, out: str) -> None:
     os._exit(0)
 
 
-def test_two_data_parallel_ranks_give_the_whole_batch_gradient(model_dir, tmp_path):
+@pytest.mark.parametrize(("sp", "stage"), [(1, 2), (2, 2), (2, 3)])
+def test_two_ranks_give_the_whole_batch_gradient_data_or_sequence_parallel(model_dir, tmp_path, sp, stage):
+    # roles.trainer.sequence_parallel=2: each packed row split over the two ranks (Ulysses); the
+    # loss and the gradient are those of the whole batch at once, as with data parallelism.
     import torch.multiprocessing as mp
 
     store, address = open_group_store(2, "127.0.0.1")  # both ranks join the store this process hosts
     out = tmp_path / "grads.pt"
-    mp.start_processes(_rank_main, args=(address, model_dir, str(out)), nprocs=2, start_method="spawn")
+    mp.start_processes(
+        _rank_main, args=(address, model_dir, str(out), sp, stage), nprocs=2, start_method="spawn"
+    )
     del store
     expected = reference_grads(model_dir, CFG, rollouts(11, seed=7))
     assert_same(torch.load(out), expected)

@@ -50,12 +50,14 @@ def pipeline_config(*, world: int = 1, **keys: Any):  # type: ignore[no-untyped-
     return PipelineConfig(**sections(**keys), world=world, **runtime)
 
 
-def optim_config(*, zero_stage: int, **algorithm: Any):  # type: ignore[no-untyped-def]
-    """The learner's OptimConfig of a ZeRO stage (roles.trainer.zero_stage) and algorithm keys (lr, ...)."""
+def optim_config(*, zero_stage: int, sequence_parallel: int = 1, **algorithm: Any):  # type: ignore[no-untyped-def]
+    """The learner's OptimConfig of a ZeRO stage (roles.trainer.zero_stage), a sequence-parallel
+    degree and algorithm keys (lr, ...)."""
     from streamrl_cli.recipe.schema import TrainerConfig
     from streamrl_cli.trainer.role.learner import OptimConfig
 
-    return OptimConfig(algorithm=AlgorithmConfig(**algorithm), trainer=TrainerConfig(zero_stage=zero_stage))
+    trainer = TrainerConfig(zero_stage=zero_stage, sequence_parallel=sequence_parallel)
+    return OptimConfig(algorithm=AlgorithmConfig(**algorithm), trainer=trainer)
 
 
 def sampling(**keys: Any):  # type: ignore[no-untyped-def]

@@ -38,6 +38,7 @@ from streamrl_cli.trainer.role.models import (
     load_reference,
     policy_forward,
 )
+from streamrl_cli.trainer.role.sequence_parallel import SequenceParallel
 
 if TYPE_CHECKING:
     from streamrl_cli.recipe.schema import AlgorithmConfig, LoraConfig, TrainerConfig
@@ -131,7 +132,9 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
-def _engine(model: torch.nn.Module, lr: float, opt: OptimConfig) -> Any:
+def _engine(model: torch.nn.Module, lr: float, opt: OptimConfig, mpu: Any = None) -> Any:
+    """A DeepSpeed engine of `model`; `mpu`: the sequence-parallel layout (ZeRO then shards over all
+    ranks and reduces over the data-parallel groups)."""
     import deepspeed
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -144,7 +147,7 @@ def _engine(model: torch.nn.Module, lr: float, opt: OptimConfig) -> Any:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
     return engine
 
 
@@ -171,7 +174,12 @@ class Learner:
             )
         # Tokens per chunk of the LM head in the actor's and reference's log-probs (0: unchunked).
         self.chunk = t.logits_chunk
-        policy = load_policy(path, dtype, t.attention)
+        # Sequence parallelism: the ranks of a group split each packed row (trainer.role.sequence_parallel).
+        self.sp = SequenceParallel.setup(t.sequence_parallel) if t.sequence_parallel > 1 else None
+        self._policy_forward = self.sp.policy_forward if self.sp else policy_forward
+        self._critic_forward = self.sp.critic_forward if self.sp else critic_forward
+        mpu = self.sp.mpu if self.sp else None
+        policy = self._split(load_policy(path, dtype, t.attention))
         if t.activation_checkpointing:
             # Before LoRA: PEFT then makes the embeddings' output require grad, as checkpointing wants.
             checkpoint_activations(policy)
@@ -180,23 +188,36 @@ class Learner:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
                 policy = lora_.apply(policy, self.lora)
-        self.actor = _engine(policy, opt.algorithm.lr, opt)
+        self.actor = _engine(policy, opt.algorithm.lr, opt, mpu)
         # PPO's critic trains in full with LoRA too (its own network; docs/lora.md).
         self.critic = (
-            _engine(self._critic(path, dtype, t), opt.algorithm.critic_lr, opt) if loss.critic else None
+            _engine(self._critic(path, dtype, t), opt.algorithm.critic_lr, opt, mpu) if loss.critic else None
         )
         # With LoRA the reference is the actor with its adapters off: no second copy.
-        self.ref = load_reference(path, dtype, device, t.attention) if self.kl and self.lora is None else None
+        self.ref = (
+            self._split(load_reference(path, dtype, device, t.attention))
+            if self.kl and self.lora is None
+            else None
+        )
         self._begin()
+
+    def _split(self, model: Any) -> Any:
+        """`model` with its attention split over the sequence-parallel group (as it is without one)."""
+        return self.sp.install(model) if self.sp is not None else model
+
+    @property
+    def sp_degree(self) -> int:
+        """Ranks that share each micro-batch (1: no sequence parallelism)."""
+        return self.sp.degree if self.sp is not None else 1
 
     @property
     def kl(self) -> bool:
         """Whether the loss (or reward) has a KL term, which needs the reference's log-probs."""
         return self.loss.kl
 
-    @staticmethod
-    def _critic(path: str, dtype: torch.dtype, t: TrainerConfig) -> Critic:
+    def _critic(self, path: str, dtype: torch.dtype, t: TrainerConfig) -> Critic:
         critic = Critic(path, dtype, t.attention)
+        self._split(critic.backbone)
         if t.activation_checkpointing:
             checkpoint_activations(critic.backbone)
             # from_pretrained leaves the backbone in eval mode, where transformers checkpoints nothing.
@@ -215,7 +236,7 @@ class Learner:
         accumulation: the gradient reduction happens in that backward)."""
         c, a = self.loss, self.loss.algorithm
         self.actor.train()
-        logp, ent = policy_forward(self.actor, mb, c.sampling, entropy=True, chunk=self.chunk)
+        logp, ent = self._policy_forward(self.actor, mb, c.sampling, entropy=True, chunk=self.chunk)
         # The trainer's log-probs before this step, and the response tokens. Off-policy masking takes
         # tokens out of the actor's loss (and its denominator), never out of the critic's.
         trainer_logp, valid = logp.detach(), mb.mask
@@ -236,7 +257,7 @@ class Learner:
         if self.kl:
             kl = A.kl_estimate(logp, self.reference_logp(mb), a.kl_estimator)
         if c.critic:
-            values = critic_forward(self.critic, mb)
+            values = self._critic_forward(self.critic, mb)
             score_kl = kl.detach() if (kl is not None and a.kl_mode == "penalty") else None
             tok_r = L.token_rewards(mb.rewards, score_kl, a.kl_coef, valid)
             adv, ret = L.gae(tok_r, values.detach(), valid, a.gamma, a.lam)
@@ -299,13 +320,13 @@ class Learner:
         weights with the adapters switched off (in eval mode, as the copy runs)."""
         with torch.no_grad():
             if self.ref is not None:
-                return policy_forward(self.ref, mb, self.loss.sampling, chunk=self.chunk)[0]
+                return self._policy_forward(self.ref, mb, self.loss.sampling, chunk=self.chunk)[0]
             module = self.actor.module
             was_training = module.training
             module.eval()
             try:
                 with module.disable_adapter():
-                    return policy_forward(module, mb, self.loss.sampling, chunk=self.chunk)[0]
+                    return self._policy_forward(module, mb, self.loss.sampling, chunk=self.chunk)[0]
             finally:
                 module.train(was_training)
 
@@ -334,10 +355,14 @@ class Learner:
         totals = torch.tensor([self.units, *self.sums.values()], dtype=torch.float64)
         if self.world > 1:
             dist.all_reduce(totals)
+        # The ranks of a sequence-parallel group all counted their group's micro-batch.
+        totals /= self.sp_degree
         units = max(float(totals[0]), 1e-12)
         sums = dict(zip(self.sums, (float(x) for x in totals[1:]), strict=True))
-        # DeepSpeed averaged over the data-parallel ranks; the loss is a sum over all of them.
-        factor = self.world / units
+        # DeepSpeed averaged over the data-parallel ranks (with sequence parallelism: what its ZeRO
+        # stage divides by); the loss is a sum over all of them.
+        averaged = self.sp.averaged_over(self.opt.trainer.zero_stage) if self.sp is not None else self.world
+        factor = averaged / units
         for engine in filter(None, (self.actor, self.critic)):
             params = [p for p in engine.module.parameters() if p.requires_grad]
             safe_update_full_grad_vectorized(params, lambda g, _p: g * factor)

@@ -36,8 +36,19 @@ MISTAKES = [
             "roles.trainer.tensor_parallel=2",
             "roles.trainer.pipeline_parallel=2",
         ],
-        ["roles.trainer.tensor_parallel: 2", "roles.trainer.pipeline_parallel: 2", "ZeRO data parallel only"],
+        ["roles.trainer.tensor_parallel: 2", "roles.trainer.pipeline_parallel: 2", "ZeRO data parallel"],
     ),
+    (
+        "sequence parallelism that does not divide the ranks or the heads, with eager attention",
+        "",
+        ["roles.trainer.gpus_per_node=2", "roles.trainer.sequence_parallel=4", "roles.trainer.attention=eager"],
+        [
+            "roles.trainer.sequence_parallel: 4 does not divide the trainer's 2 ranks",
+            "4 does not split the model's 2 attention heads and 2 KV heads evenly",
+            "valid: 1, 2",
+            "Ulysses needs sdpa or flash_attention_2",
+        ],
+    ),  # fmt: skip
     (
         "a time-limit warning that would come at the job's start",
         "",
