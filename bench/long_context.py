@@ -1,7 +1,7 @@
 """Long sequences: the trainer's peak memory and speed with chunked log-probs against the whole logits
 (issue 43).
 
-    .venv/bin/python bench/long_context.py [--lengths 2048,8192,32768] [--chunks 0,512,2048] [--reps 2]
+    .venv/bin/python bench/long_context.py [--lengths 2048,4096,8192,32768] [--chunks 0,512,1024] [--reps 2]
 
 One training step of the policy as the trainer runs it (`policy_forward`: forward, log-probs and
 entropy of the sampled tokens, a policy-gradient loss, backward) on one sequence of each length, with
@@ -148,7 +148,7 @@ def main() -> None:
     LOGITS_CHUNK = TrainerConfig().logits_chunk  # noqa: N806 (the schema's default)
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="2048,4096,8192,32768")
-    ap.add_argument("--chunks", default=f"0,512,{LOGITS_CHUNK},2048")
+    ap.add_argument("--chunks", default=f"0,512,{LOGITS_CHUNK}")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--one", nargs=2, type=int, help=argparse.SUPPRESS)  # length chunk: a child process
     args = ap.parse_args()

@@ -190,7 +190,9 @@ def _removed(scaled: Tensor, s: SamplingTransform) -> Tensor:
         removed |= scaled < kth  # ties with the k-th are kept, as vLLM keeps them
     if s.top_p < 1.0:
         masked = scaled.masked_fill(removed, float("-inf"))
-        order_vals, order = masked.sort(dim=-1, descending=False)
+        # Stable: equal logits go in vocabulary order, so where top-p cuts between them does not
+        # depend on how many rows are sorted at once (chunked log-probs equal unchunked ones).
+        order_vals, order = masked.sort(dim=-1, descending=False, stable=True)
         cum = order_vals.softmax(dim=-1).cumsum(dim=-1)
         drop_sorted = cum <= 1.0 - s.top_p
         drop_sorted[..., -1] = False  # the most likely token always stays
@@ -258,10 +260,10 @@ def chunked_logprobs(
     The LM head and the log-softmax run ``chunk`` tokens at a time (roles.trainer.logits_chunk);
     backward recomputes each chunk's logits instead of keeping them, so the logits cost chunk ×
     vocabulary floats, not tokens × vocabulary, forward and backward. Gradients reach ``hidden``,
-    ``weight`` and ``bias``; the results equal the unchunked computation's to rounding. Without
-    truncation the gradient is the log-softmax's own in closed form (per logit, for a token's
-    log-prob: onehot − p; for the entropy: −p · (log p + H)), a few passes over a chunk; with
-    truncation (top-k/top-p/min-p) each chunk runs ``sampled_logprobs`` again under autograd.
+    ``weight`` and ``bias``; the results equal the unchunked computation's to rounding. The
+    gradient is the log-softmax's own in closed form (per logit, for a token's log-prob: onehot − p;
+    for the entropy: −p · (log p + H); with truncation, over the tokens kept), a few passes over a
+    chunk, with no autograd graph of the chunk's logits.
     """
     if chunk <= 0:
         raise ValueError(f"chunk must be at least 1, got {chunk}")
@@ -289,16 +291,25 @@ class _ChunkedHead(torch.autograd.Function):
         n = hidden.shape[0]
         logp = hidden.new_empty(n, dtype=torch.float32)
         ent = hidden.new_empty(n if entropy else 0, dtype=torch.float32)
-        lse = hidden.new_empty(0 if s.truncates else n, dtype=torch.float32)
+        lse = hidden.new_empty(n, dtype=torch.float32)
+        # Truncation: each row's smallest kept scaled logit, so that backward knows the kept tokens
+        # without vLLM's rule again (top-p sorts the vocabulary); -inf where it cannot tell.
+        floor = hidden.new_empty(n if s.truncates else 0, dtype=torch.float32)
         for a in range(0, n, chunk):
             b = min(a + chunk, n)
             logits = head.logits(hidden[a:b], weight, bias)
             tgt = tokens[a:b].long()
-            if s.truncates:
-                lp, h = sampled_logprobs(logits, tgt, s, entropy=entropy)
-                logp[a:b] = lp
-                if h is not None:
-                    ent[a:b] = h
+            if s.truncates:  # sampled_logprobs' computation, step for step
+                logits.div_(s.temperature)
+                removed = _removed(logits, s)
+                floor[a:b] = _floor(logits, removed)
+                removed.scatter_(-1, tgt[:, None], False)
+                kept = logits.masked_fill(removed, float("-inf"))
+                lse[a:b] = torch.logsumexp(kept, dim=-1)
+                logp[a:b] = kept.gather(-1, tgt[:, None]).squeeze(-1) - lse[a:b]
+                if entropy:
+                    probs = torch.softmax(kept, dim=-1)
+                    ent[a:b] = lse[a:b] - (probs * logits.masked_fill(removed, 0.0)).sum(dim=-1)
                 continue
             if s.temperature != 1.0:
                 logits.div_(s.temperature)
@@ -309,14 +320,14 @@ class _ChunkedHead(torch.autograd.Function):
                 ent[a:b] = lse[a:b] - p.mul_(logits).sum(dim=-1)
         if not entropy:
             ctx.mark_non_differentiable(ent)
-        ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent)
+        ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent, floor)
         ctx.s, ctx.entropy, ctx.chunk, ctx.head = s, entropy, chunk, head
         ctx.set_materialize_grads(False)
         return logp, ent
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, g_logp: Tensor | None, g_ent: Tensor | None):  # type: ignore[override]
-        hidden, weight, bias, tokens, lse, ent = ctx.saved_tensors
+        hidden, weight, bias, tokens, lse, ent, floor = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and bias is not None
         g_hidden = torch.zeros_like(hidden) if need_h else None
@@ -326,14 +337,11 @@ class _ChunkedHead(torch.autograd.Function):
         g_ent = g_ent if ctx.entropy else None
         if g_logp is None and g_ent is None:
             return g_hidden, g_weight, g_bias, None, None, None, None, None
-        s, n = ctx.s, hidden.shape[0]
+        n = hidden.shape[0]
         for a in range(0, n, ctx.chunk):
             b = min(a + ctx.chunk, n)
             h = hidden[a:b]
-            if s.truncates:
-                g_out = _truncated_grad(ctx, h, weight, bias, tokens[a:b], g_logp, g_ent, a, b)
-            else:
-                g_out = _softmax_grad(ctx, h, weight, bias, tokens[a:b], lse[a:b], ent, g_logp, g_ent, a, b)
+            g_out = _softmax_grad(ctx, h, weight, bias, tokens[a:b], lse, ent, floor, g_logp, g_ent, a, b)
             g_out = g_out.to(weight.dtype)
             if need_h:
                 g_hidden[a:b] = g_out @ weight
@@ -352,19 +360,37 @@ class _ChunkedHead(torch.autograd.Function):
         )  # fmt: skip
 
 
+def _floor(scaled: Tensor, removed: Tensor) -> Tensor:
+    """Per row of [C, V], the smallest scaled logit kept, where the dropped tokens are exactly those
+    below it (min-p, top-k and top-p each drop the least likely first); -inf where they are not (a
+    top-p cut between equal logits)."""
+    low = scaled.masked_fill(removed, float("inf")).amin(dim=-1)
+    exact = ((scaled < low[:, None]) == removed).all(dim=-1)
+    return torch.where(exact, low, torch.full_like(low, float("-inf")))
+
+
 def _softmax_grad(
     ctx: Any, h: Tensor, weight: Tensor, bias: Tensor | None, tgt: Tensor, lse: Tensor, ent: Tensor,
-    g_logp: Tensor | None, g_ent: Tensor | None, a: int, b: int,
+    floor: Tensor, g_logp: Tensor | None, g_ent: Tensor | None, a: int, b: int,
 ) -> Tensor:  # fmt: skip
-    """∂loss/∂(the LM head's output) of one chunk [C, V], without truncation, in closed form: with
-    scaled logits l = logits / T, p = softmax(l) and H the entropy, ∂ log p_t / ∂l = onehot_t − p and
+    """∂loss/∂(the LM head's output) of one chunk [C, V] in closed form: with scaled logits
+    l = logits / T, p = softmax(l) over the tokens kept (all of them without truncation; with it,
+    ``_removed``'s rule again, 0 elsewhere) and H the entropy, ∂ log p_t / ∂l = onehot_t − p and
     ∂H / ∂l = −p · (log p + H)."""
     s, head = ctx.s, ctx.head
     scaled = head.logits(h, weight, bias)
-    if s.temperature != 1.0:
+    if s.truncates or s.temperature != 1.0:
         scaled.div_(s.temperature)
-    p = torch.softmax(scaled, dim=-1)
-    grad = scaled.sub(lse[:, None])  # log p
+    lse = lse[a:b]
+    if s.truncates:  # the forward's kept tokens: above its floor (or vLLM's rule again), and the target
+        low = floor[a:b]
+        removed = _removed(scaled, s) if bool(torch.isinf(low).any()) else scaled < low[:, None]
+        removed.scatter_(-1, tgt.long()[:, None], False)
+        p = torch.softmax(scaled.masked_fill(removed, float("-inf")), dim=-1)
+        del removed
+    else:
+        p = torch.softmax(scaled, dim=-1)
+    grad = scaled.sub(lse[:, None])  # log p where kept (times p = 0 elsewhere)
     zero = torch.zeros((), dtype=torch.float32, device=h.device)
     g_lp = g_logp[a:b, None] if g_logp is not None else zero
     if g_ent is not None:  # −p · (g_lp + g_ent · (log p + H))
@@ -375,28 +401,8 @@ def _softmax_grad(
     del p
     if g_logp is not None:
         grad.scatter_add_(-1, tgt.long()[:, None], g_logp[a:b, None])
-    if s.temperature != 1.0:
+    if s.truncates or s.temperature != 1.0:
         grad.div_(s.temperature)
     if head.softcap:
         scaled.mul_(s.temperature)  # the logits again, for the softcap's derivative
     return head.grad_(grad, scaled)
-
-
-def _truncated_grad(
-    ctx: Any, h: Tensor, weight: Tensor, bias: Tensor | None, tgt: Tensor,
-    g_logp: Tensor | None, g_ent: Tensor | None, a: int, b: int,
-) -> Tensor:  # fmt: skip
-    """∂loss/∂(the LM head's output) of one chunk [C, V] with truncation: ``sampled_logprobs`` again,
-    under autograd, from the head's output."""
-    with torch.enable_grad():
-        z = torch.nn.functional.linear(
-            h.detach(), weight.detach(), bias.detach() if bias is not None else None
-        )
-        z.requires_grad_(True)
-        logits = ctx.head.post(z)
-        lp, ent = sampled_logprobs(logits, tgt, ctx.s, entropy=g_ent is not None)
-        out = (lp * g_logp[a:b]).sum() if g_logp is not None else lp.new_zeros(())
-        if ent is not None and g_ent is not None:
-            out = out + (ent * g_ent[a:b]).sum()
-        (grad,) = torch.autograd.grad(out, z, allow_unused=True)
-    return grad if grad is not None else torch.zeros_like(z)

@@ -25,6 +25,8 @@ from streamrl_cli.recipe.schema import (
 from streamrl_cli.trainer.algo.losses import (
     HeadMath,
     SamplingTransform,
+    _floor,
+    _removed,
     chunked_logprobs,
     sampled_logprobs,
 )
@@ -111,6 +113,32 @@ def test_softcap_and_logit_scale(math):
     hidden, weight, bias, tokens, weights = head_case(3, bias=False)
     logp, ent = sampled_logprobs(math.logits(hidden, weight, bias), tokens, s, entropy=True)
     c_logp, c_ent = chunked_logprobs(hidden, tokens, weight, bias, s, entropy=True, chunk=5, head=math)
+    close(c_logp, logp)
+    close(c_ent, ent)
+    for got, want in zip(
+        grads_of(c_logp, c_ent, weights, (hidden, weight)),
+        grads_of(logp, ent, weights, (hidden, weight)),
+        strict=True,
+    ):
+        close(got, want)
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.5, 0.7])
+def test_top_p_cut_between_equal_logits(top_p):
+    """Backward finds the forward's kept tokens from each row's smallest kept logit, except where
+    top-p cut between equal logits (the sort order decides there): vLLM's rule runs again.
+
+    The expected numbers come from the same chunks' logits: a matmul of 4 rows and one of 18 may
+    differ in the last bit, and a top-p cut between near-equal logits follows that bit."""
+    s = SamplingTransform(temperature=1.0, top_k=0, top_p=top_p, min_p=0.0)
+    hidden, weight, bias, tokens, weights = head_case(11, bias=False)
+    weight = weight.detach()[:10].repeat(5, 1).requires_grad_(True)  # every logit five times
+    flat = hidden.reshape(-1, 16)
+    logits = torch.cat([HeadMath().logits(flat[a : a + 4], weight, None) for a in range(0, 18, 4)])
+    with torch.no_grad():
+        assert torch.isinf(_floor(logits, _removed(logits, s))).any()  # the case is exercised
+    logp, ent = sampled_logprobs(logits.reshape(2, 9, 50), tokens, s, entropy=True)
+    c_logp, c_ent = chunked_logprobs(hidden, tokens, weight, bias, s, entropy=True, chunk=4)
     close(c_logp, logp)
     close(c_ent, ent)
     for got, want in zip(
@@ -287,3 +315,77 @@ def test_flash_attention_refused_on_cpu(model_dir):
     opt = OptimConfig(algorithm=AlgorithmConfig(), trainer=trainer)
     with pytest.raises(StreamRLError, match="flash_attention_2 runs on CUDA GPUs only.*runs on cpu"):
         Learner(model_dir, None, opt, torch.device("cpu"), torch.float32)  # type: ignore[arg-type]
+
+
+# ---- the Learner: DeepSpeed engines, LoRA, the reference and the critic ----
+
+LEARNER = """
+import json, random, sys, torch
+from streamrl_cli.recipe import presets
+from streamrl_cli.recipe.schema import AlgorithmConfig, LoraConfig, TrainerConfig
+from streamrl_cli.trainer.loop.batch import Rollout, collate
+from streamrl_cli.trainer.role.learner import Learner, LossConfig, OptimConfig
+from streamrl_cli.trainer.role.learner import init_distributed, open_group_store
+from streamrl_cli.transport.wire import Sample
+
+path, zero, lora, name = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "lora", sys.argv[4]
+store, address = open_group_store(1, "127.0.0.1")
+init_distributed(0, 1, address, "gloo", store)
+rng = random.Random(4)
+rows = []
+for i in range(6):
+    resp = [rng.randrange(1, 400) for _ in range(rng.randint(2, 14))]
+    sample = Sample(prompt_id=f"p{i}", sample_index=0, token_ids=resp, logprobs=[-1.0] * len(resp),
+                    finish_reason="stop", weight_version=0)
+    rows.append(Rollout(prompt_tokens=[rng.randrange(1, 400) for _ in range(rng.randint(2, 9))],
+                        sample=sample, reward=rng.random(), advantage=rng.gauss(0, 1)))
+keys = {"grpo": dict(name="grpo", kl_coef=0.1, top_k=20, entropy_coef=0.01, is_correction="on"),
+        "ppo": dict(name="ppo", kl_mode="penalty", kl_coef=0.01, is_correction="off")}[name]
+algorithm = presets.filled(AlgorithmConfig(**keys), 16)
+out = {}
+for ckpt, chunk in ((False, 0), (True, 5)):
+    torch.manual_seed(0)
+    opt = OptimConfig(algorithm=algorithm, trainer=TrainerConfig(
+        zero_stage=zero, activation_checkpointing=ckpt, logits_chunk=chunk))
+    learner = Learner(path, LossConfig.from_recipe(algorithm, 16), opt, torch.device("cpu"), torch.float32,
+                      lora=LoraConfig(rank=4) if lora else None)
+    with torch.no_grad():  # B starts at 0: make the adapters matter
+        for n, p in learner.actor.module.named_parameters():
+            if ".lora_B" in n:
+                p.normal_(0, 0.05)
+    learner.micro_step(collate(rows[:3]), last=False)
+    learner.micro_step(collate(rows[3:]), last=True)
+    stats = learner.finish_gradients()
+    grads = learner.full_gradients()
+    if learner.critic is not None:
+        grads |= {"critic." + n: p.grad for n, p in learner.critic.module.named_parameters()}
+    out[chunk] = (grads, stats)
+(g0, s0), (g1, s1) = out[0], out[5]
+print(json.dumps({
+    "grad": max((g1[n] - g0[n]).abs().max().item() for n in g0),
+    "stats": max(abs(s1[k] - s0[k]) for k in s0),
+    "names": len(g0),
+}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("zero", "lora", "name"), [(2, "lora", "grpo"), (1, "full", "ppo")])
+def test_learner_checkpointed_and_chunked_equals_plain(model_dir, tmp_path, zero, lora, name):
+    """Activation checkpointing and chunked log-probs together, through DeepSpeed's engine (its
+    backward hooks sit on the forward's outputs), against neither: the same gradients of the actor
+    (LoRA: its adapters; with the reference being the actor with them off) and the critic (PPO)."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "learner.py"
+    script.write_text(LEARNER)
+    out = subprocess.run(
+        [sys.executable, str(script), model_dir, str(zero), lora, name],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["names"] > 0
+    assert result["grad"] < 1e-5 and result["stats"] < 1e-4, result
