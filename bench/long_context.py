@@ -4,21 +4,25 @@
     .venv/bin/python bench/long_context.py [--lengths 2048,4096,8192,32768] [--chunks 0,512,1024] [--reps 2]
 
 One training step of the policy as the trainer runs it (`policy_forward`: forward, log-probs and
-entropy of the sampled tokens, a policy-gradient loss, backward) on one sequence of each length, with
-the LM head and log-softmax unchunked (`roles.trainer.logits_chunk: 0`, the whole [tokens ×
-vocabulary] fp32 logits) and chunked at each size. The model is the project's tiny builder's Qwen2
-(2 layers, hidden 64) with Qwen2.5's real 151,936-token vocabulary: the LM head's 9.7M parameters
-and the logits dominate, as they do for long sequences on real models, and it runs on a CPU.
+entropy of the sampled tokens at temperature 1, a policy-gradient loss, backward) on one sequence of
+each length, with the LM head and log-softmax unchunked (`roles.trainer.logits_chunk: 0`, the whole
+[tokens × vocabulary] fp32 logits) and chunked. The model is the project's tiny builder's Qwen2 (2
+layers, hidden 64) with Qwen2.5's real 151,936-token vocabulary: the LM head's 9.7M parameters and
+the logits dominate, as they do for long sequences on real models, and it runs on a CPU. At 2k and
+8k every chunk size runs; at 4k the whole logits and the default chunk (`logits_chunk`'s schema
+default); at 32k the default chunk alone (a step there takes a minute and more on two cores).
 
 Each configuration runs in a process of its own, so its peak resident memory (`ru_maxrss`) is its
-own: weights, activations, logits and gradients. Reported: the peak, and the peak above the process
-after the model loaded (what the step itself took); tokens per second is the best of `--reps` steps
-after a warm-up. A configuration that would not fit in this machine's memory is skipped, not run
-(the unchunked logits alone are tokens × 151,936 × 4 bytes, several times over in backward).
+own. Reported: the peak, and the step's share of it (the peak less the process after the model
+loaded); tokens per second of the best of `--reps` steps after a warm-up (one step, no warm-up,
+from 8k on). A configuration whose logits would not fit in this machine's available memory is not
+run: the unchunked step holds about five [tokens × vocabulary] fp32 tensors (6.2 GB at 2k tokens),
+so at 8k (~25 GB) its memory is the line through the 2k and 4k measurements (the step's memory is
+linear in the tokens), marked `~`.
 
-Ends with one JSON line: the step's peak memory above the loaded model, unchunked ÷ chunked at the
-default chunk (`logits_chunk`'s default), at 8k tokens (target: 4×). Also printed: tokens per second
-at 2k, chunked against unchunked (target: chunked at most 10% slower).
+Ends with one JSON line: the step's memory, unchunked ÷ chunked at the default chunk, at 8k tokens
+(target: 4×). Also printed: tokens per second at 2k, chunked against unchunked (target: chunked at
+most 10% slower).
 """
 
 from __future__ import annotations

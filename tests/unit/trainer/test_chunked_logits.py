@@ -358,7 +358,10 @@ for ckpt, chunk in ((False, 0), (True, 5)):
     stats = learner.finish_gradients()
     grads = learner.full_gradients()
     if learner.critic is not None:
-        grads |= {"critic." + n: p.grad for n, p in learner.critic.module.named_parameters()}
+        from deepspeed.utils import safe_get_full_grad
+
+        critic = learner.critic.module.named_parameters()
+        grads |= {"critic." + n: safe_get_full_grad(p).detach().clone() for n, p in critic}
     out[chunk] = (grads, stats)
 (g0, s0), (g1, s1) = out[0], out[5]
 print(json.dumps({
