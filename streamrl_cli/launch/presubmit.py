@@ -341,7 +341,8 @@ def _context(r: Recipe, problems: list[str]) -> None:
     elif r.model.builder is not None:
         from streamrl_cli.models.tiny import TinySpec
 
-        n, where = TinySpec().max_position_embeddings, f"the {r.model.builder} builder's model"
+        n = r.model.builder_positions or TinySpec().max_position_embeddings
+        where = f"the {r.model.builder} builder's model (model.builder_positions)"
     else:
         return  # a hub id: its config is read on the cluster
     t = r.task

@@ -16,6 +16,7 @@ directory whose marker matches is reused.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -234,14 +235,15 @@ def ensure_teacher(model: TeacherModelConfig, task: TaskConfig) -> Path:
 
 def ensure_model(model: ModelConfig, task: TaskConfig, progress: Progress | None = None) -> Path:
     """The recipe's model directory, made first if its ``builder`` says how."""
-    from streamrl_cli.models.tiny import build_tiny_model
+    from streamrl_cli.models.tiny import TinySpec, build_tiny_model
 
     path = Path(os.path.expanduser(model.path))
     if path.exists():
         return path
     builder = model.builder
+    spec = TinySpec(max_position_embeddings=model.builder_positions) if model.builder_positions else None
     if builder == "tiny":
-        return build_tiny_model(path)
+        return build_tiny_model(path, spec)
     if builder == "tiny-warm":
         steps = model.warmup_steps
         if steps < 1:
@@ -253,8 +255,11 @@ def ensure_model(model: ModelConfig, task: TaskConfig, progress: Progress | None
         with _locked(path):
             if path.exists():
                 return path
-            base = build_tiny_model(Path(f"{path}-base"))
-            return warm_up(base, path, make_task(task), steps, progress=progress)
+            base = build_tiny_model(Path(f"{path}-base"), spec)
+            # On the instructions alone: the format is what the warm-up teaches, and a long context's
+            # filler (task.filler_words) would only make each step longer.
+            short = dataclasses.replace(task, filler_words=0)
+            return warm_up(base, path, make_task(short), steps, progress=progress)
     if builder is None:
         raise StreamRLError(
             f"model.path: the model directory {path} does not exist; download or copy the model there, "

@@ -22,6 +22,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The vocabulary the planner assumes when the model's config.json is not on this machine: Qwen2.5's
 # (Llama 3's is 128,256). It sizes the LM head's logits (planner.training.logits_bytes).
 DEFAULT_VOCAB = 152_064
+# The builders' models' vocabulary (models.tiny.TinySpec.vocab_size: the planner stands beside models
+# and imports none of it; a test keeps the two equal).
+BUILDER_VOCAB = 512
 LOGITS_CHUNK = 1024  # roles.trainer.logits_chunk's default, for a workload built without a recipe
 
 
@@ -244,9 +247,7 @@ def vocab_from_recipe(r: Recipe) -> int:
     if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
         return vocab
     if r.model.builder is not None:
-        from streamrl_cli.models.tiny import TinySpec
-
-        return TinySpec().vocab_size
+        return BUILDER_VOCAB
     return DEFAULT_VOCAB
 
 

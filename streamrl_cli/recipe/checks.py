@@ -665,6 +665,9 @@ def _algorithm(r: Recipe, a: AlgorithmConfig) -> Iterator[Problem]:
         yield "algorithm.max_refill", "has no effect without dynamic_sampling=true"
 
 
+FILLER_INSTRUCTION_TOKENS = 16  # the repeat task's instruction after its filler words, with room
+
+
 def _task(r: Recipe) -> Iterator[Problem]:
     """The task's files exist (found here rather than by a trainer that waited in the queue)."""
     t = r.task
@@ -714,6 +717,26 @@ def _task(r: Recipe) -> Iterator[Problem]:
         yield "task.eval_temperature", f"must be 0 (greedy) or positive, got {t.eval_temperature}"
     if t.system_prompt is not None and t.dataset is None:
         yield "task.system_prompt", "the built-in task has no chat prompts; set task.dataset to use one"
+    if t.filler_words:
+        if t.dataset is not None or t.name == "calc":
+            yield (
+                "task.filler_words",
+                "only the built-in repeat task (task.dataset null, not calc) takes filler words; a dataset's "
+                "prompts are as long as its rows",
+            )
+        elif t.filler_words + FILLER_INSTRUCTION_TOKENS > t.max_prompt_len:
+            yield (
+                "task.filler_words",
+                f"{t.filler_words} words (one token each) and the instruction do not fit in "
+                f"task.max_prompt_len={t.max_prompt_len}; raise task.max_prompt_len to at least "
+                f"{t.filler_words + FILLER_INSTRUCTION_TOKENS} or lower task.filler_words",
+            )
+    if r.model.builder_positions is not None and r.model.builder is None:
+        yield (
+            "model.builder_positions",
+            "only a model a builder makes takes it (model.builder tiny or tiny-warm); a model's own "
+            "positions are its config.json's max_position_embeddings",
+        )
 
 
 def _lora(r: Recipe) -> Iterator[Problem]:

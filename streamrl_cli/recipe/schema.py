@@ -342,6 +342,10 @@ class ModelConfig:
     builder: str | None = field(default=None, metadata={"choices": MODEL_BUILDERS})
     # builder tiny-warm: supervised steps on the built-in task before RL
     warmup_steps: int = at_most(STEPS, 0)
+    # The positions (max_position_embeddings) of the model a builder makes: the longest prompt plus
+    # output it holds. null: the builder's 4,096. Only with a builder (a model's own positions are
+    # in its config.json).
+    builder_positions: int | None = at_most(TOKENS, None)
     lora: LoraConfig = field(default_factory=LoraConfig)  # train LoRA adapters instead of every weight
 
 
@@ -448,6 +452,10 @@ class TaskConfig:
     eval_samples: int | None = at_most(PROMPTS, None)
     eval_temperature: float = 0.0  # sampling temperature of evaluation (0: greedy)
     num_prompts: int = at_most(PROMPTS, 4096)  # built-in task: prompts in its dataset
+    # Built-in repeat task: this many random words (one token each) before each instruction, so that a
+    # prompt is a long context with its question last, as an agent's observations or a retrieved
+    # document are (docs/long-context.md). They count toward max_prompt_len. 0: the short prompts.
+    filler_words: int = at_most(TOKENS, 0)
     max_prompt_len: int = at_most(TOKENS, 512)  # prompt tokens
     max_output_len: int = at_most(TOKENS, 1024)  # output tokens
     # Output-length distribution for tune-split's cost model and simulator (planner.lengths):

@@ -87,6 +87,7 @@ def make_task(
             max_output_len=task.max_output_len,
             seed=seed,
             reward_fn=load_reward(reward) if reward else None,
+            filler_words=task.filler_words,
         )
     if not reward:
         raise TaskError(

@@ -46,6 +46,7 @@ class RepeatTask(Task):
         seed: int = 0,
         max_count: int = MAX_COUNT,
         reward_fn: Reward | None = None,
+        filler_words: int = 0,
     ):
         if num_prompts < 1:
             raise TaskError(f"task.num_prompts must be at least 1, got {num_prompts}")
@@ -53,7 +54,10 @@ class RepeatTask(Task):
             raise TaskError(
                 f"task.max_output_len must be at least 2 for the repeat task, got {max_output_len}"
             )
+        if filler_words < 0:
+            raise TaskError(f"task.filler_words must be 0 or more, got {filler_words}")
         self.seed = seed
+        self.filler_words = filler_words  # random words before each instruction (a long context)
         self._reward_fn = reward_fn  # the recipe's task.reward, if it replaces the verifier
         if reward_fn is not None:
             reward_fn.check_columns(("word", "count"))
@@ -69,7 +73,12 @@ class RepeatTask(Task):
         else:
             count = round(math.exp(rng.gauss(math.log(MODE + 0.5), 0.45)))
         count = min(max(count, 1), self.max_count)
-        return Prompt(f"repeat/{index:05d}", f"repeat {word} {count}:", {"word": word, "count": count})
+        # The filler has its own random stream: the instructions are the same with or without it.
+        words = random.Random(f"repeat-filler-{self.seed}-{index}")
+        filler = "".join(f"{words.choice(WORDS)} " for _ in range(self.filler_words))
+        return Prompt(
+            f"repeat/{index:05d}", f"{filler}repeat {word} {count}:", {"word": word, "count": count}
+        )
 
     def prompts(self) -> Sequence[Prompt]:
         return self._prompts

@@ -101,6 +101,8 @@ def iteration_record(
         "len/p50": lengths[len(lengths) // 2],
         "len/p90": lengths[min(len(lengths) - 1, int(0.9 * len(lengths)))],
         "len/max": lengths[-1],
+        # The longest sequence trained (prompt + response): what a micro-batch's memory grows with.
+        "len/seq_max": max(len(r.prompt_tokens) + r.response_len for r in rows),
         "samples_per_s": len(rows) / elapsed,
         "tokens_per_s": tokens / elapsed,
         "t/iteration": elapsed,

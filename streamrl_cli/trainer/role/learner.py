@@ -17,6 +17,7 @@ is the same network with its adapters switched off.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,8 @@ from streamrl_cli.trainer.role.models import (
     policy_forward,
 )
 from streamrl_cli.trainer.role.sequence_parallel import SequenceParallel
+
+log = logging.getLogger("streamrl.trainer")
 
 if TYPE_CHECKING:
     from streamrl_cli.recipe.schema import AlgorithmConfig, LoraConfig, TrainerConfig
@@ -179,6 +182,11 @@ class Learner:
         self._policy_forward = self.sp.policy_forward if self.sp else policy_forward
         self._critic_forward = self.sp.critic_forward if self.sp else critic_forward
         mpu = self.sp.mpu if self.sp else None
+        if self.sp is not None:
+            log.info(
+                "sequence parallel: rank %d of %d in its group splits each packed row (%d groups)",
+                self.sp.rank, self.sp.degree, self.sp.dp_world,
+            )  # fmt: skip
         policy = self._split(load_policy(path, dtype, t.attention))
         if t.activation_checkpointing:
             # Before LoRA: PEFT then makes the embeddings' output require grad, as checkpointing wants.

@@ -186,3 +186,12 @@ def test_the_vocabulary_comes_from_a_local_config_json(tmp_path):
     assert workload_from_recipe(load(RECIPE, [f"model.path={tmp_path}"]).recipe).model.vocab == 32_000
     (tmp_path / "config.json").write_text("not json")
     assert workload_from_recipe(load(RECIPE, [f"model.path={tmp_path}"]).recipe).model.vocab == V
+
+
+def test_a_builder_models_vocabulary_is_the_builders():
+    from streamrl_cli.models.tiny import TinySpec
+    from streamrl_cli.planner.workload import BUILDER_VOCAB
+
+    assert BUILDER_VOCAB == TinySpec().vocab_size  # the planner's copy (it imports nothing of models)
+    recipe = load("local", ["model.path=/nonexistent/tiny"]).recipe
+    assert workload_from_recipe(recipe).model.vocab == BUILDER_VOCAB

@@ -41,7 +41,11 @@ MISTAKES = [
     (
         "sequence parallelism that does not divide the ranks or the heads, with eager attention",
         "",
-        ["roles.trainer.gpus_per_node=2", "roles.trainer.sequence_parallel=4", "roles.trainer.attention=eager"],
+        [
+            "roles.trainer.gpus_per_node=2",
+            "roles.trainer.sequence_parallel=4",
+            "roles.trainer.attention=eager",
+        ],
         [
             "roles.trainer.sequence_parallel: 4 does not divide the trainer's 2 ranks",
             "4 does not split the model's 2 attention heads and 2 KV heads evenly",
@@ -66,6 +70,22 @@ MISTAKES = [
         ["roles.generator.gpus_per_instance=2", "roles.generator.tensor_parallel=4"],
         ["roles.generator.tensor_parallel", "does not divide gpus_per_instance=2"],
     ),
+    (
+        "a long context the prompt bound cannot hold, and builder positions for a model no builder makes",
+        "",
+        [
+            "task.filler_words=5000",
+            "task.max_prompt_len=4096",
+            "model.builder=null",
+            "model.builder_positions=8192",
+        ],
+        [
+            "task.filler_words",
+            "raise task.max_prompt_len to at least 5016",
+            "model.builder_positions",
+            "only a model a builder makes",
+        ],
+    ),  # fmt: skip
     (
         "unknown cluster",
         "",

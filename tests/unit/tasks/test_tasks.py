@@ -57,6 +57,21 @@ def test_builtin_lengths_fit_a_smaller_max_output_len():
     assert max(task.expected_length(p) for p in task.prompts()) <= 16
 
 
+def test_filler_words_make_a_long_context_before_the_same_instruction(tokenizer):
+    plain = RepeatTask(num_prompts=6, seed=2).prompts()
+    long = RepeatTask(num_prompts=6, seed=2, filler_words=3000).prompts()
+    assert [p.prompt_id for p in long] == [p.prompt_id for p in plain]
+    assert [p.columns for p in long] == [p.columns for p in plain]  # the same instructions and answers
+    for p, q in zip(plain, long, strict=True):
+        assert q.text.endswith(" " + p.text) and q.text != p.text
+        n = len(tokenizer(q.text).input_ids)
+        assert 3000 <= n <= 3000 + 16  # one token a word, then the instruction (the recipe check's room)
+    assert len({q.text for q in long}) == 6  # each prompt its own context
+    assert RepeatTask(num_prompts=6, seed=2, filler_words=3000).prompts() == long  # from the seed
+    with pytest.raises(TaskError, match="filler_words"):
+        RepeatTask(num_prompts=1, filler_words=-1)
+
+
 def test_expected_length_is_the_tokenized_reference_plus_eos(tokenizer):
     for word in WORDS:
         assert len(tokenizer(f" {word}", add_special_tokens=False).input_ids) == 1, word
