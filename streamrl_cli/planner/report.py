@@ -132,11 +132,6 @@ def long_context_note(wl: Workload, t: TrainPlan) -> str:
             f"logits chunked by {d['logits_chunk']}: {_gb(d['logits_gb'])} GB instead of "
             f"{_gb(d['logits_gb_unchunked'])} GB"
         )
-    elif wl.logits_chunk > 0 and wl.model.vocab:
-        said.append(
-            f"logits unchunked under ZeRO-{t.zero} (the trainer's chunked head cannot take a "
-            f"partitioned weight): {_gb(d['logits_gb'])} GB"
-        )
     elif wl.model.vocab:
         said.append(f"logits unchunked (roles.trainer.logits_chunk 0): {_gb(d['logits_gb'])} GB")
     if t.checkpointing:

@@ -46,10 +46,10 @@ it fits in memory and estimate its time; keep the fastest. What is counted, and 
   TP (Megatron's sequence-parallel TP) and by SP (each rank holds T / SP of the row).
 - logits (logits_bytes): the LM head's fp32 [tokens × vocabulary] of a micro-batch's T / SP tokens
   per rank. roles.trainer.logits_chunk > 0 computes them a chunk at a time and recomputes them in
-  backward: chunk × V × 4 bytes for the chunk and as much for its gradient. Unchunked (0, or under
-  ZeRO-3, where the trainer cannot take the partitioned head weight and falls back:
-  trainer.role.models.lm_head): the logits, their log-softmax kept for backward and its gradient,
-  3 × tokens × V × 4. The recipe states no vocabulary: model_from_recipe reads it from the model
+  backward: chunk × V × 4 bytes for the chunk and as much for its gradient, at every ZeRO stage
+  (under ZeRO-3 each chunk goes through the head module, which gathers its partitioned weight:
+  trainer.role.models.Head). Unchunked (0): the logits, their log-softmax kept for backward and its
+  gradient, 3 × tokens × V × 4. The recipe states no vocabulary: model_from_recipe reads it from the model
   directory's config.json, else assumes Qwen2.5's.
 - time: compute at the cost model's efficiency, TP all-reduces (4 per layer per forward+backward),
   SP all-to-alls (Ulysses: 2 per layer per forward — q/k/v to head-sharded, the output back —, as
@@ -78,9 +78,6 @@ ZERO_STAGES = (1, 2, 3)
 LOGITS_BYTES = 4  # the LM head's logits are fp32 (trainer.algo.losses.HeadMath.post)
 UNCHUNKED_LOGITS_COPIES = 3  # logits, their log-softmax kept for backward, its gradient
 CHUNKED_LOGITS_COPIES = 2  # one chunk's logits and their gradient (recomputed in backward)
-# The trainer's chunked LM head needs the head's whole weight: under ZeRO-3 it is partitioned and
-# the log-probs run unchunked (trainer.role.models.lm_head). Turn on when the trainer gathers it.
-CHUNKED_UNDER_ZERO3 = False
 
 
 def layer_working_set(m: ModelShape, row_tokens: int, attention: str = "sdpa") -> float:
@@ -92,8 +89,9 @@ def layer_working_set(m: ModelShape, row_tokens: int, attention: str = "sdpa") -
 
 
 def chunks_logits(wl: Workload, zero: int) -> bool:
-    """Whether the trainer computes this layout's logits a chunk at a time."""
-    return wl.logits_chunk > 0 and (zero < 3 or CHUNKED_UNDER_ZERO3)
+    """Whether the trainer computes this layout's logits a chunk at a time (every ZeRO stage: under
+    ZeRO-3 the chunks go through the head module, which gathers its weight)."""
+    return wl.logits_chunk > 0
 
 
 def logits_bytes(wl: Workload, tokens: float, chunked: bool) -> float:

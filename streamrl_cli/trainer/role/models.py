@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -107,13 +108,10 @@ def policy_forward(
         logits = model(input_ids=ids, **kwargs).logits[:, :-1].float()
         logp, ent = sampled_logprobs(logits, targets, sampling, entropy=entropy)
     else:
-        linear, math = head
         out = model(input_ids=ids, **kwargs, output_hidden_states=True, logits_to_keep=1)
         hidden = out.hidden_states[-1][:, :-1]
         del out  # the other layers' states: only what backward keeps anyway
-        logp, ent = chunked_logprobs(
-            hidden, targets, linear.weight, linear.bias, sampling, entropy=entropy, chunk=chunk, head=math
-        )
+        logp, ent = head.logprobs(hidden, targets, sampling, entropy=entropy, chunk=chunk)
     if packed is None:
         return logp, ent
     return packed.unpack(logp), (packed.unpack(ent) if ent is not None else None)
@@ -133,11 +131,68 @@ HEADS: dict[str, Callable[[Any], HeadMath]] = {
 }
 
 
-def lm_head(model: nn.Module) -> tuple[nn.Linear, HeadMath] | None:
+@dataclass(frozen=True)
+class Head:
+    """A causal LM's head as the chunked log-probs run it: its module (a Linear, or PEFT's LoRA layer
+    around one), what follows it (``HeadMath``), and whether the closed-form path can use its weight
+    directly (a plain Linear whose weight is whole on this rank)."""
+
+    module: nn.Module
+    math: HeadMath
+    direct: bool
+
+    def logprobs(
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        sampling: SamplingTransform,
+        *,
+        entropy: bool,
+        chunk: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropy) of `targets` [B, T] from the final hidden states [B, T, H], a chunk of
+        tokens at a time. A direct head: ``losses.chunked_logprobs`` (closed-form backward). Otherwise
+        (ZeRO-3 partitions the weight, LoRA wraps the head): each chunk through the head module under
+        activation checkpointing, so DeepSpeed gathers the weight (forward, and the recomputation in
+        backward) and reduces its gradient as for any layer; a chunk's logits are held at a time."""
+        if self.direct:
+            linear = self.module
+            return chunked_logprobs(
+                hidden,
+                targets,
+                linear.weight,
+                linear.bias,
+                sampling,
+                entropy=entropy,
+                chunk=chunk,
+                head=self.math,
+            )
+        from torch.utils.checkpoint import checkpoint
+
+        flat, tokens = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        logps, ents = [], []
+        for a in range(0, flat.shape[0], chunk):
+            lp, en = checkpoint(self._piece, flat[a : a + chunk], tokens[a : a + chunk], sampling, entropy,
+                                use_reentrant=False)  # fmt: skip
+            logps.append(lp)
+            if entropy:
+                ents.append(en)
+        return torch.cat(logps).reshape(targets.shape), (
+            torch.cat(ents).reshape(targets.shape) if entropy else None
+        )
+
+    def _piece(
+        self, h: torch.Tensor, t: torch.Tensor, sampling: SamplingTransform, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        lp, en = sampled_logprobs(self.math.post(self.module(h))[None], t[None], sampling, entropy=entropy)
+        return lp[0], (en[0] if en is not None else None)
+
+
+def lm_head(model: nn.Module) -> Head | None:
     """The LM head of `model` (a DeepSpeed engine, a PEFT model or a transformers causal LM) and what
     follows it, where the chunked log-probs can compute the logits themselves; None where they cannot:
-    an architecture not in `HEADS`, an LM head that is not a plain Linear (LoRA on lm_head), or
-    whose weight is partitioned (ZeRO-3)."""
+    an architecture not in `HEADS` (its forward may do more after the head), or one whose forward
+    cannot keep its logits to the last position."""
     base = model
     ds = sys.modules.get("deepspeed")
     if ds is not None and isinstance(base, ds.DeepSpeedEngine):
@@ -147,12 +202,11 @@ def lm_head(model: nn.Module) -> tuple[nn.Linear, HeadMath] | None:
     config = getattr(base, "config", None)
     make = HEADS.get(getattr(config, "model_type", ""))
     get = getattr(base, "get_output_embeddings", None)
-    linear = get() if make is not None and get is not None else None
-    if type(linear) is not nn.Linear or hasattr(linear.weight, "ds_id"):
+    module = get() if make is not None and get is not None else None
+    if module is None or "logits_to_keep" not in inspect.signature(base.forward).parameters:
         return None
-    if "logits_to_keep" not in inspect.signature(base.forward).parameters:
-        return None
-    return linear, make(config)
+    direct = type(module) is nn.Linear and not hasattr(module.weight, "ds_id")
+    return Head(module, make(config), direct)
 
 
 # A packed row holds at most this many tokens (or the longest sequence, if longer). With sdpa or

@@ -208,7 +208,6 @@ class SequenceParallel:
         whole micro-batch on every rank of the group; each rank's forward holds 1/degree of the tokens.
         ``chunk`` (roles.trainer.logits_chunk) as there: the LM head a chunk of this rank's tokens at
         a time, where ``models.lm_head`` can reproduce it."""
-        from streamrl_cli.trainer.algo.losses import chunked_logprobs
         from streamrl_cli.trainer.role.models import lm_head
 
         if not isinstance(sampling, SamplingTransform):
@@ -220,20 +219,10 @@ class SequenceParallel:
             logits = model(**kwargs).logits.float()
             logp, ent = sampled_logprobs(logits, shard.targets, sampling, entropy=entropy)
         else:
-            linear, math = head
             out = model(**kwargs, output_hidden_states=True, logits_to_keep=1)
             hidden = out.hidden_states[-1]
             del out
-            logp, ent = chunked_logprobs(
-                hidden,
-                shard.targets,
-                linear.weight,
-                linear.bias,
-                sampling,
-                entropy=entropy,
-                chunk=chunk,
-                head=math,
-            )
+            logp, ent = head.logprobs(hidden, shard.targets, sampling, entropy=entropy, chunk=chunk)
         packed = shard.packed
         logp = packed.unpack(self.gather(logp, shard)[:, :-1])
         return logp, (packed.unpack(self.gather(ent, shard)[:, :-1]) if ent is not None else None)
