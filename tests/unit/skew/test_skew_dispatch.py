@@ -110,8 +110,11 @@ def test_algorithm_2_reaches_the_brute_force_optimum(curve, objective):
     assert cases > 300
 
 
-def test_long_tail_goes_to_few_instances_with_small_batches():
-    predicted = [float(x) for x in range(100)]
+@pytest.mark.parametrize("scale", [1.0, 1311.0])  # lengths up to 99 tokens, and up to ~128K
+def test_long_tail_goes_to_few_instances_with_small_batches(scale):
+    # Algorithm 2 uses lengths only through their order and the P90/P50 of recent ones: a long-context
+    # run (outputs up to 128K tokens) gets the same plan, its latencies scaled.
+    predicted = [scale * x for x in range(100)]
     instances = [f"g{i}" for i in range(5)]
     plan = plan_dispatch(predicted, instances, ptl=default_ptl(), recent_lengths=predicted, max_batch=64)
     assert plan.long_prompts == tuple(range(99, 79, -1))
