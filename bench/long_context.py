@@ -111,6 +111,61 @@ def one(length: int, chunk: int, reps: int) -> dict:
     }
 
 
+def sp_rank(rank: int, address: str, length: int, chunk: int, out: str) -> None:
+    """One rank of a sequence-parallel group of two (gloo): a step on one sequence of `length`
+    tokens split between the ranks; writes this rank's step memory and time to `out`.<rank>."""
+    import torch
+
+    from streamrl_cli.trainer.algo.losses import SamplingTransform
+    from streamrl_cli.trainer.loop.batch import Rollout, collate
+    from streamrl_cli.trainer.role.learner import init_distributed
+    from streamrl_cli.trainer.role.models import load_policy
+    from streamrl_cli.trainer.role.sequence_parallel import SequenceParallel
+    from streamrl_cli.transport.wire import Sample
+
+    init_distributed(rank, 2, address, "gloo")
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    sp = SequenceParallel.setup(2)
+    model = sp.install(load_policy(str(model_dir()), torch.float32).train())
+    g = torch.Generator().manual_seed(length)
+    ids = torch.randint(0, VOCAB, (length,), generator=g).tolist()
+    sample = Sample(prompt_id="p", sample_index=0, token_ids=ids[256:], logprobs=[-1.0] * (length - 256),
+                    finish_reason="length", weight_version=0)  # fmt: skip
+    # Two sequences: sequence parallelism runs packed rows (one row of both here).
+    rows = [Rollout(prompt_tokens=ids[:256], sample=sample, reward=1.0, advantage=1.0)]
+    mb = collate(rows)
+    sampling = SamplingTransform.tempered(1.0)
+    loaded = rss_gb()
+    times = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        logp, ent = sp.policy_forward(model, mb, sampling, entropy=True, chunk=chunk)
+        loss = -(logp * mb.mask).sum() / mb.mask.sum() - 0.001 * (ent * mb.mask).sum() / mb.mask.sum()
+        loss.backward()
+        times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    Path(f"{out}.{rank}").write_text(json.dumps({"step_gb": peak - loaded, "tokens_s": length / min(times)}))
+
+
+def sp_pair(length: int, chunk: int) -> dict:
+    """A step on one `length`-token sequence split over two ranks: the larger rank's step memory."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from streamrl_cli.trainer.role.learner import open_group_store
+
+    store, address = open_group_store(2, "127.0.0.1")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/rank"
+        mp.start_processes(sp_rank, args=(address, length, chunk, out), nprocs=2, start_method="spawn")
+        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+    del store
+    return {"step_gb": max(r["step_gb"] for r in ranks), "tokens_s": min(r["tokens_s"] for r in ranks)}
+
+
 def fits(length: int, chunk: int) -> bool:
     """Whether a configuration's logits fit this machine's available memory with room to spare: a
     step holds about five [tokens × vocabulary] fp32 tensors at once unchunked (the logits, the
@@ -155,9 +210,16 @@ def main() -> None:
     ap.add_argument("--chunks", default=f"0,512,{LOGITS_CHUNK}")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--one", nargs=2, type=int, help=argparse.SUPPRESS)  # length chunk: a child process
+    ap.add_argument(
+        "--sp-length", type=int, default=4096, help="SP 1 at this length against SP 2 at twice it"
+    )
+    ap.add_argument("--sp", nargs=2, type=int, help=argparse.SUPPRESS)  # length chunk: SP 2 in a child
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(*args.one, args.reps)))
+        return
+    if args.sp:
+        print(json.dumps(sp_pair(*args.sp)))
         return
     model_dir()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -216,6 +278,30 @@ def main() -> None:
             mem,
         )
     console.print(table)
+
+    # Sequence parallelism: SP 2 at twice the tokens against SP 1 (the same chunked step above).
+    single = results.get((args.sp_length, LOGITS_CHUNK))
+    with console.status(f"sequence parallel: 2 ranks, {2 * args.sp_length} tokens ..."):
+        out = subprocess.run(
+            [sys.executable, __file__, "--sp", str(2 * args.sp_length), str(LOGITS_CHUNK)],
+            capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+    if single and out.returncode == 0:
+        pair = json.loads(out.stdout.strip().splitlines()[-1])
+        sp_table = Table(title=f"sequence parallelism: per-rank step memory (chunk {LOGITS_CHUNK})")
+        for col in ("layout", "tokens per sequence", "tokens per rank", "step GB per rank", "tokens/s"):
+            sp_table.add_column(col, justify="right")
+        sp_table.add_row("SP 1", f"{args.sp_length:,}", f"{args.sp_length:,}", f"{single['step_gb']:.2f}",
+                         f"{single['tokens_s']:,.0f}")  # fmt: skip
+        sp_table.add_row("SP 2 (2 gloo ranks)", f"{2 * args.sp_length:,}", f"{args.sp_length:,}",
+                         f"{pair['step_gb']:.2f}", f"{pair['tokens_s']:,.0f}")  # fmt: skip
+        console.print(sp_table)
+        console.print(
+            f"SP 2 holds a sequence twice as long at {pair['step_gb'] / single['step_gb']:.2f}× the per-rank "
+            "step memory of SP 1 (target 1 ± 0.15)"
+        )
+    elif out.returncode != 0:
+        console.print(f"[red]sequence parallel step failed[/red]\n{out.stderr[-2000:]}")
 
     at2k_base, at2k = results.get((2048, 0)), results.get((2048, LOGITS_CHUNK))
     if at2k_base and at2k:
