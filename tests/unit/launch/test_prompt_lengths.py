@@ -171,6 +171,7 @@ def test_the_trainers_evaluation_names_the_held_out_row(tiny, tmp_path):
     from streamrl_cli.launch.plan import role_specs
     from streamrl_cli.recipe.load import load
     from streamrl_cli.trainer.role.main import TrainerRole
+    from streamrl_cli.trainer.role.records import Reporter
 
     train = dataset(tmp_path / "train.jsonl", [SHORT] * 4)
     held_out = dataset(tmp_path / "held_out.jsonl", [SHORT, LONG])
@@ -181,7 +182,7 @@ def test_the_trainers_evaluation_names_the_held_out_row(tiny, tmp_path):
     role = TrainerRole(role_specs(r, tmp_path)["trainer"], 0)
     where = r"\(task\.eval_dataset row 1, counting from 0, of .*held_out\.jsonl"
     with pytest.raises(StreamRLError, match=where):
-        role._evaluator(role.spec.task, 0, AutoTokenizer.from_pretrained(tiny), [])
+        role._evaluator(role.spec.task, 0, AutoTokenizer.from_pretrained(tiny), Reporter(None, [], 1, None))
 
 
 def test_a_tokenizer_that_does_not_load_is_said_and_a_missing_model_is_not_counted(tiny, tmp_path, runs_root):

@@ -20,6 +20,7 @@ from streamrl_cli.trainer import algo as A
 from streamrl_cli.trainer.algo.losses import aggregate
 from streamrl_cli.trainer.loop.batch import Rollout, collate
 from streamrl_cli.trainer.role.learner import Learner, LossConfig
+from streamrl_cli.trainer.role.models import critic_forward, policy_forward
 from streamrl_cli.transport.wire import Sample
 
 
@@ -350,6 +351,9 @@ def learner(**algorithm) -> Learner:
     out = Learner.__new__(Learner)
     out.loss, out.world, out.device = c, 1, torch.device("cpu")
     out.actor, out.critic, out.ref = Engine(Bigram(8)), None, None
+    # No DeepSpeed, no chunked head, no sequence parallelism: the plain forwards.
+    out.chunk, out.sp = 0, None
+    out._policy_forward, out._critic_forward = policy_forward, critic_forward
     out._begin()
     return out
 
