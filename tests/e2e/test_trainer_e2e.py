@@ -150,9 +150,10 @@ def test_a_long_context_run_splits_its_sequences_and_agrees_with_the_generators(
     trainer ranks that split every packed row between them (Ulysses sequence parallelism), with the
     LM head's log-probs a chunk of tokens at a time and activation checkpointing. It trains, and the
     trainer's log-probs of each sampled token agree with vLLM's to 1e-4, as the short runs' do."""
-    out = streamrl("run", "local-long", "train.iterations=2", "--root", str(tmp_path), timeout=900)
+    root = tmp_path / "runs"
+    out = streamrl("run", "local-long", "train.iterations=2", "--root", str(root), timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    run_dir = only_run(tmp_path)
+    run_dir = only_run(root)
     recs = trainer_records(run_dir)
     assert [r["iteration"] for r in recs] == [0, 1]
     for r in recs:

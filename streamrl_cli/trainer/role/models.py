@@ -205,7 +205,12 @@ def lm_head(model: nn.Module) -> Head | None:
     module = get() if make is not None and get is not None else None
     if module is None or "logits_to_keep" not in inspect.signature(base.forward).parameters:
         return None
-    direct = type(module) is nn.Linear and not hasattr(module.weight, "ds_id")
+    partitioned = any(hasattr(p, "ds_id") for p in module.parameters())
+    if partitioned and not all(p.requires_grad for p in module.parameters()):
+        # ZeRO-3 gathers a frozen head weight (LoRA's base) for the forward but not for checkpointing's
+        # recomputation in backward: such a head's logits are computed whole.
+        return None
+    direct = type(module) is nn.Linear and not partitioned
     return Head(module, make(config), direct)
 
 
