@@ -89,9 +89,10 @@ def layer_working_set(m: ModelShape, row_tokens: int, attention: str = "sdpa") -
 
 
 def chunks_logits(wl: Workload, zero: int) -> bool:
-    """Whether the trainer computes this layout's logits a chunk at a time (every ZeRO stage: under
-    ZeRO-3 the chunks go through the head module, which gathers its weight)."""
-    return wl.logits_chunk > 0
+    """Whether the trainer computes this layout's logits a chunk at a time: at every ZeRO stage (under
+    ZeRO-3 the chunks go through the head module, which gathers its weight), except LoRA under ZeRO-3,
+    whose frozen, partitioned head is not gathered for the recomputation (trainer.role.models.lm_head)."""
+    return wl.logits_chunk > 0 and not (wl.lora and zero >= 3)
 
 
 def logits_bytes(wl: Workload, tokens: float, chunked: bool) -> float:

@@ -197,3 +197,10 @@ def test_a_builder_models_vocabulary_is_the_builders():
     assert BUILDER_VOCAB == TinySpec().vocab_size  # the planner's copy (it imports nothing of models)
     recipe = load("local", ["model.path=/nonexistent/tiny"]).recipe
     assert workload_from_recipe(recipe).model.vocab == BUILDER_VOCAB
+
+
+def test_lora_under_zero_3_counts_the_whole_logits():
+    # The trainer computes a frozen, partitioned head's logits whole (trainer.role.models.lm_head).
+    wl = dataclasses.replace(wl64k(), lora_rank=8, lora_targets=("q_proj",))
+    assert memory_parts(wl, 1, 1, 8, 2, False)["logits"] == 2 * CHUNK * V * 4
+    assert memory_parts(wl, 1, 1, 8, 3, False)["logits"] == 3 * T * V * 4
