@@ -572,8 +572,12 @@ class GeneratorRole:
                 await asyncio.to_thread(self.rdv.confirm_version, served)
                 self._confirmed.add(served)
             except RendezvousRequestError as e:
-                if e.code != "unknown_version":
+                # unknown: never proposed (a relay's newer version, see above); stale: a newer version
+                # became current while this one was loading (a slow transfer; a trainer started again
+                # with a newer one): nothing to confirm, the newer one comes as its own proposal.
+                if e.code not in ("unknown_version", "stale_version"):
                     raise
+                log.info("%s: weight version %d not confirmed: %s", self.member_id, served, e)
 
     async def _report(self) -> None:
         while True:
