@@ -103,18 +103,36 @@ def policy_forward(
         # transformers no longer reads the packing from the position ids and attends across sequences.
         ids, targets = packed.ids, packed.ids[:, 1:]
         kwargs = {"position_ids": packed.positions, "use_cache": False}
-    head = lm_head(model) if chunk > 0 else None
-    if head is None:
-        logits = model(input_ids=ids, **kwargs).logits[:, :-1].float()
-        logp, ent = sampled_logprobs(logits, targets, sampling, entropy=entropy)
-    else:
-        out = model(input_ids=ids, **kwargs, output_hidden_states=True, logits_to_keep=1)
-        hidden = out.hidden_states[-1][:, :-1]
-        del out  # the other layers' states: only what backward keeps anyway
-        logp, ent = head.logprobs(hidden, targets, sampling, entropy=entropy, chunk=chunk)
+    logp, ent = target_logprobs(
+        model, targets, sampling, entropy=entropy, chunk=chunk, input_ids=ids, **kwargs
+    )
     if packed is None:
         return logp, ent
     return packed.unpack(logp), (packed.unpack(ent) if ent is not None else None)
+
+
+def target_logprobs(
+    model: nn.Module,
+    targets: torch.Tensor,
+    sampling: SamplingTransform,
+    *,
+    entropy: bool,
+    chunk: int,
+    **inputs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`model` run on `inputs`; the log-probs (and entropy) of `targets` [R, T] at its first T positions
+    (position j predicting targets[:, j]). ``chunk`` > 0: the LM head a chunk at a time where
+    :func:`lm_head` can reproduce it (the model's own forward gives the final hidden states and the
+    logits of its last position only); else the model's whole logits."""
+    width = targets.shape[1]
+    head = lm_head(model) if chunk > 0 else None
+    if head is None:
+        logits = model(**inputs).logits[:, :width].float()
+        return sampled_logprobs(logits, targets, sampling, entropy=entropy)
+    out = model(**inputs, output_hidden_states=True, logits_to_keep=1)
+    hidden = out.hidden_states[-1][:, :width]
+    del out  # the other layers' states: only what backward keeps anyway
+    return head.logprobs(hidden, targets, sampling, entropy=entropy, chunk=chunk)
 
 
 # model_type → what its causal LM does to the LM head's output (``HeadMath``): the architectures

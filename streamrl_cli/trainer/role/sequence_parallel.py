@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from streamrl_cli.trainer.algo.losses import SamplingTransform, sampled_logprobs
+from streamrl_cli.trainer.algo.losses import SamplingTransform
 from streamrl_cli.trainer.loop.batch import MicroBatch
 from streamrl_cli.trainer.role.models import Packed
 
@@ -208,21 +208,15 @@ class SequenceParallel:
         whole micro-batch on every rank of the group; each rank's forward holds 1/degree of the tokens.
         ``chunk`` (roles.trainer.logits_chunk) as there: the LM head a chunk of this rank's tokens at
         a time, where ``models.lm_head`` can reproduce it."""
-        from streamrl_cli.trainer.role.models import lm_head
+        from streamrl_cli.trainer.role.models import target_logprobs
 
         if not isinstance(sampling, SamplingTransform):
             sampling = SamplingTransform.tempered(float(sampling))
         shard = self.shard(mb)
-        kwargs = {"input_ids": shard.ids, "position_ids": shard.positions, "use_cache": False}
-        head = lm_head(model) if chunk > 0 else None
-        if head is None:
-            logits = model(**kwargs).logits.float()
-            logp, ent = sampled_logprobs(logits, shard.targets, sampling, entropy=entropy)
-        else:
-            out = model(**kwargs, output_hidden_states=True, logits_to_keep=1)
-            hidden = out.hidden_states[-1]
-            del out
-            logp, ent = head.logprobs(hidden, shard.targets, sampling, entropy=entropy, chunk=chunk)
+        logp, ent = target_logprobs(
+            model, shard.targets, sampling, entropy=entropy, chunk=chunk, input_ids=shard.ids,
+            position_ids=shard.positions, use_cache=False,
+        )  # fmt: skip
         packed = shard.packed
         logp = packed.unpack(self.gather(logp, shard)[:, :-1])
         return logp, (packed.unpack(self.gather(ent, shard)[:, :-1]) if ent is not None else None)
