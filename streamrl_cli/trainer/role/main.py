@@ -272,6 +272,9 @@ class TrainerRole:
         if ranker is not None:
             self.closers.append(ranker)
         evaluator = self._evaluator(task_cfg, t.seed, tok, reporter)
+        # What can fail on the recipe's files fails before the wait for the generators.
+        tokenize = prompt_tokenizer(tok, task_cfg.max_prompt_len, task, "task.dataset")
+        ptl = self._ptl()
 
         self._wait_serving("generator", self.generators)
         svc.watch(self.rdv)
@@ -285,10 +288,10 @@ class TrainerRole:
         self.rdv.set_status(state="training")
         pipe = Pipeline(
             PipelineConfig.from_spec(self.spec), task=task, sampler=sampler,
-            tokenize=prompt_tokenizer(tok, task_cfg.max_prompt_len, task, "task.dataset"),
+            tokenize=tokenize,
             detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True), svc=data, driver=driver,
             publisher=publisher, on_record=reporter.iteration, on_checkpoint=checkpoints.save,
-            ranker=ranker, ptl=self._ptl(), evaluator=evaluator, stop_requested=self.ends.requested.is_set,
+            ranker=ranker, ptl=ptl, evaluator=evaluator, stop_requested=self.ends.requested.is_set,
         )  # fmt: skip
         pipe.run(start.iteration, t.iterations, start.version, push_first=start.push_first)
         if t.export_final:
