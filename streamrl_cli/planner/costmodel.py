@@ -5,8 +5,10 @@ so that the source of the numbers can change without touching the search:
 
 - :class:`AnalyticCostModel` — a roofline of the hardware spec with efficiency factors, for
   users with no profile. A decode step streams the weight shard and the KV cache from HBM and
-  runs the batch's GEMMs; at small batch it is memory- and latency-bound (launches, TP
-  all-reduces: twice per layer), at large batch compute-bound. Calibrated on the StreamRL
+  runs the batch's GEMMs (a mixture of experts: the non-expert weights and the distinct experts
+  the batch is routed to, ModelShape.decode_weight_bytes, and FLOPs of its active parameters); at
+  small batch it is memory- and latency-bound (launches, TP all-reduces: twice per layer), at
+  large batch compute-bound. Calibrated on the StreamRL
   paper's 7B/H800 PTL(BS) curve (tests/unit/planner/test_planner_costmodel.py). Training is FLOPs at a
   model-FLOP-utilisation, plus a fixed cost per micro-batch.
 - :class:`ProfiledCostModel` — measured curves from `streamrl profile` (decode step time vs
@@ -31,10 +33,11 @@ from streamrl_cli.skew.dispatch_plan import PTL, ptl_from_points
 
 
 def forward_flops_per_token(model: ModelShape, ctx: float) -> float:
-    """FLOPs of one forward pass per token at mean causal context ``ctx``: the dense GEMMs
-    (2 per weight) plus causal attention's scores and weighted sum (4 · layers · hidden · ctx).
-    Training counts in these forward-equivalents (planner.training)."""
-    return 2 * model.params + 4 * model.layers * model.hidden * ctx
+    """FLOPs of one forward pass per token at mean causal context ``ctx``: the GEMMs (2 per weight
+    the token goes through: a mixture of experts' active parameters, not its total) plus causal
+    attention's scores and weighted sum (4 · layers · heads · head_dim · ctx). Training counts in
+    these forward-equivalents (planner.training)."""
+    return 2 * model.active_params + 4 * model.layers * model.q_width * ctx
 
 
 class CostModel(ABC):
@@ -76,8 +79,9 @@ class AnalyticCostModel(CostModel):
         batch = max(1.0, batch)
         # GEMMs: weights streamed once per step, FLOPs grow with the batch. A hard max() would put
         # a kink at the ridge point; measured curves bend smoothly, so combine in quadrature.
-        weights = model.weight_bytes / tp / (hw.hbm_bw * e.decode_memory)
-        gemm_flops = 2 * model.params * batch + 4 * model.layers * model.hidden * ctx * batch
+        # A mixture of experts reads only the experts the batch is routed to (decode_weight_bytes).
+        weights = model.decode_weight_bytes(batch) / tp / (hw.hbm_bw * e.decode_memory)
+        gemm_flops = 2 * model.active_params * batch + 4 * model.layers * model.q_width * ctx * batch
         compute = gemm_flops / tp / (hw.flops * e.decode_compute)
         linear = math.hypot(weights, compute)
         # Attention reads every running sequence's KV cache; KV heads are split over TP ranks
@@ -93,7 +97,7 @@ class AnalyticCostModel(CostModel):
 
     def prefill_s(self, hw: GPUSpec, model: ModelShape, tp: int, tokens: float) -> float:
         # Prefill is one big GEMM pass: compute-bound at training-like efficiency.
-        return 2 * model.params * tokens / tp / (hw.flops * hw.eff.train_compute)
+        return 2 * model.active_params * tokens / tp / (hw.flops * hw.eff.train_compute)
 
     def train_compute_s(
         self,

@@ -13,6 +13,7 @@ devices, of kind `cpu`: so the local recipe can be tuned too, from a CPU profile
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -192,6 +193,24 @@ def even_option(planner: Planner, pool: Pool) -> Option | None:
     return min(options, key=lambda o: o.estimate.iteration_s, default=None)
 
 
+def trainer_runs_tp(r: Recipe) -> bool:
+    """Whether the recipe checks accept a trainer tensor-parallel degree above 1 (DeepSpeed AutoTP),
+    asked of the recipe with TP 2 on an even number of GPUs per node and no Ulysses. Where they refuse
+    it (a trainer without AutoTP, LoRA, a mixture of experts, odd heads), tune-split plans the trainer
+    at TP 1 only, so that what --write writes runs."""
+    from streamrl_cli.recipe import checks
+
+    t = r.roles.trainer
+    probe = dataclasses.replace(
+        t,
+        tensor_parallel=2,
+        gpus_per_node=max(2, t.gpus_per_node + t.gpus_per_node % 2),
+        sequence_parallel=1,
+    )
+    tried = dataclasses.replace(r, roles=dataclasses.replace(r.roles, trainer=probe))
+    return not any(path == "roles.trainer.tensor_parallel" for path, _ in checks.check(tried))
+
+
 def overrides(option: Option, r: Recipe) -> list[str]:
     """Recipe overrides that put `option` into effect (validated: the recipe must load with them)."""
     gp, tp = option.gen_pool, option.train_pool
@@ -201,6 +220,12 @@ def overrides(option: Option, r: Recipe) -> list[str]:
             "nothing in the recipe to write it to; name recipe clusters in --sites (CLUSTER=GPUS)"
         )
     g, t = option.gen, option.train
+    if t.ep > 1:
+        raise PlannerError(
+            f"the recommended trainer ({t.layout}) splits the experts over {t.ep} ranks (expert "
+            "parallelism), which the trainer does not run and no recipe key states: tune-split plans it "
+            "to show what it would gain; the options without EP in the table are layouts the trainer runs"
+        )
     cpu_gen, cpu_train = gp.kind == "cpu", tp.kind == "cpu"
     gpn = tp.gpus_per_node or 1
     nodes, per_node = (t.gpus, 0) if cpu_train else ((t.gpus // gpn, gpn) if t.gpus >= gpn else (1, t.gpus))
@@ -268,7 +293,9 @@ def tune(
     pools = pools_from_recipe(r, gpus, sites)
     for p in pools:
         hardware.get(p.kind)  # unknown kinds fail here, with the list of known ones
-    planner = Planner(wl, hardware, make_cost_model(profiles))
+    planner = Planner(
+        wl, hardware, make_cost_model(profiles), trainer_tps=None if trainer_runs_tp(r) else (1,)
+    )
     extra = [o for o in (current_option(planner, r, pools),) if o is not None]
     if len(pools) == 1:
         extra += [o for o in (even_option(planner, pools[0]),) if o is not None]

@@ -42,7 +42,53 @@ def trainer_doc(wl: Workload) -> dict:
         "reference": reference,
         "weight_sync_bytes": round(wl.version_bytes),  # inside a site and across (Workload.version_bytes)
         "weight_sync": _sync_doc(wl),
+        "moe": moe_doc(wl),
     }
+
+
+def moe_doc(wl: Workload) -> dict | None:
+    """A mixture of experts as the planner counts it (None for a dense model)."""
+    m = wl.model
+    if not m.moe:
+        return None
+    return {
+        "experts": m.experts,
+        "experts_per_token": m.experts_per_token,
+        "expert_intermediate": m.expert_intermediate,
+        "shared_intermediate": m.shared_intermediate,
+        "moe_layers": m.moe_layers,
+        "params_b": round(m.params / 1e9, 3),
+        "active_params_b": round(m.active_params / 1e9, 3),
+        "expert_params_b": round(m.expert_params / 1e9, 3),
+    }
+
+
+def parallel_note(wl: Workload, t: TrainPlan) -> str:
+    """The recommended trainer's tensor and expert parallelism and the model's experts in words, for
+    the table's caption ("" for a dense model's trainer without TP or EP)."""
+    m, said = wl.model, []
+    if m.moe:
+        said.append(
+            f"MoE: {m.params / 1e9:.3g}B parameters, {m.active_params / 1e9:.3g}B active per token "
+            f"({m.experts} experts, {m.experts_per_token} per token): compute counts the active ones, "
+            "memory the total; a decode step reads the distinct experts its batch is routed to"
+        )
+    if t.tp > 1:
+        said.append(
+            f"TP{t.tp}: every layer split over {t.tp} GPUs of a node (DeepSpeed AutoTP; ZeRO-{t.zero} "
+            f"over the {t.dp} data-parallel ranks), its norms, residual stream and checkpointed inputs "
+            "whole on each, 2 all-reduces per layer in each forward, recomputation and backward; "
+            f"roles.trainer.tensor_parallel={t.tp}"
+        )
+    if t.ep > 1:
+        said.append(
+            f"EP{t.ep} assumes the routed experts split over groups of {t.ep} data-parallel ranks "
+            f"({m.experts // t.ep} experts each), each token's hidden state sent to its experts and back "
+            "by all-to-all (2 per MoE layer in each forward, recomputation and backward), ZeRO "
+            f"partitioning the experts over the {t.dp * t.sp // t.ep} ranks holding the same ones: the "
+            "trainer does not run expert parallelism (no recipe key), so --write refuses this layout"
+        )
+    return ("Layout: " + "; ".join(said) + ".") if said else ""
 
 
 def _sync_doc(wl: Workload) -> str:
@@ -88,11 +134,16 @@ def long_context(wl: Workload, t: TrainPlan) -> dict:
         "logits_chunk": wl.logits_chunk if t.logits_chunked else 0,
         "vocabulary": wl.model.vocab,
         "logits_gb": round(parts.get("logits", 0.0), 2),
-        "logits_gb_unchunked": round(logits_bytes(wl, tokens / t.sp, False) / t.tp / 1e9, 2),
+        # Whole on each AutoTP rank (its LM head gathers the logits).
+        "logits_gb_unchunked": round(logits_bytes(wl, tokens / t.sp, False) / 1e9, 2),
         "activations_gb": round(parts.get("activations", 0.0), 2),
-        "activations_gb_other": round(activation_bytes(wl, local, not t.checkpointing) / 1e9, 2),
+        "activations_gb_other": round(
+            activation_bytes(wl, tokens / t.sp, not t.checkpointing, t.tp) / 1e9, 2
+        ),
         "proposes": {},
     }
+    if t.tp != wl.tensor_parallel:
+        doc["proposes"]["roles.trainer.tensor_parallel"] = t.tp
     if t.sp != wl.sequence_parallel:
         doc["proposes"]["roles.trainer.sequence_parallel"] = t.sp
     if t.checkpointing != wl.activation_checkpointing:
@@ -147,6 +198,7 @@ def long_context_note(wl: Workload, t: TrainPlan) -> str:
     text = "Trainer: " + "; ".join(said) + "."
     if d["proposes"]:
         recipe = {
+            "roles.trainer.tensor_parallel": wl.tensor_parallel,
             "roles.trainer.sequence_parallel": wl.sequence_parallel,
             "roles.trainer.activation_checkpointing": wl.activation_checkpointing,
         }
@@ -190,6 +242,7 @@ def option_doc(o: Option, recommended: bool = False) -> dict:
             "zero_stage": t.zero,
             "cpu_offload": t.offload,
             "sequence_parallel": t.sp,
+            "expert_parallel": t.ep,
             "activation_checkpointing": t.checkpointing,
             "logits_chunked": t.logits_chunked,
             "memory_gb_per_gpu": round(t.memory_gb, 1),
@@ -222,6 +275,7 @@ def document(tuned: Tuned, top: int = 10) -> dict:
         "workload": {
             "model": wl.model.name,
             "params_b": round(wl.model.params / 1e9, 3),
+            "active_params_b": round(wl.model.active_params / 1e9, 3),
             "algorithm": wl.algorithm,
             "mode": wl.mode,
             "samples_per_iteration": wl.samples,
@@ -259,9 +313,9 @@ def table(tuned: Tuned, top: int = 10) -> Table:
     caption = "★ recommended (by " + res.objective + ")"
     if wl.lora:
         caption += "\n" + lora_note(wl)
-    note = long_context_note(wl, res.recommended.train)
-    if note:
-        caption += "\n" + note
+    for note in (parallel_note(wl, res.recommended.train), long_context_note(wl, res.recommended.train)):
+        if note:
+            caption += "\n" + note
     tab = Table(title=title, title_justify="left", caption=caption)
     for col, right in (
         ("", False),

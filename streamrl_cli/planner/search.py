@@ -90,9 +90,18 @@ def trainer_counts(pool: Pool, gpn: int) -> list[int]:
 class Planner:
     """Searches allocations for one workload; stage models are built once per hardware kind."""
 
-    def __init__(self, wl: Workload, hardware: Hardware, cm: CostModel, layouts: str = "trainer"):
+    def __init__(
+        self,
+        wl: Workload,
+        hardware: Hardware,
+        cm: CostModel,
+        layouts: str = "trainer",
+        *,
+        trainer_tps: tuple[int, ...] | None = None,
+    ):
         self.wl, self.hardware, self.cm = wl, hardware, cm
         self.layouts = layouts  # training layouts planned (see TrainingModel)
+        self.trainer_tps = trainer_tps  # the trainer's TP degrees tried (None: TrainingModel's)
         self._gen: dict[tuple[str, int], GenerationModel] = {}
         self._train: dict[tuple[str, int], TrainingModel] = {}
         self._tables: dict[tuple, list] = {}
@@ -114,7 +123,9 @@ class Planner:
         hw = self.spec(pool)
         key = (hw.name, hw.gpus_per_node)
         if key not in self._train:
-            self._train[key] = TrainingModel(self.cm, hw, self.wl, self.layouts)
+            self._train[key] = TrainingModel(
+                self.cm, hw, self.wl, self.layouts, tensor_parallel=self.trainer_tps
+            )
         return self._train[key]
 
     def gen_table(self, pool: Pool) -> list[GenPlan | None]:

@@ -1,9 +1,32 @@
 """P_train(y): time to train on one iteration's samples on y GPUs, with the best parallelism.
 
 For every TP × PP × SP × DP layout of y GPUs (TP inside a node, PP dividing the layers, SP —
-DeepSpeed Ulysses sequence parallelism — dividing the attention heads), every ZeRO stage (1–3),
-optionally ZeRO-Offload of the optimizer states, and activation checkpointing on or off, check that
-it fits in memory and estimate its time; keep the fastest. What is counted, and why:
+DeepSpeed Ulysses sequence parallelism — dividing the attention heads), for a mixture of experts
+every EP degree (expert parallelism, dividing the experts and the DP × SP ranks), every ZeRO stage
+(1–3), optionally ZeRO-Offload of the optimizer states, and activation checkpointing on or off,
+check that it fits in memory and estimate its time; keep the fastest. The trainer's TP is DeepSpeed
+AutoTP (trainer.role.tensor_parallel; TRAINER_TPS: 1, 2, 4, 8 inside a node, dividing the query and
+KV heads, with any ZeRO stage, but not beside Ulysses, nor with LoRA or a mixture of experts); the
+"megatron" layouts (the paper's trainer) take TP with any ZeRO stage and PP. What is counted, and why:
+
+- mixtures of experts (ModelShape.experts): compute counts the ACTIVE parameters (those a token
+  goes through: F below uses 2 · active_params), memory the TOTAL (weights, gradients, optimizer
+  states, the reference). EP splits the routed experts (ModelShape.expert_params) over EP
+  data-parallel ranks: their weights, gradients and states ÷ EP on a rank, ZeRO partitioning them
+  over the ranks / EP that hold the same experts (so under ZeRO-3 EP saves no memory, but divides
+  the experts' gathers and gradient reductions); the rest of the model is partitioned as a dense one.
+  Per micro-batch and MoE layer, each forward, recomputation and backward adds 2 all-to-alls among
+  the EP ranks (the tokens to their k experts, the outputs back: k · h elements per token each,
+  (EP − 1) / EP of them sent), over NVLink while EP × TP × SP GPUs fit in a node. The layout is
+  planned to compare; the trainer does not run it (problem.overrides refuses to write it).
+- tensor parallelism (TP): every weight, gradient and optimizer state ÷ TP on a rank (ZeRO then
+  partitions over the DP × SP ranks); activations: AutoTP splits q, k, v, the attention output and
+  the MLP's (or each expert's) gate/up/product over TP, and keeps the norms' inputs, the residual
+  stream and the checkpointed block inputs whole on every TP rank (layer_working_set_parts;
+  "megatron": all ÷ TP, Megatron's sequence-parallel TP); logits whole (AutoTP) or ÷ TP (Megatron's
+  vocabulary-parallel head). Time: 2 all-reduces per layer (after attention, after the MLP) in each
+  forward, recomputation and backward, of the rank's T / SP × h activations, 2 (TP − 1) / TP of them
+  sent over NVLink.
 
 - work, in forward-equivalents (F = forward FLOPs per token, costmodel.forward_flops_per_token:
   2·N for N weights, plus attention): the usual rule puts a forward at 2·N·tokens FLOPs and a
@@ -51,7 +74,8 @@ it fits in memory and estimate its time; keep the fastest. What is counted, and 
   trainer.role.models.Head). Unchunked (0): the logits, their log-softmax kept for backward and its
   gradient, 3 × tokens × V × 4. The recipe states no vocabulary: model_from_recipe reads it from the model
   directory's config.json, else assumes Qwen2.5's.
-- time: compute at the cost model's efficiency, TP all-reduces (4 per layer per forward+backward),
+- time: compute at the cost model's efficiency, TP all-reduces (2 per layer per pass, above), EP
+  all-to-alls (above),
   SP all-to-alls (Ulysses: 2 per layer per forward — q/k/v to head-sharded, the output back —, as
   many in backward and in each recomputation), the pipeline bubble, ZeRO-3 parameter gathers
   (overlapped with compute: DeepSpeed prefetches; one per forward, recomputation and backward), and
@@ -71,7 +95,11 @@ from streamrl_cli.planner.hardware import GPUSpec
 from streamrl_cli.planner.workload import ModelShape, Workload
 
 MAX_PP = 16
-TRAINER_TPS = (1,)  # tensor-parallel degrees the trainer runs
+# Tensor-parallel degrees the trainer runs (DeepSpeed AutoTP, trainer.role.tensor_parallel): inside a
+# node, dividing the query and KV heads (each rank computes whole heads), with any ZeRO stage, not with
+# Ulysses, LoRA or a mixture of experts (the recipe checks refuse those: TrainingModel, tp_allowed).
+TRAINER_TPS = (1, 2, 4, 8)
+EXPERT_PARALLEL = (1, 2, 4, 8, 16, 32, 64)  # EP degrees tried for a mixture of experts
 TRAINER_PPS = (1,)  # pipeline-parallel degrees the trainer runs
 TRAINER_SPS = (1, 2, 4, 8)  # sequence-parallel (Ulysses) degrees tune-split proposes
 ZERO_STAGES = (1, 2, 3)
@@ -80,12 +108,36 @@ UNCHUNKED_LOGITS_COPIES = 3  # logits, their log-softmax kept for backward, its 
 CHUNKED_LOGITS_COPIES = 2  # one chunk's logits and their gradient (recomputed in backward)
 
 
+def layer_working_set_parts(m: ModelShape, row_tokens: int, attention: str = "sdpa") -> tuple[float, float]:
+    """Elements per token one transformer block keeps for its backward, as (what every rank of a
+    tensor-parallel group keeps whole, what TP splits over its ranks); see the module docstring.
+    Attention: the norm's and the q/k/v projection's inputs, 2·h, whole; q, k, v and the attention
+    output, 2·q + 2·kv (q = heads · head_dim), split (+ heads · row for eager attention's
+    probabilities). Dense gated MLP: its norm's and gate/up's inputs, 2·h, whole; gate, up, silu(gate)
+    and the product down_proj reads, 4·I, split. MoE MLP: 2·h and the router's E logits whole; for
+    each of the k experts a token is routed to its copy of the input and the expert's output, 2·h,
+    whole, and the expert's 4·I_e split; a shared expert's 4·I_s split. Dense and MoE layers are
+    averaged over the layers."""
+    h, kv, q = m.hidden, m.kv_heads * m.head_dim, m.q_width
+    eager = m.heads * row_tokens if attention == "eager" else 0
+    whole, split = 2 * h, 2 * q + 2 * kv + eager
+    dense_mlp = (2 * h, 4 * m.mlp_width)
+    if not m.moe:
+        return whole + dense_mlp[0], split + dense_mlp[1]
+    k = m.experts_per_token
+    moe_mlp = (2 * h + m.experts + k * 2 * h, 4 * k * m.expert_intermediate + 4 * m.shared_intermediate)
+    f = m.moe_layers / m.layers
+    return (
+        whole + f * moe_mlp[0] + (1 - f) * dense_mlp[0],
+        split + f * moe_mlp[1] + (1 - f) * dense_mlp[1],
+    )
+
+
 def layer_working_set(m: ModelShape, row_tokens: int, attention: str = "sdpa") -> float:
     """Elements per token one transformer block keeps for its backward (see the module docstring):
-    4·h + 2·kv (attention), 2·h + 4·I (gated MLP), + heads · row for eager attention's probabilities."""
-    kv = m.kv_heads * m.head_dim
-    eager = m.heads * row_tokens if attention == "eager" else 0
-    return 6 * m.hidden + 2 * kv + 4 * m.mlp_width + eager
+    4·h + 2·kv (attention), 2·h + 4·I (gated MLP), + heads · row for eager attention's probabilities
+    (a dense Qwen2.5 block, q = h; layer_working_set_parts has the general count)."""
+    return sum(layer_working_set_parts(m, row_tokens, attention))
 
 
 def chunks_logits(wl: Workload, zero: int) -> bool:
@@ -102,12 +154,61 @@ def logits_bytes(wl: Workload, tokens: float, chunked: bool) -> float:
     return UNCHUNKED_LOGITS_COPIES * tokens * wl.model.vocab * LOGITS_BYTES
 
 
-def activation_bytes(wl: Workload, tokens: float, checkpointing: bool) -> float:
-    """Bytes of one micro-batch's activations on a rank that holds ``tokens`` of it."""
+def activation_bytes(
+    wl: Workload, tokens: float, checkpointing: bool, tp: int = 1, megatron: bool = False
+) -> float:
+    """Bytes of one micro-batch's activations on a rank whose sequence-parallel shard holds ``tokens``
+    of it, in a tensor-parallel group of ``tp``: the parts TP splits divided by ``tp``, the rest (and
+    the checkpointed block inputs) whole, as DeepSpeed AutoTP keeps them; ``megatron``: everything
+    divided by ``tp`` (Megatron's sequence-parallel TP, the paper's trainer)."""
     m = wl.model
-    per_layer = layer_working_set(m, wl.micro_tokens, wl.attention)
-    per_token = m.layers * m.hidden + per_layer if checkpointing else m.layers * per_layer
+    whole, split = layer_working_set_parts(m, wl.micro_tokens, wl.attention)
+    inputs = m.hidden
+    if megatron:
+        whole, inputs = whole / tp, inputs / tp
+    per_layer = whole + split / tp
+    per_token = m.layers * inputs + per_layer if checkpointing else m.layers * per_layer
     return tokens * per_token * m.dtype_bytes
+
+
+def tp_allowed(m: ModelShape, hw: GPUSpec, tp: int) -> bool:
+    """A TP degree the trainer runs: inside one node, with a GPU link, splitting the query heads and
+    the KV heads evenly (AutoTP gives each rank whole heads; recipe.checks refuses the rest)."""
+    inside = tp <= hw.gpus_per_node and (tp == 1 or hw.nvlink_bw > 0)
+    return inside and m.heads % tp == 0 and m.kv_heads % tp == 0
+
+
+def expert_parallel_degrees(m: ModelShape) -> list[int]:
+    """EP degrees of a mixture of experts: those dividing its expert count (a dense model: 1)."""
+    return [ep for ep in EXPERT_PARALLEL if m.moe and m.experts % ep == 0] if m.moe else [1]
+
+
+@dataclass(frozen=True)
+class Shards:
+    """Parameters one rank holds of each kind before ZeRO partitions them: weights of every full model
+    set (actor, critic, reference; with LoRA also the adapters), and those that train, each split
+    into the dense part (÷ TP·PP, ZeRO over every data-parallel rank) and the routed experts
+    (÷ TP·PP·EP, ZeRO over the ranks / EP holding the same experts)."""
+
+    weights_dense: float
+    weights_expert: float
+    trainable_dense: float
+    trainable_expert: float
+
+
+def shards(wl: Workload, tp: int, pp: int, ep: int = 1) -> Shards:
+    m, split = wl.model, tp * pp
+    experts = m.expert_params
+    dense = m.params - experts
+    sets = wl.trained_models + wl.reference_copies
+    fully_trained = int(not wl.lora) + int(wl.critic)  # models whose every weight (experts too) trains
+    trainable = wl.actor_trainable + (m.params if wl.critic else 0)
+    return Shards(
+        weights_dense=(sets * dense + wl.adapter_params) / split,
+        weights_expert=sets * experts / (split * ep),
+        trainable_dense=(trainable - fully_trained * experts) / split,
+        trainable_expert=fully_trained * experts / (split * ep),
+    )
 
 
 @dataclass(frozen=True)
@@ -128,6 +229,7 @@ class TrainPlan:
     last_sample_s: float  # training a maximum-length sample once it has arrived
     full_memory_gb: float  # per GPU, the same layout training every weight (= memory_gb without LoRA)
     sp: int = 1  # sequence-parallel (Ulysses) degree
+    ep: int = 1  # expert-parallel degree (a mixture of experts: experts split over ep data-parallel ranks)
     checkpointing: bool = True  # activation checkpointing (recomputation in backward)
     logits_chunked: bool = False  # the LM head runs roles.trainer.logits_chunk tokens at a time
     memory_parts_gb: tuple[tuple[str, float], ...] = ()  # memory_gb by what holds it
@@ -141,8 +243,9 @@ class TrainPlan:
     def layout(self) -> str:
         off = "+offload" if self.offload else ""
         sp = f" SP{self.sp}" if self.sp > 1 else ""
+        ep = f" EP{self.ep}" if self.ep > 1 else ""
         ckpt = "+ckpt" if self.checkpointing else ""
-        return f"TP{self.tp} PP{self.pp}{sp} DP{self.dp} Z{self.zero}{off}{ckpt}"
+        return f"TP{self.tp} PP{self.pp}{sp} DP{self.dp}{ep} Z{self.zero}{off}{ckpt}"
 
 
 def full_finetune(wl: Workload) -> Workload:
@@ -159,21 +262,36 @@ def memory_parts(
     offload: bool,
     sp: int = 1,
     checkpointing: bool = True,
+    ep: int = 1,
+    *,
+    megatron: bool = False,
 ) -> dict[str, float]:
-    """Bytes per GPU of one layout, by what holds them (see the module's docstring)."""
-    m, b, split = wl.model, wl.model.dtype_bytes, tp * pp
+    """Bytes per GPU of one layout, by what holds them (see the module's docstring). ``ep``: the
+    expert-parallel degree (a mixture of experts), dividing the data-parallel ranks; ``megatron``:
+    the paper's Megatron trainer (sequence-parallel TP, vocabulary-parallel head) instead of the
+    trainer's DeepSpeed AutoTP."""
+    m, b = wl.model, wl.model.dtype_bytes
     ranks = dp * sp  # ZeRO partitions over every data-parallel and sequence-parallel rank
-    shard = m.params / split  # one model's weights on one TP×PP rank
-    trainable = (wl.actor_trainable + (m.params if wl.critic else 0)) / split
-    models = wl.trained_models + wl.reference_copies  # full-size weight sets
-    tokens = wl.micro_tokens / (tp * sp)  # of one micro-batch, on one rank
+    expert_ranks = ranks / ep  # ... the routed experts over the ranks that hold the same experts
+    sh = shards(wl, tp, pp, ep)
     return {
-        "weights": b * (models * shard + wl.adapter_params / split) / (ranks if zero >= 3 else 1),
-        "gradients": b * trainable / (ranks if zero >= 2 else 1),
-        "optimizer": 0.0 if offload else m.optimizer_bytes_per_param * trainable / ranks,
-        "activations": activation_bytes(wl, tokens, checkpointing),
+        "weights": b
+        * (
+            sh.weights_dense / (ranks if zero >= 3 else 1)
+            + sh.weights_expert / (expert_ranks if zero >= 3 else 1)
+        ),
+        "gradients": b
+        * (
+            sh.trainable_dense / (ranks if zero >= 2 else 1)
+            + sh.trainable_expert / (expert_ranks if zero >= 2 else 1)
+        ),
+        "optimizer": 0.0
+        if offload
+        else m.optimizer_bytes_per_param * (sh.trainable_dense / ranks + sh.trainable_expert / expert_ranks),
+        "activations": activation_bytes(wl, wl.micro_tokens / sp, checkpointing, tp, megatron),
         # Megatron splits the head over TP (vocabulary-parallel); the last PP stage holds it whole.
-        "logits": logits_bytes(wl, wl.micro_tokens / sp, chunks_logits(wl, zero)) / tp,
+        # AutoTP leaves each TP rank the whole logits.
+        "logits": logits_bytes(wl, wl.micro_tokens / sp, chunks_logits(wl, zero)) / (tp if megatron else 1),
     }
 
 
@@ -190,7 +308,7 @@ def actor_passes(wl: Workload, ctx: float, checkpointing: bool = True) -> float:
     if not wl.lora:
         return k
     m = wl.model
-    return k - (2 * m.params - 2 * k * wl.adapter_params) / forward_flops_per_token(m, ctx)
+    return k - (2 * m.active_params - 2 * k * wl.adapter_params) / forward_flops_per_token(m, ctx)
 
 
 def train_passes(wl: Workload, ctx: float, checkpointing: bool = True) -> float:
@@ -211,17 +329,27 @@ class TrainingModel:
         *,
         sequence_parallel: tuple[int, ...] | None = None,
         checkpointing: tuple[bool, ...] | None = None,
+        tensor_parallel: tuple[int, ...] | None = None,
+        expert_parallel: tuple[int, ...] | None = None,
     ):
-        """``layouts``: "trainer" plans only what StreamRL's trainer runs, ZeRO data parallel (TP1
-        PP1) with Ulysses sequence parallelism and activation checkpointing on or off; "megatron"
-        also TP within a node and PP, always with checkpointing and without Ulysses, as the paper's
-        trainer ran (for reproducing its measurements, never for a recipe). A recipe that sets
+        """``layouts``: "trainer" plans what StreamRL's trainer runs, ZeRO data parallel (PP1) with
+        DeepSpeed AutoTP tensor parallelism inside a node (not for LoRA or a mixture of experts) or
+        Ulysses sequence parallelism, and activation checkpointing on or off; "megatron" TP within a node
+        and PP, always with checkpointing and without Ulysses, as the paper's trainer ran (for
+        reproducing its measurements, never for a recipe). Both try expert-parallel degrees for a
+        mixture of experts (``expert_parallel`` pins them). A recipe that sets
         roles.trainer.sequence_parallel above 1 or activation_checkpointing on fixes it;
-        ``sequence_parallel`` and ``checkpointing`` pin the degrees and settings tried (what-ifs)."""
+        ``sequence_parallel``, ``tensor_parallel`` and ``checkpointing`` pin the degrees and settings
+        tried (what-ifs)."""
         self.cm, self.hw, self.wl = cm, hw, wl
         m = wl.model
+        self.megatron = layouts != "trainer"
+        self.eps = expert_parallel_degrees(m)
         if layouts == "trainer":
-            self.tps, self.pps = list(TRAINER_TPS), list(TRAINER_PPS)
+            # AutoTP splits neither PEFT's adapter layers nor a mixture of experts (recipe.checks).
+            autotp = not wl.lora and not m.moe
+            self.tps = [tp for tp in TRAINER_TPS if tp_allowed(m, hw, tp) and (tp == 1 or autotp)]
+            self.pps = list(TRAINER_PPS)
             sps = (wl.sequence_parallel,) if wl.sequence_parallel > 1 else TRAINER_SPS
             # Ulysses needs sdpa or flash attention (trainer.role.sequence_parallel.install).
             self.sps = [sp for sp in sps if sp == 1 or (sp_divides(m, sp) and wl.attention != "eager")]
@@ -236,22 +364,62 @@ class TrainingModel:
             self.sps, self.checkpointing = [1], [True]
         if sequence_parallel is not None:
             self.sps = [sp for sp in sequence_parallel if sp == 1 or sp_divides(m, sp)]
+        if tensor_parallel is not None:
+            self.tps = [tp for tp in tensor_parallel if tp_allowed(m, hw, tp)]
+        if expert_parallel is not None:
+            self.eps = [ep for ep in expert_parallel if ep in expert_parallel_degrees(m)]
         if checkpointing is not None:
             self.checkpointing = list(checkpointing)
         self._best = lru_cache(maxsize=None)(lambda g: self._best_uncached(g, lambda p: p.time_s))
         self._front = lru_cache(maxsize=None)(self._pareto)
 
+    def memory_parts(
+        self,
+        tp: int,
+        pp: int,
+        dp: int,
+        zero: int,
+        offload: bool,
+        sp: int = 1,
+        checkpointing: bool = True,
+        ep: int = 1,
+    ) -> dict[str, float]:
+        return memory_parts(self.wl, tp, pp, dp, zero, offload, sp, checkpointing, ep, megatron=self.megatron)
+
     def memory_bytes(
-        self, tp: int, pp: int, dp: int, zero: int, offload: bool, sp: int = 1, checkpointing: bool = True
+        self,
+        tp: int,
+        pp: int,
+        dp: int,
+        zero: int,
+        offload: bool,
+        sp: int = 1,
+        checkpointing: bool = True,
+        ep: int = 1,
     ) -> float:
-        return sum(memory_parts(self.wl, tp, pp, dp, zero, offload, sp, checkpointing).values())
+        return sum(self.memory_parts(tp, pp, dp, zero, offload, sp, checkpointing, ep).values())
 
     def full_memory_bytes(
-        self, tp: int, pp: int, dp: int, zero: int, offload: bool, sp: int = 1, checkpointing: bool = True
+        self,
+        tp: int,
+        pp: int,
+        dp: int,
+        zero: int,
+        offload: bool,
+        sp: int = 1,
+        checkpointing: bool = True,
+        ep: int = 1,
     ) -> float:
         """The same layout training every weight: what LoRA saves is the difference."""
-        parts = memory_parts(full_finetune(self.wl), tp, pp, dp, zero, offload, sp, checkpointing)
+        parts = memory_parts(
+            full_finetune(self.wl), tp, pp, dp, zero, offload, sp, checkpointing, ep, megatron=self.megatron
+        )
         return sum(parts.values())
+
+    def runs(self, tp: int, zero: int, sp: int) -> bool:
+        """Whether the trainer runs this combination: AutoTP (TP > 1) not beside Ulysses (the
+        "megatron" layouts, the paper's trainer, have no Ulysses)."""
+        return self.megatron or tp == 1 or sp == 1
 
     def plan(
         self,
@@ -262,19 +430,27 @@ class TrainingModel:
         offload: bool,
         sp: int = 1,
         checkpointing: bool = True,
+        ep: int = 1,
     ) -> TrainPlan | None:
-        """The layout's time, or None if it does not fit in memory. ``dp``: data-parallel replicas,
-        each an SP group of ``sp`` × TP × PP GPUs."""
+        """The layout's time, or None if it does not fit in memory (or the trainer does not run it).
+        ``dp``: data-parallel replicas, each an SP group of ``sp`` × TP × PP GPUs; ``ep``: the
+        expert-parallel degree, dividing the dp × sp data-parallel ranks."""
         cm, hw, wl, m = self.cm, self.hw, self.wl, self.wl.model
-        parts = memory_parts(wl, tp, pp, dp, zero, offload, sp, checkpointing)
+        if not self.runs(tp, zero, sp) or (dp * sp) % ep or (ep > 1 and not m.moe):
+            return None
+        parts = self.memory_parts(tp, pp, dp, zero, offload, sp, checkpointing, ep)
         mem = sum(parts.values())
         if mem > hw.usable_bytes:
             return None
         gpus = tp * pp * sp * dp
         ranks = dp * sp  # ZeRO's partitions
-        shard = m.params / (tp * pp)
-        trainable = (wl.actor_trainable + (m.params if wl.critic else 0)) / (tp * pp)
+        expert_ranks = ranks // ep  # ... of the routed experts
+        sh = shards(wl, tp, pp, ep)
+        trainable = sh.trainable_dense + sh.trainable_expert * ep  # all trained weights of a TP×PP rank
         b = m.dtype_bytes
+        # Collectives per layer run once in each forward, recomputation and backward of a trained
+        # model and in each frozen forward.
+        collective_passes = wl.trained_models * (2 + int(checkpointing)) + wl.frozen_forwards
         passes = train_passes(wl, wl.attention_ctx, checkpointing)
         replica_tokens = wl.tokens / dp
         micro = max(1, math.ceil(replica_tokens / wl.micro_tokens))
@@ -284,9 +460,12 @@ class TrainingModel:
         last_sample = compute * min(1.0, wl.max_seq / replica_tokens) * pp
         compute *= 1 + (pp - 1) / micro  # 1F1B pipeline fill and drain
         if tp > 1:
-            msg = wl.max_seq * m.hidden * b * 2 * (tp - 1) / tp
+            # Per micro-batch: 2 all-reduces per layer (after attention, after the MLP) in each
+            # forward, recomputation and backward, of the rank's T / SP tokens × hidden activations;
+            # a ring all-reduce sends 2 (TP − 1) / TP of them, over NVLink (TP stays in a node).
+            msg = wl.micro_tokens / sp * m.hidden * b * 2 * (tp - 1) / tp
             per_collective = hw.collective_s + msg / (hw.nvlink_bw * hw.eff.comm)
-            tp_comm = passes * 2 * (m.layers / pp) * per_collective
+            tp_comm = collective_passes * 2 * (m.layers / pp) * per_collective
             compute += micro * tp_comm
             last_sample += tp_comm * pp
         if sp > 1:
@@ -302,27 +481,46 @@ class TrainingModel:
             sp_comm = attention_passes * (m.layers / pp) * (2 * hw.collective_s + volume / bw)
             compute += micro * sp_comm
             last_sample += sp_comm * pp
+        if ep > 1:
+            # Per micro-batch and MoE layer, in each forward, recomputation and backward: 2 all-to-alls
+            # among the EP group's ranks, the rank's T / SP tokens sent to their k experts (dispatch)
+            # and their outputs back (combine), k · h elements per token each, (EP − 1) / EP of it
+            # leaving the rank; over NVLink while the group (EP consecutive data-parallel ranks, each
+            # TP × SP GPUs apart) fits in a node.
+            volume = 2 * m.experts_per_token * m.hidden * wl.micro_tokens / sp * b * (ep - 1) / ep
+            intra = ep * tp * sp <= hw.gpus_per_node and hw.nvlink_bw > 0
+            bw = (hw.nvlink_bw if intra else hw.internode_bw) * hw.eff.comm
+            ep_comm = collective_passes * (m.moe_layers / pp) * (2 * hw.collective_s + volume / bw)
+            compute += micro * ep_comm
+            last_sample += ep_comm * pp
         link = hw.internode_bw if gpus > hw.gpus_per_node or hw.nvlink_bw == 0 else hw.nvlink_bw
         dp_bw = link * hw.eff.comm
         ring = (ranks - 1) / ranks
+        expert_ring = (expert_ranks - 1) / expert_ranks
+        # One model's weights on this rank before ZeRO: dense ÷ TP·PP, experts ÷ TP·PP·EP.
+        sets = wl.trained_models + wl.reference_copies
+        dense_shard = (sh.weights_dense - wl.adapter_params / (tp * pp)) / max(1, sets)
+        expert_shard = sh.weights_expert / max(1, sets)
         if zero == 3 and ranks > 1:
             # Per micro-batch: gather each trained model's shard for forward, recompute and backward,
             # reduce-scatter its gradients (with LoRA the adapters' only); gather the frozen weights
             # for their forwards (with LoRA the reference's are the actor's base again). Every rank
-            # of an SP group gathers for the micro-batch it shares.
-            gathered = (wl.trained_models * (2 + int(checkpointing)) + wl.frozen_forwards) * shard + trainable
-            gathers = micro * gathered * b * ring / dp_bw
+            # of an SP group gathers for the micro-batch it shares. The routed experts are gathered
+            # among the ranks / EP that hold the same experts: EP divides what is gathered.
+            dense = collective_passes * dense_shard + sh.trainable_dense
+            experts = collective_passes * expert_shard + sh.trainable_expert
+            gathers = micro * (dense * ring + experts * expert_ring) * b / dp_bw
             compute = max(compute, gathers)
             grad_sync = 0.0
         else:
-            grad_sync = 2 * trainable * b * ring / dp_bw
+            grad_sync = 2 * (sh.trainable_dense * ring + sh.trainable_expert * expert_ring) * b / dp_bw
         opt_shard = trainable / ranks
         states = m.optimizer_bytes_per_param + 2 * b
         if offload:
             step = opt_shard * (2 * states / hw.host_bw + 2 * b / hw.pcie_bw)
         else:
             step = opt_shard * 2 * states / hw.hbm_bw
-        full = self.full_memory_bytes(tp, pp, dp, zero, offload, sp, checkpointing) if wl.lora else mem
+        full = self.full_memory_bytes(tp, pp, dp, zero, offload, sp, checkpointing, ep) if wl.lora else mem
         return TrainPlan(
             hardware=hw.name,
             gpus=gpus,
@@ -338,6 +536,7 @@ class TrainingModel:
             last_sample_s=last_sample,
             full_memory_gb=full / 1e9,
             sp=sp,
+            ep=ep,
             checkpointing=checkpointing,
             logits_chunked=chunks_logits(wl, zero),
             memory_parts_gb=tuple((k, v / 1e9) for k, v in parts.items()),
@@ -351,17 +550,20 @@ class TrainingModel:
             for tp in self.tps
             for pp in self.pps
             for sp in self.sps
-            if gpus % (tp * pp * sp) == 0
+            if gpus % (tp * pp * sp) == 0 and (self.megatron or tp == 1 or sp == 1)  # AutoTP: no Ulysses
         ]
 
     def _plans(self, gpus: int) -> list[TrainPlan]:
         return [
             p
             for tp, pp, sp, dp in self.layouts(gpus)
+            for ep in self.eps
+            if (dp * sp) % ep == 0
             for zero in ZERO_STAGES
+            if self.runs(tp, zero, sp)
             for offload in (False, True)
             for ckpt in self.checkpointing
-            if (p := self.plan(tp, pp, dp, zero, offload, sp, ckpt)) is not None
+            if (p := self.plan(tp, pp, dp, zero, offload, sp, ckpt, ep)) is not None
         ]
 
     def best(self, gpus: int) -> TrainPlan | None:

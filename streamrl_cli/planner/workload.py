@@ -7,11 +7,14 @@ lengths, algorithm and pipelining mode — in small frozen dataclasses, built he
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from streamrl_cli.planner import PlannerError
 from streamrl_cli.planner.lengths import LengthDist
@@ -41,15 +44,76 @@ class ModelShape:
     dtype_bytes: int  # bytes per weight and activation element
     intermediate: int = 0  # MLP width (gate/up outputs, down input); 0: inferred, see mlp_width
     vocab: int = 0  # LM head outputs (0: unknown, its logits are not counted)
+    head_size: int = 0  # config.json's head_dim where it is not hidden / heads (Qwen3); 0: hidden / heads
+    # Mixture of experts (0 experts: a dense model). `params` stays the TOTAL count (every expert):
+    # memory (weights, gradients, optimizer states, the generators' copies, weight versions) counts
+    # it; compute counts `active_params`, the weights one token goes through.
+    experts: int = 0  # routed experts per MoE layer, E (num_experts / num_local_experts / n_routed_experts)
+    experts_per_token: int = 0  # k experts each token is routed to (num_experts_per_tok)
+    expert_intermediate: int = 0  # one routed expert's gated-MLP width (moe_intermediate_size)
+    shared_intermediate: int = 0  # the always-on shared expert(s)' total width (0: none)
+    dense_layers: int = 0  # layers with a dense MLP of `intermediate` instead of experts
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def q_width(self) -> int:
+        """Width of the queries and of the attention output: heads × head_dim (hidden in Qwen2.5)."""
+        return self.heads * self.head_dim
 
     @property
     def attention_params_per_layer(self) -> int:
-        """q and o (hidden × hidden), k and v (hidden × kv_heads · head_dim); biases left out."""
-        return 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_heads * self.head_dim
+        """q and o (hidden × heads · head_dim), k and v (hidden × kv_heads · head_dim); biases left out."""
+        return 2 * self.hidden * self.q_width + 2 * self.hidden * self.kv_heads * self.head_dim
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.moe else 0
+
+    @property
+    def expert_params(self) -> float:
+        """Parameters of every routed expert (gate, up and down of width expert_intermediate, in each
+        MoE layer): what expert parallelism splits."""
+        return self.moe_layers * self.experts * 3 * self.hidden * self.expert_intermediate
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token goes through: the total less the routed experts it is not sent to,
+        params − moe_layers · (E − k) · 3 · hidden · expert_intermediate (the router, attention, shared
+        experts, dense layers and embeddings all count). A dense model's is ``params``."""
+        if not self.moe:
+            return self.params
+        idle = self.moe_layers * (self.experts - self.experts_per_token) * 3 * self.hidden
+        return self.params - idle * self.expert_intermediate
+
+    def distinct_experts(self, batch: float) -> float:
+        """Expected distinct experts of one MoE layer that a decode step of ``batch`` tokens touches:
+        each token picks k of E, taken here as k independent draws with probability k / E of hitting a
+        given expert each, so an expert is missed by the whole batch with probability (1 − k/E)^b and
+
+            distinct(b) = E · (1 − (1 − k/E)^b)
+
+        which is k at b = 1 and tends to E as b grows (E · (1 − e^(−k·b/E)) for large E)."""
+        if not self.moe:
+            return 0.0
+        e, k = self.experts, self.experts_per_token
+        return e * (1 - (1 - k / e) ** max(1.0, batch))
+
+    def decode_weight_bytes(self, batch: float) -> float:
+        """Weight bytes one decode step of ``batch`` sequences reads from HBM: every weight of a dense
+        model; for MoE every non-expert weight plus, per MoE layer, the distinct experts the batch is
+        routed to (distinct_experts) — k experts' worth alone, all E for a large batch."""
+        if not self.moe:
+            return self.weight_bytes
+        one = 3 * self.hidden * self.expert_intermediate
+        read = self.params - self.expert_params + self.moe_layers * self.distinct_experts(batch) * one
+        return read * self.dtype_bytes
 
     @property
     def mlp_width(self) -> int:
@@ -59,22 +123,32 @@ class ModelShape:
         Qwen2.5-7B's 18,944, +4% for 72B's 29,568), which only LoRA's adapter count uses."""
         if self.intermediate > 0:
             return self.intermediate
+        if self.moe:  # a routed expert's width: what a gate/up/down projection is in an MoE block
+            return self.expert_intermediate
         left = self.params / self.layers - self.attention_params_per_layer
         return max(1, round(left / (3 * self.hidden)))
 
     @property
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) features of each linear layer of one Llama/Qwen block, by its name."""
-        h, kv, i = self.hidden, self.kv_heads * self.head_dim, self.mlp_width
+        """(in, out) features of each linear layer of one Llama/Qwen block, by its name (in an MoE
+        block gate/up/down are one routed expert's, repeated ``mlp_copies`` times)."""
+        h, kv, q = self.hidden, self.kv_heads * self.head_dim, self.q_width
+        i = self.expert_intermediate if self.moe else self.mlp_width
         return {
-            "q_proj": (h, h),
+            "q_proj": (h, q),
             "k_proj": (h, kv),
             "v_proj": (h, kv),
-            "o_proj": (h, h),
+            "o_proj": (q, h),
             "gate_proj": (h, i),
             "up_proj": (h, i),
             "down_proj": (i, h),
         }
+
+    @property
+    def mlp_copies(self) -> int:
+        """gate/up/down projections of one block that a LoRA target names: E routed experts' in an MoE
+        block (PEFT adapts `mlp.experts.N.gate_proj` for each N), one in a dense block."""
+        return self.experts if self.moe else 1
 
     @property
     def weight_bytes(self) -> float:
@@ -112,7 +186,8 @@ def adapter_params(model: ModelShape, rank: int, targets: tuple[str, ...]) -> in
         index = LAYER_INDEX.search(t)
         layers = [int(index[1])] if index else range(model.layers)
         adapted.update((layer, leaf) for layer in layers if layer < model.layers)
-    return sum(rank * sum(shapes[leaf]) for _, leaf in adapted)
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    return sum(rank * sum(shapes[leaf]) * (model.mlp_copies if leaf in mlp else 1) for _, leaf in adapted)
 
 
 @dataclass(frozen=True)
@@ -144,6 +219,7 @@ class Workload:
     activation_checkpointing: bool = False
     sequence_parallel: int = 1
     attention: str = "sdpa"
+    tensor_parallel: int = 1  # the recipe's roles.trainer.tensor_parallel (what tune-split may change)
 
     @property
     def samples(self) -> int:
@@ -233,18 +309,79 @@ def _without_critic(name: str) -> str:
     return "grpo" if name == "ppo" else name
 
 
-def vocab_from_recipe(r: Recipe) -> int:
-    """The model's vocabulary: its config.json's vocab_size where the model directory is on this
-    machine, the built-in builder's for a model made at start, else DEFAULT_VOCAB."""
-    path = Path(os.path.expanduser(r.model.path)) / "config.json"
+# Public config.json excerpts of models the planner may be asked about without their directory on this
+# machine, by hub id (model.path): what the recipe cannot say (experts, head_dim, vocabulary).
+CATALOGUE = Path(__file__).with_name("models.yaml")
+# config.json keys of a mixture of experts, first found wins (Qwen2/3-MoE, Mixtral, DeepSeek); the
+# same names as models.architecture.MOE_KEYS (the planner imports nothing of models).
+MOE_KEYS = {
+    "experts": ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
+    "experts_per_token": ("num_experts_per_tok", "moe_topk"),
+    "expert_intermediate": ("moe_intermediate_size",),
+}
+
+
+@functools.cache
+def catalogue() -> dict[str, dict]:
+    """The shipped config.json excerpts (planner/models.yaml), by hub id (read once: do not modify)."""
+    data = yaml.safe_load(CATALOGUE.read_text()) or {}
+    return {str(k): v for k, v in data.items() if isinstance(v, dict)}
+
+
+def model_config(path: str) -> dict:
+    """The model's config.json (its text model's, for a multimodal one): from the model directory
+    where it is on this machine, else the catalogue's entry for the hub id, else {}."""
+    file = Path(os.path.expanduser(path)) / "config.json"
     try:
-        config = json.loads(path.read_text()) if path.is_file() else {}
+        config = json.loads(file.read_text()) if file.is_file() else catalogue().get(path, {})
     except (OSError, ValueError):
         config = {}
     if not isinstance(config, dict):
-        config = {}
-    vocab = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
-    if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
+        return {}
+    text = config.get("text_config")
+    return text if "num_hidden_layers" not in config and isinstance(text, dict) else config
+
+
+def _int(config: dict, *names: str) -> int:
+    for n in names:
+        v = config.get(n)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return 0
+
+
+def moe_shape(config: dict) -> dict[str, int]:
+    """ModelShape's mixture-of-experts fields of a config.json ({} for a dense model): experts,
+    experts per token, one expert's width, the shared experts' width (Qwen2-MoE's
+    shared_expert_intermediate_size, or DeepSeek's n_shared_experts × moe_intermediate_size), the
+    dense layers (DeepSeek's first_k_dense_replace; Qwen's mlp_only_layers and the layers
+    decoder_sparse_step skips) and their MLP width (intermediate_size)."""
+    shape = {key: _int(config, *names) for key, names in MOE_KEYS.items()}
+    if not all(shape.values()):
+        return {}
+    layers = _int(config, "num_hidden_layers")
+    only = config.get("mlp_only_layers") or []
+    step = _int(config, "decoder_sparse_step") or 1
+    dense = _int(config, "first_k_dense_replace") or sum(
+        1 for i in range(layers) if i in only or (i + 1) % step != 0
+    )
+    shared = _int(config, "shared_expert_intermediate_size") or (
+        _int(config, "n_shared_experts") * shape["expert_intermediate"]
+    )
+    return {
+        **shape,
+        "shared_intermediate": shared,
+        "dense_layers": dense,
+        "intermediate": _int(config, "intermediate_size") if dense else 0,
+    }
+
+
+def vocab_from_recipe(r: Recipe) -> int:
+    """The model's vocabulary: its config.json's vocab_size where the model directory is on this
+    machine (or the catalogue knows the hub id), the built-in builder's for a model made at start,
+    else DEFAULT_VOCAB."""
+    vocab = _int(model_config(r.model.path), "vocab_size")
+    if vocab:
         return vocab
     if r.model.builder is not None:
         return BUILDER_VOCAB
@@ -252,6 +389,9 @@ def vocab_from_recipe(r: Recipe) -> int:
 
 
 def model_from_recipe(r: Recipe) -> ModelShape:
+    """The recipe's model: its architecture keys, with what only config.json says (vocabulary,
+    head_dim, experts) from the model directory or the catalogue. ``model.params_b`` is the total
+    parameter count, experts and all."""
     m = r.model
     if m.params_b <= 0:
         raise PlannerError(f"model.params_b must be positive for tune-split, got {m.params_b}")
@@ -259,7 +399,18 @@ def model_from_recipe(r: Recipe) -> ModelShape:
         raise PlannerError(
             f"model.hidden_size {m.hidden_size} is not a multiple of {m.num_attention_heads} heads"
         )
-    return ModelShape(
+    config = model_config(m.path)
+    moe = moe_shape(config)
+    stated = {"num_layers": _int(config, "num_hidden_layers"), "hidden_size": _int(config, "hidden_size")}
+    wrong = [
+        f"model.{k} {getattr(m, k)} but its config.json says {v}"
+        for k, v in stated.items()
+        if v and v != getattr(m, k)
+    ]
+    if moe and wrong:
+        raise PlannerError(f"{m.path}: the recipe and the model's experts disagree: {'; '.join(wrong)}")
+    head_dim = _int(config, "head_dim")
+    shape = ModelShape(
         name=m.name,
         params=m.params_b * 1e9,
         layers=m.num_layers,
@@ -268,7 +419,15 @@ def model_from_recipe(r: Recipe) -> ModelShape:
         kv_heads=m.num_kv_heads,
         dtype_bytes=DTYPE_BYTES[m.dtype],
         vocab=vocab_from_recipe(r),
+        head_size=head_dim if head_dim and head_dim != m.hidden_size // m.num_attention_heads else 0,
+        **moe,
     )
+    if shape.moe and shape.active_params <= 0:
+        raise PlannerError(
+            f"model.params_b {m.params_b} is less than the experts of {m.path} alone "
+            f"({shape.expert_params / 1e9:.3g}B): params_b is the total, every expert counted"
+        )
+    return shape
 
 
 def workload_from_recipe(r: Recipe, mode: str | None = None) -> Workload:
@@ -316,4 +475,5 @@ def workload_from_recipe(r: Recipe, mode: str | None = None) -> Workload:
         # roles.trainer.sequence_parallel is read where the recipe schema has it (the trainer's key).
         sequence_parallel=t_.sequence_parallel,
         attention=t_.attention,
+        tensor_parallel=t_.tensor_parallel,
     )

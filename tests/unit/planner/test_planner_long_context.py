@@ -138,7 +138,16 @@ def test_sp_degrees_divide_the_heads_and_a_recipe_can_fix_them():
     assert TrainingModel(cm, H800, dataclasses.replace(wl64k(), attention="eager")).sps == [1]
     assert TrainingModel(cm, H800, wl64k(), layouts="megatron").sps == [1]
     layouts = TrainingModel(cm, H800, wl64k()).layouts(8)
-    assert layouts == [(1, 1, 1, 8), (1, 1, 2, 4), (1, 1, 4, 2), (1, 1, 8, 1)]
+    # Ulysses degrees at TP 1; AutoTP degrees (inside the node) without Ulysses.
+    assert layouts == [
+        (1, 1, 1, 8),
+        (1, 1, 2, 4),
+        (1, 1, 4, 2),
+        (1, 1, 8, 1),
+        (2, 1, 1, 4),
+        (4, 1, 1, 2),
+        (8, 1, 1, 1),
+    ]
     assert TrainingModel(cm, H800, wl64k()).plan(1, 1, 2, 3, True, 8, True).layout == (
         "TP1 PP1 SP8 DP2 Z3+offload+ckpt"
     )
@@ -154,12 +163,19 @@ def test_the_64k_recipe_fits_only_with_the_planners_proposal():
     bare = workload_from_recipe(
         load(RECIPE, ["roles.trainer.logits_chunk=0", "roles.trainer.activation_checkpointing=false"]).recipe
     )
-    tm = TrainingModel(cm, H800, bare, sequence_parallel=(1,), checkpointing=(False,))
+    tm = TrainingModel(cm, H800, bare, sequence_parallel=(1,), checkpointing=(False,), tensor_parallel=(1,))
     assert all(tm.best(y) is None for y in counts)
     # Checkpointing and chunking alone fit only at 48 GPUs or more (ZeRO-3 + offload, 67 GB of 68): a
     # rank holding all 64K tokens keeps 62 GB of activations at layer boundaries.
-    sp1 = TrainingModel(cm, H800, wl64k(), sequence_parallel=(1,))
+    sp1 = TrainingModel(cm, H800, wl64k(), sequence_parallel=(1,), tensor_parallel=(1,))
     assert [y for y in counts if sp1.best(y) is not None] == [y for y in counts if y >= 48]
+    # AutoTP instead of SP splits less: every TP rank keeps the checkpointed block inputs of all 64K
+    # tokens (64 layers × 5,120 × 2 bytes = 43 GB): TP fits from 16 GPUs (ZeRO-3 + offload, 48 GB or
+    # more of activations), SP8 from 8.
+    tp = TrainingModel(cm, H800, wl64k(), sequence_parallel=(1,), tensor_parallel=(2, 4, 8))
+    assert [y for y in counts if tp.best(y) is not None] == [y for y in counts if y >= 16]
+    assert tp.best(16).layout == "TP2 PP1 DP8 Z3+offload+ckpt"
+    assert tp.memory_parts(8, 1, 2, 3, True, 1, True)["activations"] > T * L * H * 2 > 40e9
     # (b) tune-split proposes SP and its plan fits.
     tuned = tune(r)
     t = tuned.result.recommended.train

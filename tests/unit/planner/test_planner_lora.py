@@ -188,6 +188,7 @@ def test_tune_split_reports_lora_and_the_memory_it_saves():
         "reference": "none (no KL term)",
         "weight_sync_bytes": round(tuned.workload.model.weight_bytes),
         "weight_sync": "whole model",
+        "moe": None,  # a dense model
     }
     rec = plain["recommended"]["training"]
     assert rec["memory_gb_per_gpu"] == rec["memory_gb_per_gpu_full_finetune"]
