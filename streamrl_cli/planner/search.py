@@ -98,10 +98,12 @@ class Planner:
         layouts: str = "trainer",
         *,
         trainer_tps: tuple[int, ...] | None = None,
+        trainer_eps: tuple[int, ...] | None = None,
     ):
         self.wl, self.hardware, self.cm = wl, hardware, cm
         self.layouts = layouts  # training layouts planned (see TrainingModel)
         self.trainer_tps = trainer_tps  # the trainer's TP degrees tried (None: TrainingModel's)
+        self.trainer_eps = trainer_eps  # ... and its EP degrees (None: TrainingModel's)
         self._gen: dict[tuple[str, int], GenerationModel] = {}
         self._train: dict[tuple[str, int], TrainingModel] = {}
         self._tables: dict[tuple, list] = {}
@@ -124,7 +126,12 @@ class Planner:
         key = (hw.name, hw.gpus_per_node)
         if key not in self._train:
             self._train[key] = TrainingModel(
-                self.cm, hw, self.wl, self.layouts, tensor_parallel=self.trainer_tps
+                self.cm,
+                hw,
+                self.wl,
+                self.layouts,
+                tensor_parallel=self.trainer_tps,
+                expert_parallel=self.trainer_eps,
             )
         return self._train[key]
 
