@@ -51,15 +51,22 @@ def pipeline_config(*, world: int = 1, **keys: Any):  # type: ignore[no-untyped-
 
 
 def optim_config(  # type: ignore[no-untyped-def]
-    *, zero_stage: int, sequence_parallel: int = 1, logits_chunk: int | None = None, **algorithm: Any
+    *,
+    zero_stage: int,
+    sequence_parallel: int = 1,
+    logits_chunk: int | None = None,
+    tensor_parallel: int = 1,
+    **algorithm: Any,
 ):
     """The learner's OptimConfig of a ZeRO stage (roles.trainer.zero_stage), a sequence-parallel
-    degree, a logits chunk (None: the schema's) and algorithm keys (lr, ...)."""
+    degree, a logits chunk (None: the schema's), a tensor-parallel degree and algorithm keys (lr, ...)."""
     from streamrl_cli.recipe.schema import TrainerConfig
     from streamrl_cli.trainer.role.learner import OptimConfig
 
     chunk = {} if logits_chunk is None else {"logits_chunk": logits_chunk}
-    trainer = TrainerConfig(zero_stage=zero_stage, sequence_parallel=sequence_parallel, **chunk)
+    trainer = TrainerConfig(
+        zero_stage=zero_stage, sequence_parallel=sequence_parallel, tensor_parallel=tensor_parallel, **chunk
+    )
     return OptimConfig(algorithm=AlgorithmConfig(**algorithm), trainer=trainer)
 
 

@@ -39,8 +39,8 @@ class PipelineConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # oversample, partial
     agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn: reward, on_failure
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # max_num_seqs: admission bound
-    # Micro-batches per round: the trainer's data-parallel width (its ranks / sequence_parallel: the
-    # ranks of one sequence-parallel group share a micro-batch).
+    # Micro-batches per round: the trainer's data-parallel width (its ranks / sequence_parallel /
+    # tensor_parallel: the ranks of one sequence- or tensor-parallel group share a micro-batch).
     world: int = 1
     # No generator connected for this long ends the run (not at once: a restarted array task, or an
     # elastic scale-up after scaling to zero, comes back): train.stall_after_s unless set (tests set
@@ -63,7 +63,7 @@ class PipelineConfig:
         return cls(
             algorithm=spec.algorithm, task=spec.task, train=spec.train, skewness=spec.skewness,
             rollout=spec.rollout, generator=spec.generator, agent=spec.agent,
-            world=spec.world // spec.settings.sequence_parallel,
+            world=spec.world // (spec.settings.sequence_parallel * spec.settings.tensor_parallel),
         )  # fmt: skip
 
     @property

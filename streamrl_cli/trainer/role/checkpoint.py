@@ -7,12 +7,17 @@ directory without it is incomplete and ignored. ``latest`` names the newest comp
 
 With LoRA the actor's checkpoint holds the adapters and their optimizer state only (the base
 weights are the model directory's, unchanged), and ``actor/adapter_config.json`` says so.
+
+With tensor parallelism DeepSpeed writes each TP rank's shards (``mp_rank_NN``), which only a trainer
+of the same ``tensor_parallel`` resumes from; the actor's weights gathered whole go beside them
+(``actor/whole_model.safetensors``, trainer.role.tensor_parallel.WHOLE) for ``streamrl export``.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -56,6 +61,8 @@ def save_engines(learner: Any, path: Path, client_state: dict[str, Any]) -> None
         lora_.save_config(learner.actor.module, path / "actor")
     if learner.critic is not None:
         learner.critic.save_checkpoint(str(path / "critic"), tag="ckpt")
+    if getattr(learner, "tp", None) is not None:
+        learner.tp.save_whole(learner.actor, path / "actor")
     if dist.is_initialized():
         dist.barrier()
     if client_state:
@@ -72,11 +79,28 @@ def load_engines(learner: Any, path: Path) -> dict[str, Any]:
             f"{path} trained {kind[saved]} but this run trains {kind[adapters]}: resume with the "
             "model.lora the checkpoint was written with"
         )
+    tp = learner.tp.degree if getattr(learner, "tp", None) is not None else 1
+    written = tp_degree(path / "actor")
+    if written != tp:
+        raise CheckpointMismatch(
+            f"{path} was written by a trainer with roles.trainer.tensor_parallel={written}, and this "
+            f"one has {tp}: DeepSpeed resumes tensor-parallel shards only into the same layout; resume "
+            "with the tensor_parallel the checkpoint was written with"
+        )
     # LoRA: the checkpoint has no base weights, which the model directory gave already.
     learner.actor.load_checkpoint(str(path / "actor"), tag="ckpt", load_module_strict=not adapters)
     if learner.critic is not None:
         learner.critic.load_checkpoint(str(path / "critic"), tag="ckpt")
     return json.loads((path / STATE).read_text())
+
+
+def tp_degree(engine_dir: Path) -> int:
+    """The tensor-parallel degree of the trainer that wrote a DeepSpeed checkpoint: how many TP ranks'
+    files (``mp_rank_NN``) it has; 1 for one that has none."""
+    ranks = {
+        m.group(1) for f in (engine_dir / "ckpt").glob("*") if (m := re.search(r"mp_rank_(\d+)", f.name))
+    }
+    return max(len(ranks), 1)
 
 
 def latest(run_dir: Path) -> Path | None:

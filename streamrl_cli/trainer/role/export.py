@@ -10,6 +10,10 @@ DeepSpeed engine of the same shape can load. Users want the model: a directory t
     state dict (HF names) ──► base model's config (model.path) ──► weights cast to model.dtype
          ──► OUT/{config.json, generation_config.json, model.safetensors, tokenizer files}
 
+A tensor-parallel run's checkpoint (roles.trainer.tensor_parallel > 1) holds each TP rank's shards,
+which zero_to_fp32 does not join; the trainer writes the actor's weights gathered whole beside them
+(``actor/whole_model.safetensors``, in the weights' training dtype), and the export reads those.
+
 A LoRA run's checkpoint (``actor/adapter_config.json``) holds the adapters only: the base weights
 are the model directory's. Its export loads the base, puts the adapters on it with PEFT and writes
 either the merged model (base + alpha/rank · B·A, a plain HF model, the default) or, with
@@ -36,6 +40,7 @@ class ExportError(StreamRLError):
 
 
 TAG = "ckpt"  # the tag trainer.role.checkpoint saves under
+WHOLE = "whole_model.safetensors"  # trainer.role.tensor_parallel.WHOLE: a TP checkpoint's gathered weights
 
 
 def fp32_state(actor_dir: Path) -> dict[str, Any]:
@@ -45,6 +50,15 @@ def fp32_state(actor_dir: Path) -> dict[str, Any]:
     tag_dir = actor_dir / TAG
     if not tag_dir.is_dir():
         raise ExportError(f"{actor_dir} holds no DeepSpeed checkpoint (no {TAG}/ directory)")
+    if (actor_dir / WHOLE).is_file():  # tensor parallelism: the trainer gathered the shards
+        from safetensors.torch import load_file
+
+        return {k: v.float() for k, v in load_file(str(actor_dir / WHOLE)).items()}
+    if len({p.name.split("mp_rank_")[1][:2] for p in tag_dir.glob("*mp_rank_*")}) > 1:
+        raise ExportError(
+            f"{actor_dir}: a tensor-parallel checkpoint (one file per TP rank) without its gathered "
+            f"weights ({WHOLE}): it cannot be joined here"
+        )
     if any(tag_dir.glob("*optim_states.pt")) and any(tag_dir.glob("zero_pp_rank_*")):
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -10,9 +10,11 @@ path serves whole-batch (baseline) training, so the modes differ only in *when* 
 run, never in the gradient (tested).
 
 Actor and critic are DeepSpeed engines (ZeRO stage from the recipe; gloo on CPUs, NCCL on
-GPUs). The reference model is a frozen copy on every rank; with LoRA (the recipe's ``model.lora``,
-module ``trainer.role.lora``) the actor is the base model with adapters, only they train, and the reference
-is the same network with its adapters switched off.
+GPUs; with ``roles.trainer.tensor_parallel`` their layers split over groups of ranks by DeepSpeed's
+AutoTP, module ``trainer.role.tensor_parallel``). The reference model is a frozen copy on every
+rank; with LoRA (the recipe's ``model.lora``, module ``trainer.role.lora``) the actor is the base
+model with adapters, only they train, and the reference is the same network with its adapters
+switched off.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from streamrl_cli.trainer.role.models import (
     policy_forward,
 )
 from streamrl_cli.trainer.role.sequence_parallel import SequenceParallel
+from streamrl_cli.trainer.role.tensor_parallel import TensorParallel
 
 log = logging.getLogger("streamrl.trainer")
 
@@ -135,9 +138,12 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
-def _engine(model: torch.nn.Module, lr: float, opt: OptimConfig, mpu: Any = None) -> Any:
+def _engine(
+    model: torch.nn.Module, lr: float, opt: OptimConfig, mpu: Any = None, tp: TensorParallel | None = None
+) -> Any:
     """A DeepSpeed engine of `model`; `mpu`: the sequence-parallel layout (ZeRO then shards over all
-    ranks and reduces over the data-parallel groups)."""
+    ranks and reduces over the data-parallel groups); `tp`: AutoTP splits its layers over groups of
+    ranks as the engine is made (trainer.role.tensor_parallel)."""
     import deepspeed
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -149,6 +155,7 @@ def _engine(model: torch.nn.Module, lr: float, opt: OptimConfig, mpu: Any = None
         "zero_optimization": {"stage": opt.trainer.zero_stage},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
+        **(tp.ds_config() if tp is not None else {}),
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
     return engine
@@ -182,6 +189,13 @@ class Learner:
         self._policy_forward = self.sp.policy_forward if self.sp else policy_forward
         self._critic_forward = self.sp.critic_forward if self.sp else critic_forward
         mpu = self.sp.mpu if self.sp else None
+        # Tensor parallelism: the ranks of a group split each layer (trainer.role.tensor_parallel).
+        self.tp = TensorParallel(t.tensor_parallel, self.world) if t.tensor_parallel > 1 else None
+        if self.tp is not None:
+            log.info(
+                "tensor parallel: each layer split over %d ranks (%d groups)",
+                self.tp.degree, self.tp.dp_world,
+            )  # fmt: skip
         if self.sp is not None:
             log.info(
                 "sequence parallel: rank %d of %d in its group splits each packed row (%d groups)",
@@ -196,10 +210,12 @@ class Learner:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
                 policy = lora_.apply(policy, self.lora)
-        self.actor = _engine(policy, opt.algorithm.lr, opt, mpu)
+        self.actor = _engine(policy, opt.algorithm.lr, opt, mpu, self.tp)
         # PPO's critic trains in full with LoRA too (its own network; docs/lora.md).
         self.critic = (
-            _engine(self._critic(path, dtype, t), opt.algorithm.critic_lr, opt, mpu) if loss.critic else None
+            _engine(self._critic(path, dtype, t), opt.algorithm.critic_lr, opt, mpu, self.tp)
+            if loss.critic
+            else None
         )
         # With LoRA the reference is the actor with its adapters off: no second copy.
         self.ref = (
@@ -217,6 +233,12 @@ class Learner:
     def sp_degree(self) -> int:
         """Ranks that share each micro-batch (1: no sequence parallelism)."""
         return self.sp.degree if self.sp is not None else 1
+
+    @property
+    def shared_by(self) -> int:
+        """Ranks that run each micro-batch together: a sequence-parallel group (each its slice of the
+        rows) or a tensor-parallel group (each its slice of the layers); 1 without either."""
+        return self.sp_degree * (self.tp.degree if self.tp is not None else 1)
 
     @property
     def kl(self) -> bool:
@@ -353,6 +375,8 @@ class Learner:
         return out
 
     def _grad_norm(self) -> float:
+        if self.tp is not None:  # shards: the TP group's together (a collective)
+            return self.tp.grad_norm(list(self.actor.module.parameters()))
         grads = [p.grad for p in self.actor.module.parameters() if p.grad is not None]
         return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
@@ -363,13 +387,18 @@ class Learner:
         totals = torch.tensor([self.units, *self.sums.values()], dtype=torch.float64)
         if self.world > 1:
             dist.all_reduce(totals)
-        # The ranks of a sequence-parallel group all counted their group's micro-batch.
-        totals /= self.sp_degree
+        # The ranks of a sequence- or tensor-parallel group all counted their group's micro-batch.
+        totals /= self.shared_by
         units = max(float(totals[0]), 1e-12)
         sums = dict(zip(self.sums, (float(x) for x in totals[1:]), strict=True))
         # DeepSpeed averaged over the data-parallel ranks (with sequence parallelism: what its ZeRO
-        # stage divides by); the loss is a sum over all of them.
-        averaged = self.sp.averaged_over(self.opt.trainer.zero_stage) if self.sp is not None else self.world
+        # stage divides by; with tensor parallelism: the groups); the loss is a sum over all of them.
+        if self.sp is not None:
+            averaged = self.sp.averaged_over(self.opt.trainer.zero_stage)
+        elif self.tp is not None:
+            averaged = self.tp.dp_world
+        else:
+            averaged = self.world
         factor = averaged / units
         for engine in filter(None, (self.actor, self.critic)):
             params = [p for p in engine.module.parameters() if p.requires_grad]
@@ -398,8 +427,12 @@ class Learner:
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The policy's full accumulated gradient by name, of the trained parameters (with LoRA: the
-        adapters'; collective under ZeRO: every rank calls it)."""
+        adapters'; collective under ZeRO: every rank calls it). Not under tensor parallelism, whose
+        parameters are shards."""
         from deepspeed.utils import safe_get_full_grad
+
+        if self.tp is not None:
+            raise StreamRLError("full gradients are not gathered from tensor-parallel shards")
 
         return {
             n: safe_get_full_grad(p).detach().clone()
@@ -412,8 +445,11 @@ class Learner:
         it): every weight by HF name. With LoRA, model.lora.sync says which: `merged`, the merged
         weights, base + (alpha / rank) · B·A, under the base model's names, so the generators load
         them as any other version (trainer.role.lora.merged_state); `adapter`, the adapters alone under
-        PEFT's saved names (trainer.role.lora.adapter_state), served by vLLM's LoRA support."""
+        PEFT's saved names (trainer.role.lora.adapter_state), served by vLLM's LoRA support. Tensor
+        parallelism: every layer's shards gathered to its whole weight, on rank 0 (the others get {})."""
         module = self.actor.module
+        if self.tp is not None:  # the layers' shards gathered (with ZeRO-3: its partitions too); rank 0's
+            return self.tp.gathered(self.actor)
         if self.lora is not None and self.lora.sync == "adapter":
             if self.opt.trainer.zero_stage == 3:  # gathered: the adapters only, not the frozen base
                 import deepspeed

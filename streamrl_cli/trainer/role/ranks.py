@@ -38,9 +38,10 @@ class RankDriver:
             _bcast(cmd)
 
     def round(self, micro_batches: Sequence[Sequence[Rollout]], *, last: bool) -> None:
-        """One micro-batch per data-parallel rank (len(micro_batches) <= world / sequence_parallel;
-        missing ones are empty). The ranks of a sequence-parallel group share theirs."""
-        width = self.world // self.learner.sp_degree
+        """One micro-batch per data-parallel rank (len(micro_batches) <= world / (sequence_parallel ×
+        tensor_parallel); missing ones are empty). The ranks of a sequence- or tensor-parallel group
+        share theirs."""
+        width = self.world // self.learner.shared_by
         shares = [list(m) for m in micro_batches] + [[] for _ in range(width - len(micro_batches))]
         self._cmd("round", shares, last)
         self.learner.micro_step(collate(shares[0], self.learner.device), last=last)
@@ -77,7 +78,7 @@ def follow(learner: Learner, rank: int) -> int:
         cmd = _bcast()
         kind = cmd[0]
         if kind == "round":
-            share = cmd[1][rank // learner.sp_degree]  # a sequence-parallel group's ranks share one
+            share = cmd[1][rank // learner.shared_by]  # an SP or TP group's ranks share one
             learner.micro_step(collate(share, learner.device), last=cmd[2])
         elif kind == "step":
             learner.step()
