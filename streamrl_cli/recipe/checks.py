@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -23,6 +24,7 @@ from streamrl_cli.recipe.schema import (
     ClusterConfig,
     EnvServerConfig,
     GeneratorConfig,
+    ModelConfig,
     Recipe,
     RoleJobConfig,
     TeacherConfig,
@@ -206,16 +208,84 @@ def _trainer(r: Recipe) -> Iterator[Problem]:
         yield "roles.trainer.logits_chunk", f"must be 0 (unchunked) or more, got {t.logits_chunk}"
     if t.restarts < 0:
         yield "roles.trainer.restarts", f"must be 0 (no restart) or more, got {t.restarts}"
-    for key in ("tensor_parallel", "pipeline_parallel"):
-        if getattr(t, key) != 1:
-            yield (
-                f"roles.trainer.{key}",
-                f"{getattr(t, key)}: the trainer is ZeRO data parallel (DeepSpeed ZeRO stages 0-3, "
-                "optionally with cpu_offload) with Ulysses sequence parallelism, and runs no tensor or "
-                "pipeline parallel layout; set it to 1 and shard the model with zero_stage=3, or split "
-                "long sequences with sequence_parallel (tune-split plans such layouts)",
-            )
+    if t.pipeline_parallel != 1:
+        yield (
+            "roles.trainer.pipeline_parallel",
+            f"{t.pipeline_parallel}: the trainer is ZeRO data parallel (DeepSpeed ZeRO stages 0-3, "
+            "optionally with cpu_offload) with tensor or Ulysses sequence parallelism, and runs no "
+            "pipeline parallel layout; set it to 1 and shard the model with zero_stage=3 or "
+            "tensor_parallel, or split long sequences with sequence_parallel (tune-split plans such layouts)",
+        )
+    yield from _tensor_parallel(r)
     yield from _sequence_parallel(r)
+
+
+# config.json keys of a mixture-of-experts model's expert count (Qwen-MoE, Mixtral, DeepSeek).
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _experts(m: ModelConfig) -> bool:
+    """Whether the policy is a mixture of experts: a tiny-moe builder's, or a local config.json's."""
+    if m.builder in ("tiny-moe", "tiny-moe-warm"):
+        return True
+    config = Path(m.path).expanduser() / "config.json"
+    try:
+        data = json.loads(config.read_text()) if config.is_file() else {}
+    except (OSError, ValueError):
+        return False
+    return any(isinstance(data.get(k), int) and data[k] > 0 for k in EXPERT_KEYS)
+
+
+def _tensor_parallel(r: Recipe) -> Iterator[Problem]:
+    """DeepSpeed's AutoTP splits every attention and MLP layer of the trainer's models over `tp` ranks
+    (trainer.role.tensor_parallel): `tp` must divide the trainer's ranks (the rest is ZeRO's data
+    parallelism) and the query and KV heads (each rank computes whole heads). Refused, by name: with
+    sequence parallelism (one model-parallel layout per DeepSpeed engine), with LoRA (DeepSpeed's ZeRO
+    optimizer does not find the adapters' parameters once AutoTP replaced the layers), and for
+    mixture-of-experts models (AutoTP rejects their tensor-parallel plan's expert styles)."""
+    t, m = r.roles.trainer, r.model
+    tp = t.tensor_parallel
+    if tp == 1:
+        return
+    key = "roles.trainer.tensor_parallel"
+    if tp < 1:
+        yield key, f"must be at least 1 (1: off), got {tp}"
+        return
+    world = t.nodes * max(t.gpus_per_node, 1)  # one rank per GPU, one per node on CPUs
+    if world % tp:
+        yield (
+            key,
+            f"{tp} does not divide the trainer's {world} ranks (nodes × gpus_per_node, one per node on "
+            f"CPUs); valid: {_divisors(world)}",
+        )
+    heads, kv = m.num_attention_heads, m.num_kv_heads
+    if heads % tp or kv % tp:
+        yield (
+            key,
+            f"{tp} does not split the model's {heads} attention heads and {kv} KV heads evenly (AutoTP "
+            "gives each rank whole heads); valid: "
+            + ", ".join(str(d) for d in range(1, kv + 1) if heads % d == 0 and kv % d == 0),
+        )
+    if t.sequence_parallel > 1:
+        yield (
+            key,
+            f"{tp} with sequence_parallel={t.sequence_parallel}: DeepSpeed runs one model-parallel layout "
+            "per engine (AutoTP's groups or Ulysses' mpu); use one of them: tensor_parallel to split the "
+            "layers, sequence_parallel to split long rows",
+        )
+    if m.lora.rank > 0:
+        yield (
+            key,
+            f"{tp} with model.lora.rank={m.lora.rank}: DeepSpeed's ZeRO optimizer does not find the "
+            "adapters' parameters once AutoTP has replaced the layers they wrap; train LoRA with "
+            "tensor_parallel=1 (its base weights shard with zero_stage=3)",
+        )
+    if _experts(m):
+        yield (
+            key,
+            f"{tp} with a mixture-of-experts model: DeepSpeed's AutoTP rejects the model's tensor-parallel "
+            "plan (its expert and packed styles); shard it with zero_stage=3 and tensor_parallel=1",
+        )
 
 
 def _sequence_parallel(r: Recipe) -> Iterator[Problem]:

@@ -151,10 +151,14 @@ class TrainerConfig(RoleJobConfig):
 
     nodes: int = at_most(NODES, 1)  # nodes of the trainer job
     gpus_per_node: int = at_most(GPUS_PER_NODE, 1)  # GPUs on each trainer node
-    # The trainer is DeepSpeed ZeRO data parallel (stages 0-3, optional CPU offload): it runs no
-    # tensor or pipeline parallel layout, so these stay 1 (anything else is refused, not ignored).
-    tensor_parallel: int = 1  # TP degree: 1 only
-    pipeline_parallel: int = 1  # PP degree: 1 only
+    # Tensor parallelism (DeepSpeed's AutoTP): every attention and MLP layer of the actor and critic
+    # is split over this many consecutive ranks, which run the same micro-batches (the data-parallel
+    # width is ranks / tensor_parallel) and each hold that share of the weights, gradients and optimizer
+    # states; it composes with every ZeRO stage, checkpoints, export and the weight sync, which gather
+    # the whole tensors (docs/training.md). It must divide the trainer's ranks and the model's query and
+    # KV heads; not with sequence_parallel, LoRA or a mixture-of-experts model. 1: off.
+    tensor_parallel: int = at_most(GPUS_PER_NODE * NODES, 1)
+    pipeline_parallel: int = 1  # PP degree: 1 only (the trainer runs no pipeline parallel layout)
     # Sequence parallelism (DeepSpeed's Ulysses): each packed row of a micro-batch is split across
     # this many ranks of the trainer job, which exchange attention heads for sequence (all-to-all) in
     # every attention layer; ZeRO shards over all ranks. Activations and logits per rank shrink by

@@ -29,15 +29,19 @@ MISTAKES = [
         ["roles.trainer.gpus_per_node", "partition 'h800' has 4"],
     ),
     (
-        "a trainer layout the trainer does not run (it is ZeRO data parallel only)",
+        "a trainer layout the trainer does not run (pipeline parallel), tensor parallelism beyond its ranks",
         "",
         [
             "roles.trainer.gpus_per_node=2",
-            "roles.trainer.tensor_parallel=2",
+            "roles.trainer.tensor_parallel=4",
             "roles.trainer.pipeline_parallel=2",
         ],
-        ["roles.trainer.tensor_parallel: 2", "roles.trainer.pipeline_parallel: 2", "ZeRO data parallel"],
-    ),
+        [
+            "roles.trainer.pipeline_parallel: 2",
+            "ZeRO data parallel",
+            "roles.trainer.tensor_parallel: 4 does not divide the trainer's 2 ranks",
+        ],
+    ),  # fmt: skip
     (
         "sequence parallelism that does not divide the ranks or the heads, with eager attention",
         "",
