@@ -178,9 +178,13 @@ def _convert(tree: dict, problems: list[str]) -> Recipe | None:
         return None
 
 
+# Directories of runnable recipes (scenarios); every other directory of recipes/ is a config group.
+SCENARIO_DIRS = ("paper", "moe")
+
+
 def _group_names(root: Path) -> set[str]:
     return (
-        {p.name for p in root.iterdir() if p.is_dir() and p.name not in ("paper",)}
+        {p.name for p in root.iterdir() if p.is_dir() and p.name not in SCENARIO_DIRS}
         if root.is_dir()
         else set()
     )

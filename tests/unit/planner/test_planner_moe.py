@@ -34,8 +34,8 @@ from streamrl_cli.recipe.load import load
 HW = load_hardware()
 H800 = HW.get("h800")
 CM = AnalyticCostModel()
-A3B = "streamrl_cli/planner/qwen3-30b-a3b-grpo.yaml"
-A22B = "streamrl_cli/planner/qwen3-235b-a22b-grpo.yaml"
+A3B = "moe/qwen3-30b-a3b-grpo"
+A22B = "moe/qwen3-235b-a22b-grpo"
 ONE_EXPERT = 3 * 2048 * 768
 EXPERTS = 48 * 128 * ONE_EXPERT
 ACTIVE = 30_500_000_000 - 48 * (128 - 8) * ONE_EXPERT
