@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamrl_cli.errors import RecipeError, StreamRLError
-from streamrl_cli.models.architecture import TOKENIZER_FILES, architecture, context_length
+from streamrl_cli.models.architecture import TOKENIZER_FILES, architecture, context_length, num_experts
 from streamrl_cli.recipe.load import Composed
-from streamrl_cli.recipe.schema import ModelConfig, Recipe
+from streamrl_cli.recipe.schema import MOE_BUILDERS, ModelConfig, Recipe
 
 if TYPE_CHECKING:
     from streamrl_cli.tasks.datasets import DatasetTask
@@ -48,6 +48,7 @@ def before_submit(composed: Composed) -> Composed:
     problems: list[str] = []
     model = _model(r.model, composed.model_keys, problems)
     _context(r, problems)
+    _routers(r, problems)
     _local_capacity(r, problems)
     _task(r, problems)
     _agent(r, problems)
@@ -326,6 +327,31 @@ def _local_capacity(r: Recipe, problems: list[str]) -> None:
                 f"most {bound} ({LOCAL_PROCESSES_PER_CORE} per core) run here, on cluster {cluster!r} "
                 "(launcher: local); put the role on a SLURM cluster for more"
             )
+
+
+def _routers(r: Recipe, problems: list[str]) -> None:
+    """algorithm.router_aux_loss_coef needs a mixture-of-experts model (config.json's experts, or a MoE
+    builder's model)."""
+    if not r.algorithm.router_aux_loss_coef:
+        return
+    path = Path(os.path.expanduser(r.model.path)) / "config.json"
+    if path.is_file():
+        try:
+            experts = num_experts(json.loads(path.read_text()))
+        except (OSError, ValueError, AttributeError):
+            return  # `_model` says what is wrong with it
+        where = str(path)
+    elif r.model.builder is not None:
+        experts = 1 if r.model.builder in MOE_BUILDERS else 0
+        where = f"the {r.model.builder} builder's model"
+    else:
+        return  # a hub id: the trainer checks it when it loads the model
+    if not experts:
+        problems.append(
+            f"algorithm.router_aux_loss_coef: {r.algorithm.router_aux_loss_coef} weighs the routers' "
+            f"load-balancing loss, and the model ({where}) is dense, with no experts to route to; set it "
+            "to 0, or train a mixture-of-experts model"
+        )
 
 
 def _context(r: Recipe, problems: list[str]) -> None:

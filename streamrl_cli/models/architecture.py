@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from streamrl_cli.recipe.checks import EXPERT_KEYS
+
 # Any of these beside config.json is a tokenizer transformers can load.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 # recipe key -> config.json keys (first found wins)
@@ -21,7 +23,7 @@ ARCH_KEYS = {
 # config.json keys of a mixture of experts (first found wins): Qwen2/3-MoE, Mixtral, DeepSeek. The
 # planner reads the same keys (planner.workload.MOE_KEYS: it imports nothing of models).
 MOE_KEYS = {
-    "experts": ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
+    "experts": EXPERT_KEYS,
     "experts_per_token": ("num_experts_per_tok", "moe_topk"),
     "expert_intermediate": ("moe_intermediate_size",),
 }
@@ -123,3 +125,9 @@ def context_length(config: dict[str, Any]) -> int | None:
         base = original if isinstance(original, int) and original > 0 else n
         n = max(n, int(base * rope["factor"]))
     return n
+
+
+def num_experts(config: dict[str, Any]) -> int:
+    """The routed experts per MoE layer a transformers config.json states (0: a dense model)."""
+    config = config.get("text_config", config) if "num_hidden_layers" not in config else config
+    return _count(config, *MOE_KEYS["experts"])

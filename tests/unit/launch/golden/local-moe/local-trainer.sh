@@ -1,0 +1,2 @@
+# trainer on this machine: one local process per line
+PYTHON -u -m streamrl_cli.roles /RUN_DIR/roles/trainer.yaml --rank 0

@@ -1,0 +1,158 @@
+"""Mixture-of-experts models in the trainer: the tiny Qwen3-MoE the builders make, the routers'
+load-balancing loss (against transformers' own formula), which tokens count (a packed row's tail does
+not), and the loss term through the Learner: it reaches the routers' weights, its metrics are logged,
+and a dense model with the key set is refused."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from streamrl_cli.models.architecture import num_experts
+from streamrl_cli.models.tiny import MOE_SPEC, TinySpec, build_tiny_model
+from streamrl_cli.trainer.loop.batch import Rollout, collate
+from streamrl_cli.trainer.role.models import Packed, load_policy, policy_forward
+from streamrl_cli.trainer.role.moe import Routers, routers
+from streamrl_cli.transport.wire import Sample
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("moe") / "moe", TinySpec(**MOE_SPEC)))
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("moe") / "dense"))
+
+
+def rollouts(n: int, seed: int) -> list[Rollout]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        resp = [rng.randrange(1, 400) for _ in range(rng.randint(2, 14))]
+        sample = Sample(
+            prompt_id=f"p{i}", sample_index=0, token_ids=resp, logprobs=[-1.0] * len(resp),
+            finish_reason="stop", weight_version=0,
+        )  # fmt: skip
+        prompt = [rng.randrange(1, 400) for _ in range(rng.randint(2, 9))]
+        out.append(
+            Rollout(prompt_tokens=prompt, sample=sample, reward=rng.random(), advantage=rng.gauss(0, 1))
+        )
+    return out
+
+
+def test_the_moe_builder_makes_a_qwen3_moe_that_the_checks_read(moe_dir, dense_dir):
+    config = json.loads(open(f"{moe_dir}/config.json").read())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (
+        num_experts(config) == 8 and config["num_experts_per_tok"] == 2
+    )  # transformers 5: num_local_experts
+    assert num_experts(json.loads(open(f"{dense_dir}/config.json").read())) == 0
+    model = load_policy(moe_dir, torch.float32)
+    assert len(routers(model)) == 2  # one per layer
+    assert not Routers(load_policy(dense_dir, torch.float32))
+    with pytest.raises(ValueError, match="experts_per_token"):
+        TinySpec(experts=4, experts_per_token=5)
+
+
+def test_the_aux_loss_is_transformers_load_balancing_loss_and_counts_only_real_tokens(moe_dir, monkeypatch):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    model = load_policy(moe_dir, torch.float32)
+    hooked = Routers(model)
+    # One unpadded row: every token is real, so transformers' loss over its router logits applies.
+    mb = collate(rollouts(1, seed=3))
+    policy_forward(model, mb, 1.0, routers=hooked)
+    ours = hooked.aux_loss()
+    out = model(input_ids=mb.input_ids, output_router_logits=True)
+    # transformers sums f_e over the k choices of each token (k × ours) and pools the layers' tokens
+    # (the same as averaging per layer when every layer routes the same tokens).
+    per_layer = [load_balancing_loss_func((lg,), 8, 2) / 2 for lg in out.router_logits]
+    torch.testing.assert_close(ours, torch.stack(per_layer).mean(), atol=1e-6, rtol=1e-6)
+    assert 1.0 <= float(ours) <= 8.0
+    imbalance = hooked.imbalance()
+    assert sorted(imbalance) == [0, 1] and all(1.0 <= v <= 4.0 for v in imbalance.values())
+
+    # Packed rows of uneven sequences, each row as long as the longest: the rows' tails are not
+    # tokens of any sequence.
+    monkeypatch.setattr("streamrl_cli.trainer.role.models.PACK_TOKENS", 1)
+    mb = collate(rollouts(5, seed=7))
+    packed = Packed.of(mb)
+    assert packed is not None and int(packed.real.sum()) < packed.ids.numel()
+    policy_forward(model, mb, 1.0, routers=hooked)
+    counted = [chosen.shape[0] for _logits, chosen in hooked._seen.values()]
+    assert counted == [int(mb.attention_mask.sum())] * 2
+
+
+LEARNER = """
+import json, sys, torch
+from streamrl_cli.errors import StreamRLError
+from streamrl_cli.recipe import presets
+from streamrl_cli.recipe.schema import AlgorithmConfig, TrainerConfig
+from streamrl_cli.trainer.loop.batch import collate
+from streamrl_cli.trainer.role.learner import Learner, LossConfig, OptimConfig
+from streamrl_cli.trainer.role.learner import init_distributed, open_group_store
+sys.path.insert(0, sys.argv[3])
+from test_moe import rollouts
+
+path, dense = sys.argv[1], sys.argv[2]
+store, address = open_group_store(1, "127.0.0.1")
+init_distributed(0, 1, address, "gloo", store)
+rows = rollouts(6, seed=4)
+out = {}
+for coef in (0.0, 0.5):
+    keys = dict(name="grpo", router_aux_loss_coef=coef, is_correction="off")
+    algorithm = presets.filled(AlgorithmConfig(**keys), 16)
+    torch.manual_seed(0)
+    opt = OptimConfig(algorithm=algorithm, trainer=TrainerConfig(zero_stage=1, logits_chunk=0))
+    learner = Learner(path, LossConfig.from_recipe(algorithm, 16), opt, torch.device("cpu"), torch.float32)
+    learner.micro_step(collate(rows[:3]), last=False)
+    learner.micro_step(collate(rows[3:]), last=True)
+    stats = learner.finish_gradients()
+    grads = learner.full_gradients()
+    out[coef] = (grads, stats)
+router = "model.layers.0.mlp.gate.weight"
+(g0, s0), (g1, s1) = out[0.0], out[0.5]
+refused = ""
+try:
+    keys = dict(name="grpo", router_aux_loss_coef=0.01, is_correction="off")
+    algorithm = presets.filled(AlgorithmConfig(**keys), 16)
+    opt = OptimConfig(algorithm=algorithm, trainer=TrainerConfig(zero_stage=1))
+    Learner(dense, LossConfig.from_recipe(algorithm, 16), opt, torch.device("cpu"), torch.float32)
+except StreamRLError as e:
+    refused = str(e)
+print(json.dumps({
+    "router_diff": (g1[router] - g0[router]).abs().max().item(),
+    "other_diff": (g1["model.embed_tokens.weight"] - g0["model.embed_tokens.weight"]).abs().max().item(),
+    "stats": {k: v for k, v in s1.items() if k.startswith("moe/")},
+    "same_policy_loss": abs(s1["loss/policy"] - s0["loss/policy"]),
+    "refused": refused,
+}))
+"""
+
+
+@pytest.mark.slow
+def test_the_learner_adds_the_routers_loss_and_logs_their_load(moe_dir, dense_dir, tmp_path):
+    script = tmp_path / "learner.py"
+    script.write_text(LEARNER)
+    here = str(__import__("pathlib").Path(__file__).parent)
+    out = subprocess.run(
+        [sys.executable, str(script), moe_dir, dense_dir, here], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    # The load-balancing term's gradient reaches the routers (and, through them, what feeds them).
+    assert r["router_diff"] > 1e-4, r
+    assert r["same_policy_loss"] < 1e-6, r  # the policy's loss itself is unchanged
+    stats = r["stats"]
+    assert set(stats) == {"moe/aux_loss", "moe/imbalance/layer0", "moe/imbalance/layer1"}, stats
+    assert 1.0 <= stats["moe/aux_loss"] <= 8.0 and all(
+        1.0 <= stats[f"moe/imbalance/layer{i}"] <= 4.0 for i in (0, 1)
+    )
+    assert "algorithm.router_aux_loss_coef=0.01" in r["refused"] and "dense" in r["refused"], r
