@@ -78,6 +78,9 @@ class Completion:
     loss_mask: list[int] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)
     episode: dict[str, Any] | None = None
+    # Routing replay (a MoE model): the experts chosen at each position of prompt + tokens but the
+    # last, uint8 [positions, MoE layers, k] as bytes (wire.Sample.routed_experts); empty: not captured.
+    routed_experts: bytes = b""
 
 
 @dataclass(kw_only=True)

@@ -105,7 +105,11 @@ def engine_kwargs(spec: GeneratorSpec, rank: int = 0) -> dict[str, Any]:
     and the cores this instance's worker runs on if vLLM runs on CPUs (the engine ignores them on
     GPUs; a recipe's GPU count does not say which, as the test clusters' GPUs are only counted)."""
     length = spec.task.max_prompt_len + spec.task.max_output_len
-    return {**instance_engine(spec, rank, spec.model.path, length), "lora": lora_serving(spec, rank)}
+    return {
+        **instance_engine(spec, rank, spec.model.path, length),
+        "lora": lora_serving(spec, rank),
+        "routed_experts": spec.routing_replay,
+    }
 
 
 def instance_engine(

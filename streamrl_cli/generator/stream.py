@@ -80,6 +80,7 @@ def to_samples(result: GenerationResult, generator: str) -> list[Sample]:
             token_versions=c.token_versions,
             loss_mask=c.loss_mask,
             episode=Episode(**c.episode) if c.episode is not None else None,
+            routed_experts=c.routed_experts,
         )
         for c in result.completions
     ]

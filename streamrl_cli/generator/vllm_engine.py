@@ -79,9 +79,11 @@ class VLLMEngine(GenerationEngine):
         cpu_cores: str | None = None,  # CPU: VLLM_CPU_OMP_THREADS_BIND of the worker (None: vLLM's "auto")
         extra_engine_args: dict[str, Any] | None = None,
         lora: dict[str, Any] | None = None,  # serve versions as LoRA adapters (generator.main.lora_serving)
+        routed_experts: bool = False,  # routing replay: capture each completion's experts (a MoE model)
     ):
         self.model = model
         self.lora = lora
+        self.routed_experts = routed_experts
         # Adapters loaded, by version (the LoRARequest requests name), and the requests in flight
         # on each: one is removed once superseded and unused. Version 0 is the base: no adapter.
         self._adapters: dict[int, Any] = {}
@@ -168,6 +170,17 @@ class VLLMEngine(GenerationEngine):
                 self._llm = AsyncLLM.from_engine_args(engine_args)
         except Exception as e:
             raise EngineError(f"vLLM could not start on {self.model}: {type(e).__name__}: {e}") from e
+        if self.routed_experts:
+            # Each MoE router's choice, captured in the workers (generator.routing); a dense model or a
+            # compiled (non-eager) engine is refused there, with what to do.
+            try:
+                await _alive(
+                    self._llm, self._llm.collective_rpc("streamrl_enable_routed_experts"), "capturing experts"
+                )
+            except EngineError:
+                raise
+            except Exception as e:
+                raise EngineError(f"algorithm.routing_replay: {e}") from e
         # The first request pays a one-time cost of seconds; pay it before the first real prompt.
         warm = GenerationRequest(request_id="streamrl-warmup", prompt_token_ids=[0, 1, 2, 3])
         async for _ in self.generate([warm]):
@@ -221,7 +234,43 @@ class VLLMEngine(GenerationEngine):
         finally:
             self._running.discard(req.request_id)
             self._release(version)
-        return self._result(req, ids, final, error, queued_at, version)
+        result = self._result(req, ids, final, error, queued_at, version)
+        if self.routed_experts and final is not None:
+            await self._attach_routing(llm, result)
+        return result
+
+    async def _attach_routing(self, llm: Any, result: GenerationResult) -> None:
+        """Each completion's routed experts, fetched from the workers (and forgotten there). The
+        prompt's positions are the same for every completion of the request: where one completion's
+        engine request found them in the prefix cache (not computed, 255), a sibling's are used."""
+        import numpy as np
+
+        from streamrl_cli.generator.routing import NOT_COMPUTED, decode
+
+        fetched = await _alive(
+            llm, llm.collective_rpc("streamrl_fetch_routed_experts", args=([result.request_id],)), "experts"
+        )
+        entries = fetched[0].get(result.request_id, []) if fetched else []  # TP workers: the same
+        arrays = {int(e["index"]): decode(e) for e in entries}
+        if any(a.dtype != np.uint8 for a in arrays.values()):
+            raise EngineError(
+                "routing replay carries expert ids as bytes: models of 256 experts or more are not supported"
+            )
+        prompt = len(result.prompt_token_ids)
+        known = [a[:prompt] for a in arrays.values()]
+        for c in result.completions:
+            a = arrays.get(c.index)
+            if a is None or not c.token_ids:
+                continue
+            need = prompt + len(c.token_ids) - 1  # the last token was never an input
+            a = np.array(a[:need])  # writable
+            if len(a) < need:  # positions it did not compute (none once a request finished): unknown
+                a = np.concatenate([a, np.full((need - len(a), *a.shape[1:]), NOT_COMPUTED, a.dtype)])
+            for other in known:
+                n = min(len(other), prompt, len(a))
+                gap = (a[:n] == NOT_COMPUTED).all(axis=(1, 2)) & (other[:n] != NOT_COMPUTED).all(axis=(1, 2))
+                a[:n][gap] = other[:n][gap]
+            c.routed_experts = a.tobytes()
 
     def _result(
         self, req: GenerationRequest, ids: list[int], final: Any, error: str, queued_at: float, version: int

@@ -123,6 +123,7 @@ def role_specs(recipe: Recipe, run_dir: Path) -> dict[str, RoleSpec]:
             agent=copy.deepcopy(r.agent),
             env_servers=envs.instances,
             max_staleness=r.algorithm.max_staleness,
+            routing_replay=r.algorithm.routing_replay,
             **common,
         ),
         "teacher": TeacherSpec(

@@ -330,9 +330,15 @@ def _local_capacity(r: Recipe, problems: list[str]) -> None:
 
 
 def _routers(r: Recipe, problems: list[str]) -> None:
-    """algorithm.router_aux_loss_coef needs a mixture-of-experts model (config.json's experts, or a MoE
-    builder's model)."""
-    if not r.algorithm.router_aux_loss_coef:
+    """algorithm.router_aux_loss_coef and routing_replay need a mixture-of-experts model (config.json's
+    experts, or a MoE builder's model)."""
+    a = r.algorithm
+    keys = [
+        (k, v)
+        for k, v in (("router_aux_loss_coef", a.router_aux_loss_coef), ("routing_replay", a.routing_replay))
+        if v
+    ]
+    if not keys:
         return
     path = Path(os.path.expanduser(r.model.path)) / "config.json"
     if path.is_file():
@@ -346,11 +352,17 @@ def _routers(r: Recipe, problems: list[str]) -> None:
         where = f"the {r.model.builder} builder's model"
     else:
         return  # a hub id: the trainer checks it when it loads the model
-    if not experts:
+    if experts:
+        return
+    what = {
+        "router_aux_loss_coef": "weighs the routers' load-balancing loss",
+        "routing_replay": "replays the generators' choice of experts in the trainer",
+    }
+    for key, value in keys:
+        off = "0" if key == "router_aux_loss_coef" else "false"
         problems.append(
-            f"algorithm.router_aux_loss_coef: {r.algorithm.router_aux_loss_coef} weighs the routers' "
-            f"load-balancing loss, and the model ({where}) is dense, with no experts to route to; set it "
-            "to 0, or train a mixture-of-experts model"
+            f"algorithm.{key}: {value} {what[key]}, and the model ({where}) is dense, with no experts to "
+            f"route to; set it to {off}, or train a mixture-of-experts model"
         )
 
 

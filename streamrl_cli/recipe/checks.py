@@ -688,6 +688,18 @@ GROUP_BASELINES = ("grpo", "rloo", "reinforce++-baseline")
 def _algorithm(r: Recipe, a: AlgorithmConfig) -> Iterator[Problem]:
     """The algorithm's keys go together (`a` is filled with its preset's defaults)."""
     defaults = AlgorithmConfig()
+    if a.routing_replay and r.roles.trainer.sequence_parallel > 1:
+        yield (
+            "algorithm.routing_replay",
+            "replays each token's experts in the trainer's packed rows, which sequence parallelism splits "
+            "over ranks (roles.trainer.sequence_parallel > 1): use one or the other",
+        )
+    if a.routing_replay and (r.agent.env or r.agent.tools):
+        yield (
+            "algorithm.routing_replay",
+            "multi-turn trajectories (agent.env, agent.tools) are generated turn by turn, and their "
+            "experts are not captured across turns yet: set it to false for agents",
+        )
     if not 0 <= a.router_aux_loss_coef <= 1:
         yield (
             "algorithm.router_aux_loss_coef",

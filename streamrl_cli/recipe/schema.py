@@ -389,6 +389,11 @@ class AlgorithmConfig:
     # Transformer's E · Σ f_e · P_e, averaged over layers; 1 at an even load) added to the loss.
     # 0: off (the router learns from the policy loss alone). Only for a model with routers.
     router_aux_loss_coef: float = 0.0
+    # Mixture-of-experts models: the generators capture the experts their routers chose for every
+    # token, the samples carry them (k bytes per token per MoE layer), and the trainer's forward uses
+    # them instead of its own routers' choice (R3): the same experts compute each token in both
+    # engines. Logged: moe/replay_differ, how often the trainer's routers would have chosen others.
+    routing_replay: bool = False
     # KL to the reference: a loss term, a per-token reward penalty (GAE only), off; null: the algorithm's.
     kl_mode: str | None = choices(*KL_MODES, default=None)
     kl_estimator: str | None = choices(*KL_ESTIMATORS, default=None)  # k1, k2, k3; null: the algorithm's

@@ -90,6 +90,8 @@ class GeneratorSpec(RoleSpec):
     # algorithm.max_staleness: how many versions requests in flight may lag the newest one (with
     # model.lora.sync adapter, the engine serves that many adapters at once, plus the newest).
     max_staleness: int = 1
+    # algorithm.routing_replay: capture each sample's routed experts (a MoE model) and send them with it.
+    routing_replay: bool = False
 
 
 @dataclass(kw_only=True)

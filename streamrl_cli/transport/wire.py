@@ -86,6 +86,11 @@ class Sample(msgspec.Struct, array_like=True, kw_only=True):
     # On-policy distillation (appended likewise): the teacher's log-prob of each token, filled in by
     # the trainer from its teachers' answers; empty: not scored.
     teacher_logprobs: list[float] = []
+    # Mixture-of-experts routing replay (appended likewise): the experts the generator's routers chose
+    # at every position it computed, prompt and sample (len(prompt) + len(token_ids) - 1 positions, the
+    # last token never being an input), as uint8 [positions, MoE layers, experts per token], 255 where
+    # a position was not computed there (a prefix-cache hit); empty: not captured.
+    routed_experts: bytes = b""
 
     @property
     def key(self) -> tuple[str, int]:

@@ -57,6 +57,9 @@ class MicroBatch:
     # one (None: no rollout of the batch was scored by a teacher).
     teacher_logp: torch.Tensor | None = None
     teacher_mask: torch.Tensor | None = None
+    # Routing replay: the generator's experts at every input position, uint8 [B, L, MoE layers × k],
+    # 255 where unknown (padding, a position its engine did not compute; None: no sample carried any).
+    routed: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -84,6 +87,7 @@ def collate(rollouts: Sequence[Rollout], device: torch.device | str = "cpu") -> 
     scored = any(r.sample.teacher_logprobs for r in rows)
     tlp = torch.zeros(n, length - 1) if scored else None
     tmask = torch.zeros(n, length - 1) if scored else None
+    routed = _routed(rows, length)
     for i, r in enumerate(rows):
         p, resp = len(r.prompt_tokens), r.response_len
         ids[i, : p + resp] = torch.tensor(r.prompt_tokens + list(r.sample.token_ids), dtype=torch.long)
@@ -114,7 +118,37 @@ def collate(rollouts: Sequence[Rollout], device: torch.device | str = "cpu") -> 
         rollouts=rows,
         teacher_logp=tlp.to(device) if tlp is not None else None,
         teacher_mask=tmask.to(device) if tmask is not None else None,
+        routed=routed.to(device) if routed is not None else None,
     )
+
+
+UNROUTED = 255  # a routed-experts entry the generator did not compute
+
+
+def _routed(rows: Sequence[Rollout], length: int) -> torch.Tensor | None:
+    """The samples' routed experts in the micro-batch's layout, [B, length, layers × k] (wire.Sample)."""
+    carried = [r for r in rows if r.sample.routed_experts]
+    if not carried:
+        return None
+    widths = set()
+    for r in carried:
+        positions = len(r.prompt_tokens) + r.response_len - 1
+        size = len(r.sample.routed_experts)
+        if positions < 1 or size % positions:
+            raise ValueError(
+                f"sample {r.sample.prompt_id}/{r.sample.sample_index}: {size} bytes of routed experts do "
+                f"not divide over its {positions} positions (prompt + response - 1)"
+            )
+        widths.add(size // positions)
+    if len(widths) != 1:
+        raise ValueError(f"samples carry routed experts of different widths {sorted(widths)} (layers × k)")
+    width = widths.pop()
+    out = torch.full((len(rows), length, width), UNROUTED, dtype=torch.uint8)
+    for i, r in enumerate(rows):
+        if r.sample.routed_experts:
+            arr = torch.frombuffer(bytearray(r.sample.routed_experts), dtype=torch.uint8)
+            out[i, : arr.numel() // width] = arr.view(-1, width)
+    return out
 
 
 def by_tokens(rollouts: Sequence[Rollout], *, rows: int, tokens: int) -> list[list[Rollout]]:

@@ -327,6 +327,10 @@ class Learner:
             self._add("moe/aux_loss", aux.detach() * units)
             for layer, value in self.routers.imbalance().items():
                 self._add(f"moe/imbalance/layer{layer}", value * units)
+        if aux is not None and mb.routed is not None:  # routing replay: how often the routers disagreed
+            differ, replayed = self.routers.replay_differ()
+            self._add("replay/differ", differ)
+            self._add("replay/tokens", replayed)
         self.actor.set_gradient_accumulation_boundary(last)
         self.actor.backward(num, scale_wrt_gas=False)
         self.units += units
@@ -434,6 +438,9 @@ class Learner:
         if "distill/tokens" in sums:  # the policy's reverse KL from the teacher, per sampled token
             out["distill/reverse_kl"] = sums["distill/reverse_kl"] / max(sums["distill/tokens"], 1.0)
             out["distill/unscored_tokens"] = sums["distill/unscored"]
+        if "replay/tokens" in sums:  # the replayed token-layers whose router would have chosen others
+            out["moe/replay_differ"] = sums["replay/differ"] / max(sums["replay/tokens"], 1.0)
+            out["moe/replay_tokens"] = sums["replay/tokens"]
         for key in sums:  # MoE: the load-balancing loss and each layer's load imbalance (trainer.role.moe)
             if key.startswith("moe/"):
                 out[key] = sums[key] / units

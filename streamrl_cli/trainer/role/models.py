@@ -103,15 +103,16 @@ def policy_forward(
     packed = Packed.of(mb)
     if packed is None:
         ids, targets, kwargs = mb.input_ids, mb.targets, {"attention_mask": mb.attention_mask}
-        real = mb.attention_mask
+        real, routed = mb.attention_mask, mb.routed
     else:
         # use_cache=False: with a cache (any model whose config keeps use_cache on, in eval mode)
         # transformers no longer reads the packing from the position ids and attends across sequences.
         ids, targets = packed.ids, packed.ids[:, 1:]
         kwargs = {"position_ids": packed.positions, "use_cache": False}
         real = packed.real
+        routed = packed.place(mb.routed) if mb.routed is not None else None
     if routers is not None:
-        routers.tokens(real)
+        routers.tokens(real, routed)
     logp, ent = target_logprobs(
         model, targets, sampling, entropy=entropy, chunk=chunk, input_ids=ids, **kwargs
     )
@@ -303,6 +304,13 @@ class Packed:
             return None
         packed = cls(mb)
         return packed if packed.ids.numel() < keep.numel() else None
+
+    def place(self, x: torch.Tensor, fill: int = 255) -> torch.Tensor:
+        """[B, L, ...] per micro-batch token → [R, W, ...] in the packed rows (`fill` in the rows' tails)."""
+        keep, index = self.tokens
+        out = torch.full((self.ids.numel(), *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
+        out[index[keep]] = x[keep]
+        return out.view(*self.ids.shape, *x.shape[2:])
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """[R, W - 1] per packed target → [B, L - 1] aligned with the micro-batch's targets."""

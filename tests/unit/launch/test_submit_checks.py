@@ -115,22 +115,26 @@ def test_architecture_comes_from_config_json_and_contradictions_are_errors(tmp_p
 
 
 def test_a_routers_loss_on_a_dense_model_is_refused_before_anything_is_written(tmp_path, runs_root):
-    """algorithm.router_aux_loss_coef weighs a mixture of experts' routers: a dense model (its
-    config.json, or a dense builder) has none, and a MoE model's config.json is accepted."""
+    """algorithm.router_aux_loss_coef and routing_replay are about a mixture of experts' routers: a
+    dense model (its config.json, or a dense builder) has none, and a MoE model's config.json is
+    accepted."""
     dense = model_dir(tmp_path, qwen_config())
     for model in ([f"model.path={dense}", "~model.builder"], ["model.builder=tiny-warm"]):
         out = streamrl(
-            "run", RECIPE, "--dry-run", "algorithm.router_aux_loss_coef=0.01", *model, "--root", str(runs_root)
+            "run", RECIPE, "--dry-run", "algorithm.router_aux_loss_coef=0.01", "algorithm.routing_replay=true",
+            *model, "--root", str(runs_root),
         )  # fmt: skip
         text = out.stdout + out.stderr
         assert out.returncode == 2 and "Traceback" not in text, text
-        assert "algorithm.router_aux_loss_coef" in text and "dense" in text, text
+        assert "algorithm.router_aux_loss_coef: 0.01" in text and "dense" in text, text
+        assert "algorithm.routing_replay: True replays" in text, text
     assert not runs_root.exists() or not any(runs_root.iterdir())
     (tmp_path / "moe").mkdir()
     moe = model_dir(tmp_path / "moe", qwen_config(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
                                                   moe_intermediate_size=2560))  # fmt: skip
     out = streamrl(
-        "run", RECIPE, "--dry-run", "algorithm.router_aux_loss_coef=0.01", f"model.path={moe}", "~model.builder",
-        "--root", str(runs_root),
+        "run", RECIPE, "--dry-run", "algorithm.router_aux_loss_coef=0.01", "algorithm.routing_replay=true",
+        f"model.path={moe}", "~model.builder", "--root", str(runs_root),
     )  # fmt: skip
-    assert "router_aux_loss_coef" not in out.stdout + out.stderr, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    assert "router_aux_loss_coef" not in text and "routing_replay" not in text, text

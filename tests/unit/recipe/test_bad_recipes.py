@@ -58,6 +58,25 @@ MISTAKES = [
         ],
     ),  # fmt: skip
     (
+        "routing replay where its experts cannot be replayed (sequence parallel rows, multi-turn), a "
+        "load-balancing weight out of range",
+        "",
+        [
+            "roles.trainer.gpus_per_node=2",
+            "roles.trainer.sequence_parallel=2",
+            "algorithm.routing_replay=true",
+            "agent.tools=[streamrl_cli.agent.tools:calculator]",
+            "algorithm.router_aux_loss_coef=2",
+        ],
+        [
+            "algorithm.routing_replay",
+            "sequence parallelism",
+            "multi-turn trajectories (agent.env, agent.tools)",
+            "algorithm.router_aux_loss_coef",
+            "must be from 0 (off) to 1, got 2",
+        ],
+    ),  # fmt: skip
+    (
         "a time-limit warning that would come at the job's start",
         "",
         ["roles.trainer.time_min=2", "roles.trainer.signal_lead_s=120", "roles.generator.signal_lead_s=5"],

@@ -156,3 +156,77 @@ def test_the_learner_adds_the_routers_loss_and_logs_their_load(moe_dir, dense_di
         1.0 <= stats[f"moe/imbalance/layer{i}"] <= 4.0 for i in (0, 1)
     )
     assert "algorithm.router_aux_loss_coef=0.01" in r["refused"] and "dense" in r["refused"], r
+
+
+# ---- routing replay: the generator's experts in the trainer's forward ----
+
+
+def own_routing(model, rollout: Rollout) -> bytes:
+    """The experts `model`'s routers choose at each input position of one rollout but the last, as a
+    generator would send them (uint8 [positions, layers, k])."""
+    hooked = Routers(model)
+    mb = collate([rollout])
+    policy_forward(model, mb, 1.0, routers=hooked)
+    hooked.close()
+    layers = [chosen for _logits, chosen in sorted(hooked._seen.items(), key=lambda kv: kv[0])]
+    stacked = torch.stack([c[1] for c in layers], dim=1)[:-1]  # [positions, layers, k]
+    return stacked.to(torch.uint8).numpy().tobytes()
+
+
+def with_routing(rollout: Rollout, routed: bytes) -> Rollout:
+    import msgspec
+
+    return Rollout(prompt_tokens=rollout.prompt_tokens, sample=msgspec.structs.replace(rollout.sample,
+                   routed_experts=routed), reward=rollout.reward, advantage=rollout.advantage)  # fmt: skip
+
+
+def test_replaying_the_trainers_own_routing_changes_nothing_and_another_changes_the_experts(
+    moe_dir, monkeypatch
+):
+    monkeypatch.setattr("streamrl_cli.trainer.role.models.PACK_TOKENS", 1)  # packed rows with tails
+    model = load_policy(moe_dir, torch.float32)
+    rows = rollouts(4, seed=11)
+    plain, _ = policy_forward(model, collate(rows), 1.0)
+    replayed = [with_routing(r, own_routing(model, r)) for r in rows]
+    mb = collate(replayed)
+    assert mb.routed is not None and mb.routed.shape[-1] == 2 * 2  # layers × k
+    hooked = Routers(model)
+    logp, _ = policy_forward(model, mb, 1.0, routers=hooked)
+    torch.testing.assert_close(logp, plain, atol=1e-6, rtol=1e-6)
+    differ, replayed_n = hooked.replay_differ()
+    real_positions = sum(len(r.prompt_tokens) + r.response_len - 1 for r in rows)
+    assert differ == 0 and replayed_n == 2 * real_positions  # every layer of every routed position
+
+    # Other experts (each choice moved to the next expert): the same tokens through other weights.
+    other = []
+    for r in replayed:
+        ids = torch.frombuffer(bytearray(r.sample.routed_experts), dtype=torch.uint8).view(-1, 2, 2)
+        other.append(with_routing(r, ((ids.long() + 1) % 8).to(torch.uint8).numpy().tobytes()))
+    logp2, _ = policy_forward(model, collate(other), 1.0, routers=hooked)
+    assert (logp2 - plain).abs().max() > 1e-3
+    differ, replayed_n = hooked.replay_differ()
+    assert differ == replayed_n > 0  # every replayed choice differs from the router's own
+    # Its gradient still reaches the routers (their weights of the replayed experts) and the experts.
+    model.zero_grad()
+    logp3, _ = policy_forward(model, collate(other), 1.0, routers=hooked)
+    logp3.sum().backward()
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+
+    # Positions the generator did not compute (255) keep the trainer's own routing.
+    unknown = [with_routing(r, bytes([255]) * len(r.sample.routed_experts)) for r in rows]
+    logp4, _ = policy_forward(model, collate(unknown), 1.0, routers=hooked)
+    torch.testing.assert_close(logp4, plain, atol=1e-6, rtol=1e-6)
+    assert hooked.replay_differ() == (0.0, 0.0)
+
+
+def test_routed_experts_that_do_not_fit_the_sample_or_the_model_are_refused(moe_dir):
+    row = rollouts(1, seed=2)[0]
+    positions = len(row.prompt_tokens) + row.response_len - 1
+    with pytest.raises(ValueError, match="do not divide over its"):
+        collate([with_routing(row, bytes(positions * 4 + 1))])
+    model = load_policy(moe_dir, torch.float32)
+    hooked = Routers(model)
+    with pytest.raises(ValueError, match="this model routes 2 layers × 2 experts"):
+        policy_forward(model, collate([with_routing(row, bytes(positions * 6))]), 1.0, routers=hooked)
+    with pytest.raises(ValueError, match="was sent expert 9, and it has 8"):
+        policy_forward(model, collate([with_routing(row, bytes([9]) * (positions * 4))]), 1.0, routers=hooked)

@@ -21,6 +21,7 @@ from streamrl_cli.trainer.algo.losses import aggregate
 from streamrl_cli.trainer.loop.batch import Rollout, collate
 from streamrl_cli.trainer.role.learner import Learner, LossConfig
 from streamrl_cli.trainer.role.models import critic_forward, policy_forward
+from streamrl_cli.trainer.role.moe import Routers
 from streamrl_cli.transport.wire import Sample
 
 
@@ -354,6 +355,7 @@ def learner(**algorithm) -> Learner:
     # No DeepSpeed, no chunked head, no sequence parallelism: the plain forwards.
     out.chunk, out.sp = 0, None
     out._policy_forward, out._critic_forward = policy_forward, critic_forward
+    out.routers = Routers(out.actor.module)  # a dense model: no routers
     out._begin()
     return out
 
