@@ -10,9 +10,10 @@ token (``rollout/logp_abs_diff``), and learning (mean reward of the first and la
 
 All arms run one-step asynchronous (``algorithm.mode=async``): each iteration trains samples the
 generators drew with the weights one version back, so the routers of the trainer and the engine see
-different weights, as in a real run. A third arm runs the MoE with routing replay (``algorithm.routing_replay``: the generators capture
-each token's experts, the trainer's forward uses them) and says how often the trainer's routers
-would have chosen other experts (``moe/replay_differ``).
+different weights, as in a real run. A third arm runs the MoE with routing replay
+(``algorithm.routing_replay``: the generators capture each token's experts, the trainer's forward
+uses them) and says how often the trainer's routers would have chosen other experts
+(``moe/replay_differ``).
 
 Targets: the MoE's weight sync within 1.2× of the dense model's; agreement with replay at least as
 good as without.

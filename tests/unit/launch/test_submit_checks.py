@@ -121,8 +121,8 @@ def test_a_routers_loss_on_a_dense_model_is_refused_before_anything_is_written(t
     dense = model_dir(tmp_path, qwen_config())
     for model in ([f"model.path={dense}", "~model.builder"], ["model.builder=tiny-warm"]):
         out = streamrl(
-            "run", RECIPE, "--dry-run", "algorithm.router_aux_loss_coef=0.01", "algorithm.routing_replay=true",
-            *model, "--root", str(runs_root),
+            "run", RECIPE, "--dry-run", "algorithm.router_aux_loss_coef=0.01",
+            "algorithm.routing_replay=true", *model, "--root", str(runs_root),
         )  # fmt: skip
         text = out.stdout + out.stderr
         assert out.returncode == 2 and "Traceback" not in text, text
@@ -130,8 +130,8 @@ def test_a_routers_loss_on_a_dense_model_is_refused_before_anything_is_written(t
         assert "algorithm.routing_replay: True replays" in text, text
     assert not runs_root.exists() or not any(runs_root.iterdir())
     (tmp_path / "moe").mkdir()
-    moe = model_dir(tmp_path / "moe", qwen_config(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
-                                                  moe_intermediate_size=2560))  # fmt: skip
+    experts = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 2560}
+    moe = model_dir(tmp_path / "moe", qwen_config(model_type="qwen3_moe", **experts))
     out = streamrl(
         "run", RECIPE, "--dry-run", "algorithm.router_aux_loss_coef=0.01", "algorithm.routing_replay=true",
         f"model.path={moe}", "~model.builder", "--root", str(runs_root),

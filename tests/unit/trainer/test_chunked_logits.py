@@ -5,10 +5,9 @@ embeddings; and the same inputs give bit-identical outputs."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from support.rollouts import random_rollouts
 from torch import nn
 
 from streamrl_cli.errors import StreamRLError
@@ -40,7 +39,6 @@ from streamrl_cli.trainer.role.models import (
     load_policy,
     policy_forward,
 )
-from streamrl_cli.transport.wire import Sample
 
 SAMPLINGS = {
     "plain": SamplingTransform.tempered(1.0),
@@ -166,17 +164,7 @@ def test_only_one_output_used_and_no_grad():
 
 def rollouts(n: int, seed: int) -> list[Rollout]:
     """Rows of uneven lengths: collate right-pads them, and `Packed` packs them."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        resp = [rng.randrange(1, 400) for _ in range(rng.randint(2, 14))]
-        sample = Sample(
-            prompt_id=f"p{i}", sample_index=0, token_ids=resp, logprobs=[-1.0] * len(resp),
-            finish_reason="stop", weight_version=0,
-        )  # fmt: skip
-        prompt = [rng.randrange(1, 400) for _ in range(rng.randint(2, 9))]
-        out.append(Rollout(prompt_tokens=prompt, sample=sample, reward=0.0))
-    return out
+    return random_rollouts(n, seed)
 
 
 def forward_and_grads(model: nn.Module, mb, s: SamplingTransform, chunk: int):

@@ -6,19 +6,18 @@ and a dense model with the key set is refused."""
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 
 import pytest
 import torch
+from support.rollouts import random_rollouts
 
 from streamrl_cli.models.architecture import num_experts
 from streamrl_cli.models.tiny import MOE_SPEC, TinySpec, build_tiny_model
 from streamrl_cli.trainer.loop.batch import Rollout, collate
 from streamrl_cli.trainer.role.models import Packed, load_policy, policy_forward
 from streamrl_cli.trainer.role.moe import Routers, routers
-from streamrl_cli.transport.wire import Sample
 
 
 @pytest.fixture(scope="module")
@@ -32,19 +31,7 @@ def dense_dir(tmp_path_factory) -> str:
 
 
 def rollouts(n: int, seed: int) -> list[Rollout]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        resp = [rng.randrange(1, 400) for _ in range(rng.randint(2, 14))]
-        sample = Sample(
-            prompt_id=f"p{i}", sample_index=0, token_ids=resp, logprobs=[-1.0] * len(resp),
-            finish_reason="stop", weight_version=0,
-        )  # fmt: skip
-        prompt = [rng.randrange(1, 400) for _ in range(rng.randint(2, 9))]
-        out.append(
-            Rollout(prompt_tokens=prompt, sample=sample, reward=rng.random(), advantage=rng.gauss(0, 1))
-        )
-    return out
+    return random_rollouts(n, seed, scored=True)
 
 
 def test_the_moe_builder_makes_a_qwen3_moe_that_the_checks_read(moe_dir, dense_dir):
@@ -98,13 +85,13 @@ from streamrl_cli.recipe.schema import AlgorithmConfig, TrainerConfig
 from streamrl_cli.trainer.loop.batch import collate
 from streamrl_cli.trainer.role.learner import Learner, LossConfig, OptimConfig
 from streamrl_cli.trainer.role.learner import init_distributed, open_group_store
-sys.path.insert(0, sys.argv[3])
-from test_moe import rollouts
+sys.path.insert(0, sys.argv[3])  # tests/
+from support.rollouts import random_rollouts
 
 path, dense = sys.argv[1], sys.argv[2]
 store, address = open_group_store(1, "127.0.0.1")
 init_distributed(0, 1, address, "gloo", store)
-rows = rollouts(6, seed=4)
+rows = random_rollouts(6, seed=4, scored=True)
 out = {}
 for coef in (0.0, 0.5):
     keys = dict(name="grpo", router_aux_loss_coef=coef, is_correction="off")
@@ -141,7 +128,7 @@ print(json.dumps({
 def test_the_learner_adds_the_routers_loss_and_logs_their_load(moe_dir, dense_dir, tmp_path):
     script = tmp_path / "learner.py"
     script.write_text(LEARNER)
-    here = str(__import__("pathlib").Path(__file__).parent)
+    here = str(__import__("pathlib").Path(__file__).parents[2])  # tests/
     out = subprocess.run(
         [sys.executable, str(script), moe_dir, dense_dir, here], capture_output=True, text=True, timeout=600
     )
