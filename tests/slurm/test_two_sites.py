@@ -106,6 +106,11 @@ def test_two_site_testbed_trains_through_the_relay(slurm_remote, runs_root, tmp_
         (r["iteration"], r["staleness/token_max"], r["rollout/logp_abs_diff"]) for r in trainer
     ]
     assert all("moe/aux_loss" in r for r in trainer)
+    # The final export is the trained mixture of experts, whole: transformers loads it as one.
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(run / "model")
+    assert type(exported).__name__ == "Qwen3MoeForCausalLM" and exported.config.num_local_experts == 8
 
     # One copy of each version crossed the link: for every version, exactly one generator fetched it.
     fetched = relay_fetches(run)
