@@ -44,7 +44,9 @@ from typing import Any
 
 import numpy as np
 
-NOT_COMPUTED = 255  # uint8's marker; a uint16 array uses 65535 (`np.iinfo(dtype).max`)
+from streamrl_cli.transport.wire import UNROUTED
+
+NOT_COMPUTED = UNROUTED  # uint8's marker (the wire's); a uint16 array uses 65535 (`np.iinfo(dtype).max`)
 
 # vLLM's engine-core request ids: the caller's id, `-` and 8 random characters
 # (vllm/v1/engine/input_processor.py, assign_request_id); a parallel-sampling child (n > 1) is

@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamrl_cli.errors import RecipeError, StreamRLError
-from streamrl_cli.models.architecture import TOKENIZER_FILES, architecture, context_length, num_experts
+from streamrl_cli.models.architecture import TOKENIZER_FILES, architecture, context_length
+from streamrl_cli.recipe.checks import is_moe
 from streamrl_cli.recipe.load import Composed
-from streamrl_cli.recipe.schema import MOE_BUILDERS, ModelConfig, Recipe
+from streamrl_cli.recipe.schema import ModelConfig, Recipe
 
 if TYPE_CHECKING:
     from streamrl_cli.tasks.datasets import DatasetTask
@@ -340,20 +341,10 @@ def _routers(r: Recipe, problems: list[str]) -> None:
     ]
     if not keys:
         return
+    if is_moe(r.model) is not False:
+        return  # a MoE; or it cannot tell here (a hub id: the trainer checks when it loads the model)
     path = Path(os.path.expanduser(r.model.path)) / "config.json"
-    if path.is_file():
-        try:
-            experts = num_experts(json.loads(path.read_text()))
-        except (OSError, ValueError, AttributeError):
-            return  # `_model` says what is wrong with it
-        where = str(path)
-    elif r.model.builder is not None:
-        experts = 1 if r.model.builder in MOE_BUILDERS else 0
-        where = f"the {r.model.builder} builder's model"
-    else:
-        return  # a hub id: the trainer checks it when it loads the model
-    if experts:
-        return
+    where = str(path) if path.is_file() else f"the {r.model.builder} builder's model"
     what = {
         "router_aux_loss_coef": "weighs the routers' load-balancing loss",
         "routing_replay": "replays the generators' choice of experts in the trainer",

@@ -125,9 +125,3 @@ def context_length(config: dict[str, Any]) -> int | None:
         base = original if isinstance(original, int) and original > 0 else n
         n = max(n, int(base * rope["factor"]))
     return n
-
-
-def num_experts(config: dict[str, Any]) -> int:
-    """The routed experts per MoE layer a transformers config.json states (0: a dense model)."""
-    config = config.get("text_config", config) if "num_hidden_layers" not in config else config
-    return _count(config, *MOE_KEYS["experts"])

@@ -236,7 +236,7 @@ def ensure_teacher(model: TeacherModelConfig, task: TaskConfig) -> Path:
 def ensure_model(model: ModelConfig, task: TaskConfig, progress: Progress | None = None) -> Path:
     """The recipe's model directory, made first if its ``builder`` says how."""
     from streamrl_cli.models.tiny import MOE_SPEC, TinySpec, build_tiny_model
-    from streamrl_cli.recipe.schema import MOE_BUILDERS
+    from streamrl_cli.recipe.schema import MODEL_BUILDERS, MOE_BUILDERS
 
     path = Path(os.path.expanduser(model.path))
     if path.exists():
@@ -271,8 +271,7 @@ def ensure_model(model: ModelConfig, task: TaskConfig, progress: Progress | None
             "tiny-moe-warm for the mixture of experts) to build the tiny test model"
         )
     raise StreamRLError(
-        f"model.builder: unknown builder {builder!r} (valid: tiny, tiny-warm, tiny-moe, tiny-moe-warm, "
-        "or null)"
+        f"model.builder: unknown builder {builder!r} (valid: {', '.join(MODEL_BUILDERS)}, or null)"
     )
 
 

@@ -226,18 +226,25 @@ def _trainer(r: Recipe) -> Iterator[Problem]:
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
-def _experts(m: ModelConfig) -> bool:
-    """Whether the policy is a mixture of experts: a tiny-moe builder's, or a local config.json's."""
-    if m.builder in MOE_BUILDERS:
-        return True
+def is_moe(m: ModelConfig) -> bool | None:
+    """Whether the policy is a mixture of experts, as far as the submit host can tell: its local
+    config.json says (experts per MoE layer), or else the builder that makes it (a tiny-moe one or a
+    dense one); None where it cannot tell (a hub id, an unreadable config.json)."""
     config = Path(m.path).expanduser() / "config.json"
-    try:
-        data = json.loads(config.read_text()) if config.is_file() else {}
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and any(
-        isinstance(data.get(k), int) and not isinstance(data[k], bool) and data[k] > 0 for k in EXPERT_KEYS
-    )
+    if config.is_file():
+        try:
+            data = json.loads(config.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict):
+            return None
+        return any(
+            isinstance(data.get(k), int) and not isinstance(data[k], bool) and data[k] > 0
+            for k in EXPERT_KEYS
+        )
+    if m.builder is not None:
+        return m.builder in MOE_BUILDERS
+    return None
 
 
 def _tensor_parallel(r: Recipe) -> Iterator[Problem]:
@@ -284,7 +291,7 @@ def _tensor_parallel(r: Recipe) -> Iterator[Problem]:
             "adapters' parameters once AutoTP has replaced the layers they wrap; train LoRA with "
             "tensor_parallel=1 (its base weights shard with zero_stage=3)",
         )
-    if _experts(m):
+    if is_moe(m):
         yield (
             key,
             f"{tp} with a mixture-of-experts model: DeepSpeed's AutoTP rejects the model's tensor-parallel "

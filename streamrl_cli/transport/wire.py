@@ -60,6 +60,9 @@ class Episode(msgspec.Struct, kw_only=True):
     resumed: bool = False  # went on after such a pause on the generator that kept it
 
 
+UNROUTED = 255  # Sample.routed_experts: an expert id the generator did not compute
+
+
 class Sample(msgspec.Struct, array_like=True, kw_only=True):
     """One finished completion, as the trainer needs it (PPO/GRPO with IS correction)."""
 

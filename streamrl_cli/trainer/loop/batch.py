@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from streamrl_cli.transport.wire import Sample
+from streamrl_cli.transport.wire import UNROUTED, Sample
 
 
 @dataclass
@@ -120,9 +120,6 @@ def collate(rollouts: Sequence[Rollout], device: torch.device | str = "cpu") -> 
         teacher_mask=tmask.to(device) if tmask is not None else None,
         routed=routed.to(device) if routed is not None else None,
     )
-
-
-UNROUTED = 255  # a routed-experts entry the generator did not compute
 
 
 def _routed(rows: Sequence[Rollout], length: int) -> torch.Tensor | None:

@@ -40,7 +40,6 @@ class ExportError(StreamRLError):
 
 
 TAG = "ckpt"  # the tag trainer.role.checkpoint saves under
-WHOLE = "whole_model.safetensors"  # trainer.role.tensor_parallel.WHOLE: a TP checkpoint's gathered weights
 
 
 def fp32_state(actor_dir: Path) -> dict[str, Any]:
@@ -50,11 +49,14 @@ def fp32_state(actor_dir: Path) -> dict[str, Any]:
     tag_dir = actor_dir / TAG
     if not tag_dir.is_dir():
         raise ExportError(f"{actor_dir} holds no DeepSpeed checkpoint (no {TAG}/ directory)")
+    from streamrl_cli.trainer.role.checkpoint import tp_degree
+    from streamrl_cli.trainer.role.tensor_parallel import WHOLE
+
     if (actor_dir / WHOLE).is_file():  # tensor parallelism: the trainer gathered the shards
         from safetensors.torch import load_file
 
         return {k: v.float() for k, v in load_file(str(actor_dir / WHOLE)).items()}
-    if len({p.name.split("mp_rank_")[1][:2] for p in tag_dir.glob("*mp_rank_*")}) > 1:
+    if tp_degree(actor_dir) > 1:
         raise ExportError(
             f"{actor_dir}: a tensor-parallel checkpoint (one file per TP rank) without its gathered "
             f"weights ({WHOLE}): it cannot be joined here"

@@ -327,10 +327,10 @@ class Learner:
             self._add("moe/aux_loss", aux.detach() * units)
             for layer, value in self.routers.imbalance().items():
                 self._add(f"moe/imbalance/layer{layer}", value * units)
-        if aux is not None and mb.routed is not None:  # routing replay: how often the routers disagreed
-            differ, replayed = self.routers.replay_differ()
-            self._add("replay/differ", differ)
-            self._add("replay/tokens", replayed)
+            if mb.routed is not None:  # routing replay: how often the routers disagreed
+                differ, replayed = self.routers.replay_differ()
+                self._add("replay/differ", differ)
+                self._add("replay/tokens", replayed)
         self.actor.set_gradient_accumulation_boundary(last)
         self.actor.backward(num, scale_wrt_gas=False)
         self.units += units

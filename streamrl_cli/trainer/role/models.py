@@ -24,6 +24,7 @@ from torch import nn
 
 from streamrl_cli.trainer.algo.losses import HeadMath, SamplingTransform, chunked_logprobs, sampled_logprobs
 from streamrl_cli.trainer.loop.batch import MicroBatch
+from streamrl_cli.transport.wire import UNROUTED
 
 if TYPE_CHECKING:
     from streamrl_cli.trainer.role.moe import Routers
@@ -110,7 +111,7 @@ def policy_forward(
         ids, targets = packed.ids, packed.ids[:, 1:]
         kwargs = {"position_ids": packed.positions, "use_cache": False}
         real = packed.real
-        routed = packed.place(mb.routed) if mb.routed is not None else None
+        routed = packed.place(mb.routed, UNROUTED) if mb.routed is not None else None
     if routers is not None:
         routers.tokens(real, routed)
     logp, ent = target_logprobs(
@@ -305,7 +306,7 @@ class Packed:
         packed = cls(mb)
         return packed if packed.ids.numel() < keep.numel() else None
 
-    def place(self, x: torch.Tensor, fill: int = 255) -> torch.Tensor:
+    def place(self, x: torch.Tensor, fill: int) -> torch.Tensor:
         """[B, L, ...] per micro-batch token → [R, W, ...] in the packed rows (`fill` in the rows' tails)."""
         keep, index = self.tokens
         out = torch.full((self.ids.numel(), *x.shape[2:]), fill, dtype=x.dtype, device=x.device)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from streamrl_cli.trainer.loop.batch import UNROUTED
+from streamrl_cli.transport.wire import UNROUTED
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
@@ -87,19 +87,19 @@ class Routers:
 
     def _hook(self, layer: int) -> Any:
         def hook(module: nn.Module, _inputs: Any, output: Any) -> Any:
-            logits, chosen = output[0], output[2]
+            tokens, own = output[0].shape[0], output[2]
             replay = self._replay
-            if replay is not None and replay.shape[0] == logits.shape[0]:
-                output, own = self._replayed(module, layer, output, replay[:, layer].long()), chosen
-                chosen = output[2]
+            want = replay[:, layer].long() if replay is not None and replay.shape[0] == tokens else None
+            if want is not None:
+                output = self._replayed(module, layer, output, want)
             if layer in self._seen or not torch.is_grad_enabled():
                 return output  # activation checkpointing's recomputation, or a no-grad forward
-            real = self._mask if self._mask is not None and self._mask.numel() == logits.shape[0] else None
+            logits, chosen = output[0], output[2]
+            real = self._mask if self._mask is not None and self._mask.numel() == tokens else None
             if real is not None:
                 logits, chosen = logits[real], chosen[real]
             self._seen[layer] = (logits, chosen)
-            if replay is not None and replay.shape[0] == output[0].shape[0]:
-                want = replay[:, layer].long()
+            if want is not None:
                 known = (want != UNROUTED).all(-1)
                 if real is not None:
                     known, own, want = known[real], own[real], want[real]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from support.rollouts import random_rollouts
 
-from streamrl_cli.models.architecture import num_experts
+from streamrl_cli.models.architecture import moe
 from streamrl_cli.models.tiny import MOE_SPEC, TinySpec, build_tiny_model
 from streamrl_cli.trainer.loop.batch import Rollout, collate
 from streamrl_cli.trainer.role.models import Packed, load_policy, policy_forward
@@ -37,10 +37,9 @@ def rollouts(n: int, seed: int) -> list[Rollout]:
 def test_the_moe_builder_makes_a_qwen3_moe_that_the_checks_read(moe_dir, dense_dir):
     config = json.loads(open(f"{moe_dir}/config.json").read())
     assert config["architectures"] == ["Qwen3MoeForCausalLM"]
-    assert (
-        num_experts(config) == 8 and config["num_experts_per_tok"] == 2
-    )  # transformers 5: num_local_experts
-    assert num_experts(json.loads(open(f"{dense_dir}/config.json").read())) == 0
+    # (transformers 5 writes the expert count as num_local_experts)
+    assert moe(config)["experts"] == 8 and moe(config)["experts_per_token"] == 2
+    assert moe(json.loads(open(f"{dense_dir}/config.json").read())) == {}
     model = load_policy(moe_dir, torch.float32)
     assert len(routers(model)) == 2  # one per layer
     assert not Routers(load_policy(dense_dir, torch.float32))
